@@ -1,0 +1,62 @@
+"""The front door: README documents every config key and the command CI runs; the CLI's exit codes."""
+from __future__ import annotations
+
+import dataclasses
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import zerooffload as zo
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _key_paths(section, prefix=""):
+    for f in dataclasses.fields(section):
+        value = getattr(section, f.name)
+        if dataclasses.is_dataclass(value):
+            yield from _key_paths(value, f"{prefix}{f.name}.")
+        else:
+            yield prefix + f.name
+
+
+def test_readme_documents_every_config_key():
+    readme = (ROOT / "README.md").read_text()
+    missing = [key for key in _key_paths(zo.Config()) if f"`{key}`" not in readme]
+    assert not missing, f"README.md does not document {missing}"
+
+
+def test_readme_opens_with_the_commands_ci_runs():
+    blocks = re.findall(r"```bash\n(.*?)\n```", (ROOT / "README.md").read_text(), re.S)
+    assert "zerooffload" in blocks[0] and "pip install torch==2.13.0" in blocks[0]
+    ci_lines = (ROOT / ".ci" / "run").read_text().strip().splitlines()
+    assert blocks[1] == ci_lines[-1], "CI must run README's test command exactly"
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "zerooffload", *args], capture_output=True, text=True, timeout=120)
+
+
+def test_doctor_passes_on_a_usable_swap_path(tmp_path):
+    run = _cli("doctor", f"nvme.path={tmp_path}")
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert re.search(rf"ok\s+swap path {tmp_path}\s+O_DIRECT write\+read works", run.stdout)
+    assert re.search(r"(ok|warn)\s+io_uring", run.stdout) and "torch" in run.stdout
+    assert list(tmp_path.iterdir()) == []  # the probe file is removed
+
+
+def test_doctor_fails_with_a_line_per_problem(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    run = _cli("doctor", f"nvme.path={blocker}/swap")
+    assert run.returncode == 1
+    assert re.search(rf"FAIL\s+swap path {blocker}/swap\s+cannot create it: Not a directory; set nvme.path", run.stdout)
+
+
+def test_config_errors_exit_2_naming_the_key(tmp_path):
+    config = tmp_path / "train.toml"
+    config.write_text("[zero]\nstgae = 3\n")
+    run = _cli("doctor", "--config", str(config))
+    assert run.returncode == 2
+    assert "unknown key 'zero.stgae'; did you mean 'zero.stage'?" in run.stderr

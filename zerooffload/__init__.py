@@ -1,0 +1,9 @@
+"""zerooffload: ZeRO sharded data-parallel training with a CPU/NVMe offload engine.
+
+The public names are listed in ``__all__``; DESIGN §2 and README.md describe their contract.
+"""
+from .config import Config, ConfigError
+from .deepspeed_config import DeepSpeedConfigWarning
+
+__version__ = "0.1.0"
+__all__ = ["Config", "ConfigError", "DeepSpeedConfigWarning", "__version__"]

@@ -1,0 +1,122 @@
+"""``zerooffload doctor``: what this machine offers the engine, one line per check.
+
+Each check tries the real thing (a ring set up, an O_DIRECT block written) because the usual
+failures — io_uring disabled in a container, a swap path on tmpfs, a missing native build — look
+fine from version numbers. A *fail* makes the tool unusable as configured; a *warn* costs speed.
+"""
+from __future__ import annotations
+
+import enum
+import platform
+import shutil
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from .config import Config
+from .io.probe import probe_io_uring, probe_o_direct
+
+__all__ = ["Status", "Check", "run_checks"]
+
+_SIMD_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "asimd", "sve")
+_MIN_FREE_BYTES = 1 << 30
+
+
+class Status(enum.Enum):
+    OK = "ok"
+    """Works as the engine wants it."""
+    WARN = "warn"
+    """Works, but slower or with less than the engine could use."""
+    FAIL = "FAIL"
+    """The engine cannot run as configured; the detail says what to change."""
+
+
+@dataclass(frozen=True, slots=True)
+class Check:
+    name: str
+    status: Status
+    detail: str
+
+
+def run_checks(config: Config) -> list[Check]:
+    """All checks, in the order they are printed."""
+    return [_python(), _torch(), _native(), _io_uring(), *_swap_paths(config), _cuda(), _simd()]
+
+
+def _python() -> Check:
+    ok = sys.version_info >= (3, 11)
+    return Check("python", Status.OK if ok else Status.FAIL,
+                 f"{platform.python_version()}" + ("" if ok else " (zerooffload needs 3.11 or newer)"))
+
+
+def _torch() -> Check:
+    try:
+        import torch
+    except ImportError as exc:
+        return Check("torch", Status.FAIL, f"cannot import torch ({exc}); pip install torch")
+    import torch.distributed as dist
+
+    backends = [name for name, ok in (("gloo", dist.is_gloo_available()), ("nccl", dist.is_nccl_available())) if ok]
+    return Check("torch", Status.OK, f"{torch.__version__}, distributed backends: {', '.join(backends) or 'none'}")
+
+
+def _native() -> Check:
+    try:
+        from . import _native
+    except ImportError as exc:
+        return Check("native extension", Status.WARN,
+                     f"not loaded ({exc}); I/O falls back to the python backend. Reinstall with a C compiler: "
+                     "pip install -e .")
+    return Check("native extension", Status.OK, f"loaded from {Path(_native.__file__).name}")
+
+
+def _io_uring() -> Check:
+    probe = probe_io_uring()
+    return Check("io_uring", Status.OK if probe.ok else Status.WARN,
+                 probe.detail + ("" if probe.ok else "; the pool backend (threads + pread/pwrite) is used instead"))
+
+
+def _swap_paths(config: Config) -> list[Check]:
+    """O_DIRECT and free space in every swap directory the config names (created if missing)."""
+    dirs = dict.fromkeys([*config.nvme.paths, config.offload.param.path, config.offload.optimizer.path])
+    checks = []
+    for directory in (d for d in dirs if d):
+        try:
+            Path(directory).mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            checks.append(Check(f"swap path {directory}", Status.FAIL,
+                                f"cannot create it: {exc.strerror}; set nvme.path to a writable directory"))
+            continue
+        probe = probe_o_direct(directory)
+        free = shutil.disk_usage(directory).free
+        status = Status.OK if probe.ok and free >= _MIN_FREE_BYTES else Status.WARN if probe.ok else Status.FAIL
+        detail = f"{probe.detail}; {free / 1e9:.1f} GB free"
+        if not probe.ok:
+            detail += "; set nvme.path to a directory on a disk filesystem (ext4, xfs), or aio.direct = false"
+        elif free < _MIN_FREE_BYTES:
+            detail += " (less than 1GiB: NVMe offload will not fit)"
+        checks.append(Check(f"swap path {directory}", status, detail))
+    return checks
+
+
+def _cuda() -> Check:
+    import torch
+
+    if not torch.cuda.is_available():
+        return Check("cuda", Status.OK, "no CUDA device: compute on the CPU, collectives over gloo")
+    devices = [f"{i}: {torch.cuda.get_device_name(i)} ({torch.cuda.get_device_properties(i).total_memory / 1e9:.0f} GB)"
+               for i in range(torch.cuda.device_count())]
+    return Check("cuda", Status.OK, f"CUDA {torch.version.cuda}; " + "; ".join(devices))
+
+
+def _simd() -> Check:
+    try:
+        flags = set(Path("/proc/cpuinfo").read_text().split())
+    except OSError:
+        flags = set()
+    found = [f for f in _SIMD_FLAGS if f in flags]
+    import torch
+
+    capability = torch.backends.cpu.get_cpu_capability()
+    return Check("cpu", Status.OK, f"{platform.machine()}, SIMD: {', '.join(found) or 'none found'}; "
+                                   f"torch kernels: {capability}")
