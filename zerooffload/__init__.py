@@ -4,6 +4,7 @@ The public names are listed in ``__all__``; DESIGN §2 and README.md describe th
 """
 from .config import Config, ConfigError
 from .deepspeed_config import DeepSpeedConfigWarning
+from .engine import Engine, initialize
 
 __version__ = "0.1.0"
-__all__ = ["Config", "ConfigError", "DeepSpeedConfigWarning", "__version__"]
+__all__ = ["Config", "ConfigError", "DeepSpeedConfigWarning", "Engine", "initialize", "__version__"]

@@ -38,6 +38,40 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
+def _cmd_estimate(args: argparse.Namespace) -> int:
+    from .estimate import estimate, format_table
+
+    rows = estimate(args.params, args.dp)
+    if args.stage is not None:
+        rows = [r for r in rows if r.stage == args.stage]
+    print(format_table(rows, args.params, args.dp))
+    return 0
+
+
+def _cmd_bench_io(args: argparse.Namespace) -> int:
+    from .bench import run_io_bench
+
+    return run_io_bench(args, _load_config(args))
+
+
+def _add_bench(commands) -> None:
+    bench = commands.add_parser("bench", help="measure swap throughput against the disk's limits")
+    kinds = bench.add_subparsers(dest="bench", required=True, metavar="WHAT")
+    io = kinds.add_parser("io", help="write then read --size through the I/O backends; verify every byte")
+    io.add_argument("--path", metavar="DIR", help="directory for the test file (default: nvme.path)")
+    io.add_argument("--size", default="1GiB", help="bytes to write and read back (default 1GiB)")
+    io.add_argument("--backend", action="append", metavar="B",
+                    help="uring, pool, python or aiofiles; repeat for several (default: every usable one)")
+    io.add_argument("--block-size", metavar="S", help="request piece size (default: aio.block_size)")
+    io.add_argument("--queue-depth", type=int, metavar="N", help="pieces in flight (default: aio.queue_depth)")
+    io.add_argument("--threads", type=int, metavar="N", help="worker threads (default: aio.threads)")
+    io.add_argument("--sweep", action="store_true", help="try a grid of block sizes, queue depths and threads")
+    io.add_argument("--json", action="store_true", help="print a JSON list of records instead of a table")
+    io.add_argument("--plot", metavar="FILE", help="save a PNG bar chart (needs matplotlib: pip install '.[plot]')")
+    _add_config_arguments(io)
+    io.set_defaults(run=_cmd_bench_io)
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="zerooffload", description=__doc__.splitlines()[0])
     parser.add_argument("--log-level", default="WARNING", help="logging level (DEBUG, INFO, WARNING)")
@@ -45,6 +79,12 @@ def _parser() -> argparse.ArgumentParser:
     doctor = commands.add_parser("doctor", help="check the native backend, io_uring, O_DIRECT, CUDA, free space")
     _add_config_arguments(doctor)
     doctor.set_defaults(run=_cmd_doctor)
+    estimate = commands.add_parser("estimate", help="model-state memory per device by the ZeRO paper's formulas")
+    estimate.add_argument("--params", type=float, required=True, help="parameter count, e.g. 7.5e9")
+    estimate.add_argument("--dp", type=int, required=True, help="data-parallel ranks")
+    estimate.add_argument("--stage", type=int, choices=range(4), help="show one stage only")
+    estimate.set_defaults(run=_cmd_estimate)
+    _add_bench(commands)
     return parser
 
 

@@ -340,8 +340,8 @@ class MemoryConfig(_Section):
 @_section
 class NvmeConfig(_Section):
     PATH = "nvme"
-    path: Union[str, list[str]] = _opt(str(Path(tempfile.gettempdir()) / "zerooffload"),
-                                       "swap directory, or a list of directories to stripe over")
+    path: Union[str, list[str]] = _opt(tempfile.gettempdir(),
+                                       "swap directory (files go in its zerooffload-swap/), or a list to stripe over")
     checksum: bool = _opt(False, "verify a checksum of every swapped-in shard")
 
     def check(self) -> None:

@@ -40,7 +40,7 @@ class Check:
 
 def run_checks(config: Config) -> list[Check]:
     """All checks, in the order they are printed."""
-    return [_python(), _torch(), _native(), _io_uring(), *_swap_paths(config), _cuda(), _simd()]
+    return [_python(), _torch(), _native(), _io_uring(), _aio_backend(config), *_swap_paths(config), _cuda(), _simd()]
 
 
 def _python() -> Check:
@@ -74,6 +74,20 @@ def _io_uring() -> Check:
     probe = probe_io_uring()
     return Check("io_uring", Status.OK if probe.ok else Status.WARN,
                  probe.detail + ("" if probe.ok else "; the pool backend (threads + pread/pwrite) is used instead"))
+
+
+def _aio_backend(config: Config) -> Check:
+    """The backend ``aio.backend`` resolves to here, by starting it."""
+    from .io import AsyncIO
+
+    try:
+        with AsyncIO(config.aio) as aio:
+            backend = aio.backend
+    except (OSError, RuntimeError, ValueError) as exc:
+        return Check("aio backend", Status.FAIL, f"aio.backend = {config.aio.backend!r}: {exc}")
+    slow = backend in ("python", "aiofiles")
+    return Check("aio backend", Status.WARN if slow else Status.OK,
+                 f"{config.aio.backend} -> {backend}" + (" (the slowest; build the native extension)" if slow else ""))
 
 
 def _swap_paths(config: Config) -> list[Check]:

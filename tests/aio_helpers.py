@@ -1,0 +1,51 @@
+"""Helpers shared by the I/O tests: the backends to run over, configs, buffers at chosen alignments."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from zerooffload.config import AioConfig
+from zerooffload.io import aligned_empty
+from zerooffload.io.backends import BACKENDS
+
+REPO = Path(__file__).resolve().parents[1]
+BACKEND_NAMES = ("uring", "pool", "python", "aiofiles")
+
+
+def backend_params() -> list:
+    """One pytest param per backend, skipped (with the reason) where it cannot run."""
+    params = []
+    for name in BACKEND_NAMES:
+        reason = BACKENDS[name].unavailable_reason()
+        params.append(pytest.param(name, marks=pytest.mark.skipif(reason is not None, reason=str(reason))))
+    return params
+
+
+def config(backend: str, **fields) -> AioConfig:
+    """Small pieces by default, so that modest transfers still split into many pieces and chunks."""
+    fields = {"block_size": 65536, "queue_depth": 8, "threads": 4} | fields
+    return AioConfig(backend=backend, **fields)
+
+
+def host_buffer(data: bytes | int, shift: int) -> torch.Tensor:
+    """A uint8 tensor ``shift`` bytes past a page boundary, holding ``data`` (or zeros of that length)."""
+    nbytes = data if isinstance(data, int) else len(data)
+    buffer = aligned_empty(nbytes + shift)[shift:]
+    if isinstance(data, int):
+        buffer.zero_()
+    else:
+        buffer.numpy()[:] = np.frombuffer(data, dtype=np.uint8)
+    return buffer
+
+
+def run_python(script: str, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    """Run ``script`` in a fresh interpreter that imports this checkout of zerooffload and these helpers."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "tests")]))
+    return subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True,
+                          env=env, cwd=REPO, timeout=timeout)

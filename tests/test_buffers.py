@@ -1,0 +1,94 @@
+"""Aligned host buffers, the bounded buffer pool, and the spans AsyncIO takes from user buffers."""
+from __future__ import annotations
+
+import array
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from zerooffload.io import HostBufferPool, aligned_empty
+from zerooffload.io.buffers import host_span
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.bfloat16, torch.float32, torch.float64])
+@pytest.mark.parametrize("nbytes", [0, 8, 4096, 12344, 1 << 20])
+def test_aligned_empty(dtype, nbytes):
+    t = aligned_empty(nbytes, dtype)
+    assert t.dtype == dtype and t.nbytes == nbytes and t.is_contiguous()
+    assert t.data_ptr() % 4096 == 0
+    t.fill_(1)  # the memory is ours to write
+
+
+def test_aligned_empty_refuses_partial_elements():
+    with pytest.raises(ValueError, match="multiple of 4"):
+        aligned_empty(10, torch.float32)
+
+
+def test_pool_reuses_by_size_class():
+    pool = HostBufferPool(1 << 20)
+    a = pool.acquire(5000)
+    assert a.nbytes == 5000 and a.data_ptr() % 4096 == 0 and pool.held_bytes == 8192
+    address = a.data_ptr()
+    pool.release(a)
+    b = pool.acquire(8000)  # same 8 KiB class: the same memory comes back
+    assert b.data_ptr() == address and pool.held_bytes == 8192
+    c = pool.acquire(100)  # another class: new memory
+    assert c.data_ptr() != address and pool.held_bytes == 8192 + 4096
+
+
+def test_pool_bound_evicts_cached_then_waits():
+    pool = HostBufferPool(16384)
+    small = pool.acquire(4096)
+    pool.release(small)
+    big = pool.acquire(16384)  # needs the cached 4 KiB buffer freed first
+    assert pool.held_bytes == 16384
+    with pytest.raises(TimeoutError, match="16384 of 16384"):
+        pool.acquire(4096, timeout=0.05)
+
+    got = []
+    waiter = threading.Thread(target=lambda: got.append(pool.acquire(4096, timeout=10)))
+    waiter.start()
+    pool.release(big)
+    waiter.join(10)
+    assert len(got) == 1 and pool.held_bytes == 4096
+
+
+def test_pool_refuses_misuse():
+    pool = HostBufferPool(8192)
+    with pytest.raises(ValueError, match="limit"):
+        pool.acquire(8193)
+    with pytest.raises(ValueError, match="did not hand out"):
+        pool.release(torch.empty(10, dtype=torch.uint8))
+    t = pool.acquire(10)
+    pool.release(t)
+    with pytest.raises(ValueError, match="released twice"):
+        pool.release(t)
+    with pytest.raises(ValueError, match="at least 4096"):
+        HostBufferPool(100)
+
+
+def test_pool_clear_frees_cached_buffers():
+    pool = HostBufferPool(1 << 20)
+    kept, cached = pool.acquire(4096), pool.acquire(65536)
+    pool.release(cached)
+    pool.clear()
+    assert pool.held_bytes == 4096
+    pool.release(kept)
+
+
+def test_host_span_of_tensors_and_buffers():
+    t = torch.arange(10, dtype=torch.float32)
+    span = host_span(t, writable=True)
+    assert (span.addr, span.nbytes, span.owner) == (t.data_ptr(), 40, t)
+    grid = np.zeros((3, 5), dtype=np.int16)
+    assert host_span(grid, writable=True).nbytes == 30
+    assert host_span(array.array("d", [1.0, 2.0]), writable=True).nbytes == 16
+    assert host_span(b"abc", writable=False).nbytes == 3
+    with pytest.raises(TypeError, match="read-only bytes"):
+        host_span(b"abc", writable=True)
+    with pytest.raises(ValueError, match="not contiguous"):
+        host_span(torch.zeros(4, 4).t(), writable=True)
+    with pytest.raises(ValueError, match="not C-contiguous"):
+        host_span(memoryview(bytearray(16))[::2], writable=True)

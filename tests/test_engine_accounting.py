@@ -1,0 +1,112 @@
+"""Memory and communication accounting against DESIGN §3's formulas; budgets refused up front."""
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import zerooffload as zo
+from zerooffload.estimate import estimate
+from zerooffload.partition import ALIGN_ELEMENTS
+from zerooffload.tiers import BudgetError
+
+
+def _mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64), nn.Linear(64, 10))
+
+
+def _one_step(engine) -> None:
+    x = torch.randn(4, 64)
+    engine.backward(engine(x).square().mean())
+    engine.step()
+
+
+def accounting_case(stage: int, precision: str) -> dict:
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    model = _mlp()
+    psi = sum(p.numel() for p in model.parameters())
+    engine = zo.initialize(model, {"zero": {"stage": stage}, "train": {"precision": precision}})
+    padded = sum(u.layout.padded_numel for u in engine.units)
+    _one_step(engine)
+    report, stats = engine.memory_report(), engine.stats
+    engine.close()
+    return {"psi": psi, "padded": padded, "world": world, "units": len(engine.units),
+            "param": report.bytes("device", "param"), "grad": report.bytes("device", "grad"),
+            "optimizer": report.bytes("device", "optimizer"), "data_elements": stats.data_elements}
+
+
+def _expected(stage: int, precision: str, psi: int, nd: int) -> dict:
+    """DESIGN §3: bf16 params 2Ψ, grads 2Ψ, optimizer 12Ψ; fp32 4Ψ, 4Ψ, 8Ψ; each / Nd once sharded."""
+    weight, grad, optimizer = (2, 2, 12) if precision == "bf16" else (4, 4, 8)
+    return {"param": weight * psi, "grad": grad * psi / (nd if stage >= 2 else 1),
+            "optimizer": optimizer * psi / (nd if stage >= 1 else 1)}
+
+
+CASES = [(stage, precision) for stage in (0, 1, 2) for precision in ("fp32", "bf16")]
+
+
+def _check_memory(result: dict, stage: int, precision: str) -> None:
+    nd = result["world"]
+    exact = _expected(stage, precision, result["padded"], nd)  # the formula on the padded count
+    for kind in ("param", "grad", "optimizer"):
+        assert result[kind] == exact[kind], kind
+    slack = result["units"] * nd * ALIGN_ELEMENTS  # padding: at most one aligned block per unit shard
+    assert result["psi"] <= result["padded"] <= result["psi"] + slack
+    loose = _expected(stage, precision, result["psi"], nd)
+    for kind in ("param", "grad", "optimizer"):
+        assert abs(result[kind] - loose[kind]) <= slack * 16, kind
+
+
+@pytest.mark.parametrize("stage, precision", CASES)
+def test_memory_report_matches_formulas_at_nd_1(stage, precision):
+    result = accounting_case(stage, precision)
+    _check_memory(result, stage, precision)
+    assert result["data_elements"] == 0  # world size 1 moves nothing
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_memory_and_collectives_at_nd_2_and_4(rank_pools, world, stage):
+    for precision in ("fp32", "bf16"):
+        results = rank_pools(world).run(accounting_case, stage, precision)
+        for result in results:
+            _check_memory(result, stage, precision)
+            assert result["data_elements"] == 2 * result["padded"]  # 2Ψ per step for stages 0–2
+
+
+def test_budget_one_byte_short_is_refused_before_training():
+    with pytest.raises(BudgetError) as info:
+        zo.initialize(_mlp(), {"memory": {"device_budget": 4096}})
+    needed = int(re.search(r"the device tier needs (\d+) bytes", str(info.value)).group(1))
+    assert "memory.device_budget is 4096 bytes" in str(info.value)
+    model = _mlp()
+    before = [p.clone() for p in model.parameters()]
+    with pytest.raises(BudgetError, match=f"needs {needed} bytes .* memory.device_budget is {needed - 1} bytes "
+                                          r"\(1 short\)"):
+        zo.initialize(model, {"memory": {"device_budget": needed - 1}})
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # refused before touching it
+    engine = zo.initialize(_mlp(), {"memory": {"device_budget": needed}})
+    for _ in range(3):
+        _one_step(engine)  # the plan is an upper bound: the run never passes it
+    assert engine.memory_report().peaks["device"] <= needed
+
+
+def test_host_budget_names_the_host_tier():
+    with pytest.raises(BudgetError, match=r"the host tier needs \d+ bytes \(optimizer \d+.*memory.host_budget"):
+        zo.initialize(_mlp(), {"zero": {"stage": 1}, "offload": {"optimizer": {"tier": "host"}},
+                               "memory": {"host_budget": 4096}})
+
+
+def test_estimate_reproduces_the_zero_paper_example():
+    rows = estimate(7.5e9, 64)
+    assert [round(r.device / 1e9, 2) for r in rows] == [120.0, 31.41, 16.64, 1.88]
+    out = subprocess.run([sys.executable, "-m", "zerooffload", "estimate", "--params", "7.5e9", "--dp", "64"],
+                         capture_output=True, text=True, check=True).stdout
+    for figure in ("120.00", "31.41", "16.64", "1.88"):
+        assert figure in out

@@ -1,0 +1,88 @@
+"""Stages 0–2 × {fp32, bf16} × world sizes match plain PyTorch AdamW on the full global batch."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import zerooffload as zo
+from reference import make_batches, make_model, reference_train, update_errors
+
+MICRO = 2  # samples per rank per micro-batch
+TOLERANCE = {"fp32": 1e-5, "bf16": 3e-3}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def _config(stage: int, precision: str, accum: int, clip: float, **extra) -> dict:
+    config = {"zero": {"stage": stage, "bucket_size": "16KiB"},
+              "train": {"precision": precision, "grad_accum_steps": accum, "grad_clip": clip,
+                        "micro_batch_size": MICRO},
+              "optimizer": {"lr": 1e-2, "weight_decay": 0.1}}
+    for section, values in extra.items():
+        config.setdefault(section, {}).update(values)
+    return config
+
+
+def train_case(stage: int, precision: str, accum: int = 2, clip: float = 0.05, steps: int = 3, **extra) -> dict | None:
+    """Run in every rank: train with the engine on this rank's slice; rank 0 compares with the reference."""
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    batches = make_batches(steps, accum, MICRO * world)
+    model = make_model()
+    initial = {k: v.clone() for k, v in model.state_dict().items()}
+    engine = zo.initialize(model, _config(stage, precision, accum, clip, **extra))
+    updates = []
+    for window in batches:
+        for idx, targets in window:
+            rows = slice(rank * MICRO, (rank + 1) * MICRO)
+            engine.backward(engine(idx[rows], targets[rows]))
+            updates.append(engine.step())
+    full = engine.full_state_dict()
+    stats = engine.stats
+    engine.close()
+    if rank != 0:
+        return None
+    parts = world if precision == "bf16" else 1  # see reference_train: bf16 rounding of a split batch
+    reference = reference_train(make_model(), batches, clip=clip, dtype=DTYPES[precision], parts=parts,
+                                average_each_micro_batch=stage == 2)
+    return {"errors": update_errors(initial, full, reference), "updates": updates,
+            "keys": list(full) == list(initial),
+            "frozen": float((full["frozen.weight"] - initial["frozen.weight"]).abs().max()),
+            "unused": float((full["unused.weight"] - initial["unused.weight"]).abs().max()),
+            "tied": bool(torch.equal(full["embed.weight"], full["head.weight"])),
+            "data_elements": stats.data_elements}
+
+
+def _check(result: dict, precision: str, accum: int = 2) -> None:
+    worst = max(result["errors"].items(), key=lambda kv: kv[1])
+    assert worst[1] < TOLERANCE[precision], f"update error {worst[1]:.2e} on {worst[0]}"
+    assert result["keys"] and result["tied"]
+    assert result["frozen"] == 0.0 and result["unused"] == 0.0
+    assert result["updates"] == [(i + 1) % accum == 0 for i in range(len(result["updates"]))]
+
+
+GRID = [(stage, precision) for stage in (0, 1, 2) for precision in ("fp32", "bf16")]
+
+
+@pytest.mark.parametrize("stage, precision", GRID)
+def test_world_size_1_without_a_launcher(stage, precision):
+    _check(train_case(stage, precision), precision)
+
+
+@pytest.mark.parametrize("stage, precision", GRID)
+def test_world_size_2(rank_pools, stage, precision):
+    _check(rank_pools(2).run(train_case, stage, precision)[0], precision)
+
+
+@pytest.mark.parametrize("stage, precision", [(0, "fp32"), (1, "bf16"), (2, "fp32"), (2, "bf16")])
+def test_world_size_4(rank_pools, stage, precision):
+    _check(rank_pools(4).run(train_case, stage, precision)[0], precision)
+
+
+def test_host_optimizer_tier_equals_device_tier(rank_pools):
+    device = rank_pools(2).run(train_case, 2, "bf16")[0]
+    host = rank_pools(2).run(train_case, 2, "bf16", offload={"optimizer": {"tier": "host"}})[0]
+    assert host["errors"] == device["errors"]
+
+
+def test_accumulation_of_four_without_clipping(rank_pools):
+    _check(rank_pools(2).run(train_case, 2, "fp32", accum=4, clip=0.0)[0], "fp32", accum=4)

@@ -1,0 +1,174 @@
+"""fp16 loss scaling, schedules, param groups, eval, gathered(): each against plain PyTorch."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import zerooffload as zo
+from zerooffload.config import SchedulerConfig
+from zerooffload.optim.schedule import lr_factor
+
+
+def _mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 4))
+
+
+def _data(step: int, rows: int = 8) -> torch.Tensor:
+    return torch.randn(rows, 16, generator=torch.Generator().manual_seed(step))
+
+
+BAD_STEPS = {1, 4, 5}
+
+
+def fp16_case(steps: int = 9) -> dict:
+    """Every rank trains; overflow is injected on the LAST rank only, yet every rank must skip."""
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    engine = zo.initialize(_mlp(), {"zero": {"stage": 2}, "optimizer": {"type": "sgd", "lr": 0.1},
+                                    "train": {"precision": "fp16", "initial_scale_power": 8,
+                                              "loss_scale_window": 2, "hysteresis": 1}})
+    updated, scales = [], []
+    for step in range(steps):
+        loss = engine(_data(step)[rank::world]).float().square().mean()
+        if step in BAD_STEPS and rank == world - 1:
+            loss = loss * float("inf")
+        engine.backward(loss)
+        updated.append(engine.step())
+        scales.append(engine.stats.loss_scale)
+    return {"updated": updated, "scales": scales, "skipped": engine.stats.skipped_steps}
+
+
+def _grad_scaler_reference(steps: int = 9) -> dict:
+    model = _mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=2)
+    updated, scales = [], []
+    for step in range(steps):
+        loss = model(_data(step)).square().mean()
+        if step in BAD_STEPS:
+            loss = loss * float("inf")
+        scaler.scale(loss).backward()
+        before = scaler.get_scale()
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad()
+        updated.append(scaler.get_scale() >= before)  # GradScaler backs off exactly on the steps it skips
+        scales.append(scaler.get_scale())
+    return {"updated": updated, "scales": scales}
+
+
+def test_fp16_skips_exactly_what_grad_scaler_skips_on_every_rank(rank_pools):
+    reference = _grad_scaler_reference()
+    assert reference["updated"] == [s not in BAD_STEPS for s in range(9)]
+    for result in rank_pools(2).run(fp16_case):
+        assert result["updated"] == reference["updated"]
+        assert result["scales"] == reference["scales"]
+        assert result["skipped"] == len(BAD_STEPS)
+
+
+def test_fp16_world_size_1():
+    result = fp16_case()
+    reference = _grad_scaler_reference()
+    assert (result["updated"], result["scales"]) == (reference["updated"], reference["scales"])
+
+
+def _train(engine_or_model, optimizer=None, scheduler=None, steps=4, eval_between=False):
+    for step in range(steps):
+        x = _data(step)
+        if optimizer is None:
+            engine_or_model.backward(engine_or_model(x).square().mean())
+            engine_or_model.step()
+            if eval_between:
+                with torch.no_grad():
+                    engine_or_model.eval()
+                    engine_or_model(_data(100 + step))
+                    engine_or_model.train()
+        else:
+            engine_or_model(x).square().mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        if scheduler is not None:
+            scheduler.step()
+
+
+def _max_diff(a: dict, b: dict) -> float:
+    return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
+
+
+def test_torch_lr_scheduler_and_param_groups_behave_as_in_torch():
+    model = _mlp()
+    decay = [p for n, p in model.named_parameters() if n.endswith("weight")]
+    no_decay = [p for n, p in model.named_parameters() if n.endswith("bias")]
+    groups = [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0, "lr": 0.05}]
+    engine = zo.initialize(model, {"optimizer": {"lr": 0.01}}, param_groups=groups)
+    assert isinstance(engine.optimizer, torch.optim.Optimizer)
+    scheduler = torch.optim.lr_scheduler.StepLR(engine.optimizer, step_size=1, gamma=0.5)
+    _train(engine, scheduler=scheduler)
+    ref = _mlp()
+    ref_groups = [{"params": [p for n, p in ref.named_parameters() if n.endswith("weight")], "weight_decay": 0.1},
+                  {"params": [p for n, p in ref.named_parameters() if n.endswith("bias")], "weight_decay": 0.0,
+                   "lr": 0.05}]
+    optimizer = torch.optim.AdamW(ref_groups, lr=0.01)
+    _train(ref, optimizer, torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5))
+    assert _max_diff(engine.full_state_dict(), ref.state_dict()) < 1e-6
+    assert [g["lr"] for g in engine.optimizer.param_groups] == [0.01 / 16, 0.05 / 16]
+
+
+def _expected_lr(step: int, peak: float, floor: float, warmup: int, total: int) -> float:
+    """The warmup-cosine schedule written out independently of the library."""
+    if step < warmup:
+        return floor + (peak - floor) * step / warmup
+    progress = min(1.0, (step - warmup) / (total - warmup))
+    return floor + (peak - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def test_built_in_warmup_cosine_schedule():
+    engine = zo.initialize(_mlp(), {"optimizer": {"lr": 0.1}, "scheduler": {
+        "type": "warmup_cosine", "warmup_steps": 3, "total_steps": 8, "min_lr": 0.01}})
+    lrs = []
+    for step in range(10):
+        lrs.append(engine.optimizer.param_groups[0]["lr"])
+        engine.backward(engine(_data(step)).square().mean())
+        engine.step()
+    assert lrs == pytest.approx([_expected_lr(s, 0.1, 0.01, 3, 8) for s in range(10)], rel=1e-12)
+    linear = SchedulerConfig(type="warmup_linear", warmup_steps=2, total_steps=6, min_lr=0.0)
+    assert [lr_factor(s, linear, 1.0) for s in range(8)] == pytest.approx([0, 0.5, 1, 0.75, 0.5, 0.25, 0, 0])
+
+
+def test_eval_forward_between_steps_changes_nothing():
+    plain = zo.initialize(_mlp(), {"train": {"precision": "bf16"}})
+    _train(plain)
+    with_eval = zo.initialize(_mlp(), {"train": {"precision": "bf16"}})
+    _train(with_eval, eval_between=True)
+    assert _max_diff(plain.full_state_dict(), with_eval.full_state_dict()) == 0.0
+
+
+def test_gathered_writes_reach_the_masters_and_untouched_values_keep_fp32():
+    engine = zo.initialize(_mlp(), {"train": {"precision": "bf16"}, "zero": {"stage": 1}})
+    _train(engine, steps=2)
+    before = engine.full_state_dict()
+    with engine.gathered() as module:
+        module[0].weight.data.fill_(0.5)
+    after = engine.full_state_dict()
+    assert torch.equal(after["0.weight"], torch.full_like(after["0.weight"], 0.5))
+    assert all(torch.equal(after[k], before[k]) for k in before if k != "0.weight")  # still full fp32
+
+
+def test_step_updates_only_at_accumulation_boundaries():
+    engine = zo.initialize(_mlp(), {"train": {"grad_accum_steps": 3}})
+    flags = []
+    for step in range(6):
+        engine.backward(engine(_data(step)).square().mean())
+        flags.append((engine.is_accumulation_boundary, engine.step(), engine.step()))
+    assert flags == [(False, False, False), (False, False, False), (True, True, False)] * 2
+
+
+def test_unsupported_settings_are_refused_by_name():
+    with pytest.raises(zo.ConfigError, match="zero.stage = 3"):
+        zo.initialize(_mlp(), {"zero": {"stage": 3}})
+    with pytest.raises(zo.ConfigError, match="offload.optimizer.tier = 'nvme'"):
+        zo.initialize(_mlp(), {"offload": {"optimizer": {"tier": "nvme"}}})

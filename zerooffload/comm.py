@@ -1,0 +1,123 @@
+"""Process groups and collectives, as free functions that count what they move.
+
+[Note: collective accounting]
+Elements per rank per step, DESIGN §3's convention: an all-gather counts its output, a
+reduce-scatter its input, an all-reduce twice its size (so DDP moves 2Ψ, stages 1–2 2Ψ, stage 3
+3Ψ). *Data* collectives move model states and are what that convention counts; *control*
+collectives (one small all-reduce per step of gradient-norm squares, overflow and used-parameter
+flags) are counted apart. At world size 1 nothing is sent and nothing is counted.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["Comm", "CommCounters", "init_comm", "all_reduce", "reduce_scatter", "all_gather", "control_all_reduce",
+           "broadcast"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class CommCounters:
+    """Elements and bytes moved since the last ``reset``, by data and control collectives."""
+
+    data_elements: int = 0
+    data_bytes: int = 0
+    control_elements: int = 0
+
+    def reset(self) -> None:
+        self.data_elements = self.data_bytes = self.control_elements = 0
+
+
+@dataclass(slots=True)
+class Comm:
+    """Who we are in the job: the process group (None at world size 1), our rank, the compute device."""
+
+    group: dist.ProcessGroup | None
+    rank: int
+    world_size: int
+    device: torch.device
+    counters: CommCounters = field(default_factory=CommCounters)
+
+
+def _compute_device() -> torch.device:
+    if torch.cuda.is_available():
+        index = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(index)
+        return torch.device("cuda", index)
+    return torch.device("cpu")
+
+
+def init_comm(timeout: timedelta = timedelta(minutes=10)) -> Comm:
+    """Use the process group that exists, else start one from torchrun's environment, else run alone.
+
+    NCCL on CUDA, gloo on CPU. Without a launcher (no WORLD_SIZE > 1) the engine runs as world size 1
+    with no group at all, so a laptop script needs no rendezvous.
+    """
+    device = _compute_device()
+    if not dist.is_initialized() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, timeout=timeout)
+        logger.info("started a %s process group of %d ranks", backend, dist.get_world_size())
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        return Comm(dist.group.WORLD, dist.get_rank(), dist.get_world_size(), device)
+    return Comm(None, 0, 1, device)
+
+
+def _count(comm: Comm, elements: int, tensor: torch.Tensor) -> None:
+    comm.counters.data_elements += elements
+    comm.counters.data_bytes += elements * tensor.element_size()
+
+
+# torch 2.13 deprecates the *_tensor names in favour of *_single; torch 2.11 (the H200) has only the old ones.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def all_reduce(comm: Comm, tensor: torch.Tensor, *, async_op: bool = False) -> dist.Work | None:
+    """Sum ``tensor`` over ranks in place (callers divide for an average)."""
+    if comm.world_size == 1:
+        return None
+    _count(comm, 2 * tensor.numel(), tensor)
+    return dist.all_reduce(tensor, group=comm.group, async_op=async_op)
+
+
+def reduce_scatter(comm: Comm, output: torch.Tensor, input: torch.Tensor, *,
+                   async_op: bool = False) -> dist.Work | None:
+    """``output`` = this rank's slice of the sum over ranks of ``input`` (world_size × output elements)."""
+    if comm.world_size == 1:
+        output.copy_(input)
+        return None
+    _count(comm, input.numel(), input)
+    return _reduce_scatter_single(output, input, group=comm.group, async_op=async_op)
+
+
+def all_gather(comm: Comm, output: torch.Tensor, input: torch.Tensor, *,
+               async_op: bool = False) -> dist.Work | None:
+    """``output`` = every rank's ``input`` concatenated in rank order."""
+    if comm.world_size == 1:
+        if output.data_ptr() != input.data_ptr():
+            output.copy_(input)
+        return None
+    _count(comm, output.numel(), output)
+    return _all_gather_single(output, input, group=comm.group, async_op=async_op)
+
+
+def broadcast(comm: Comm, tensor: torch.Tensor, src: int = 0) -> None:
+    """Make every rank's ``tensor`` equal to ``src``'s (initial weights, as DDP does); not counted per step."""
+    if comm.world_size > 1:
+        dist.broadcast(tensor, src, group=comm.group)
+
+
+def control_all_reduce(comm: Comm, values: torch.Tensor) -> torch.Tensor:
+    """Sum a small float64 control vector over ranks (norms, flags); counted apart from data."""
+    if comm.world_size > 1:
+        comm.counters.control_elements += values.numel()
+        dist.all_reduce(values, group=comm.group)
+    return values

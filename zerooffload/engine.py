@@ -1,0 +1,336 @@
+"""The engine: hooks into the module, backward with accumulation, the sharded optimizer step.
+
+[Note: a step]
+``engine(batch)`` runs the module (floating inputs cast to the compute dtype). ``engine.backward``
+scales the loss by ``loss_scale / grad_accum_steps`` and runs autograd; a post-accumulate hook on
+every trainable parameter adds its gradient into its unit's flat gradient (and drops ``.grad``). At
+stage 2 a unit whose gradients are complete is handed to the reducer during backward; at stages 0–1
+all units are reduced when the window closes. ``engine.step`` at the accumulation boundary then:
+1. averages the gradients over ranks (all-reduce at stage 0, reduce-scatter to shard owners above);
+2. makes fp32 shard gradients, unscales them (fp16), and in ONE small control all-reduce sums the
+   squared norms and the "had a gradient" flag of every parameter over ranks;
+3. skips the step everywhere if the fp16 gradients overflowed, else clips to ``train.grad_clip``;
+4. runs torch's update on the pieces whose parameters had a gradient somewhere (others skip, as torch
+   skips ``grad is None``), copies the masters into the compute weights and all-gathers them.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+from functools import partial
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+
+from .comm import Comm, all_gather, broadcast, control_all_reduce, init_comm
+from .config import Config, ConfigError, dtype_bytes
+from .memory_plan import plan_memory
+from .optim import ZeroOptimizer, build_scheduler, moment_names
+from .partition import FlatUnit, Piece, find_units
+from .precision import COMPUTE_DTYPES, LossScaler
+from .reduction import GradReducer, Mode
+from .telemetry import MemoryReport, StepStats, memory_report
+from .tiers import Kind, check_plan, make_tiers
+
+__all__ = ["Engine", "initialize"]
+
+logger = logging.getLogger(__name__)
+
+
+def initialize(model: nn.Module, config: Config | dict | str | None = None, param_groups: list[dict] | None = None,
+               init_fn: Any = None) -> "Engine":
+    """Shard ``model``'s training state as ``config`` says and return the engine that trains it.
+
+    ``param_groups`` are torch-style groups over ``model``'s parameters (lr, weight_decay, ... per
+    group); by default one group of every trainable parameter. ``init_fn(model)``, when given, runs
+    once under ``torch.no_grad()`` before the parameters are flattened.
+    """
+    config = Config.load(config if config is not None else {})
+    _check_supported(config)
+    if init_fn is not None:
+        with torch.no_grad():
+            init_fn(model)
+    return Engine(model, config, init_comm(), param_groups)
+
+
+def _check_supported(config: Config) -> None:
+    """Settings the config accepts that this engine cannot run yet, refused by name."""
+    if config.zero.stage == 3:
+        raise ConfigError("zero.stage = 3: parameter partitioning is not in this version yet; use zero.stage <= 2")
+    if config.offload.optimizer.tier == "nvme":
+        raise ConfigError("offload.optimizer.tier = 'nvme' is not in this version yet; use 'device' or 'host'")
+    if config.offload.optimizer.fraction != 1.0:
+        raise ConfigError("offload.optimizer.fraction < 1 is not in this version yet; use 1.0")
+
+
+def _cast_floats(value: Any, dtype: torch.dtype) -> Any:
+    """Floating tensors nested in tuples, lists and dicts, cast to ``dtype``; everything else as is."""
+    if isinstance(value, torch.Tensor):
+        return value.to(dtype) if value.is_floating_point() else value
+    if isinstance(value, (list, tuple)):
+        return type(value)(_cast_floats(v, dtype) for v in value)
+    if isinstance(value, dict):
+        return {k: _cast_floats(v, dtype) for k, v in value.items()}
+    return value
+
+
+class Engine:
+    """Trains one module with ZeRO stages 0–2; see [Note: a step]."""
+
+    def __init__(self, module: nn.Module, config: Config, comm: Comm, param_groups: list[dict] | None):
+        self.module = module
+        self.config = config
+        self.comm = comm
+        self.stage = config.zero.stage
+        self.compute_dtype = COMPUTE_DTYPES[config.train.precision]
+        self.tiers = make_tiers(config.memory, comm.device)
+        self._optimizer_tier = self.tiers[config.offload.optimizer.tier]
+        layouts = find_units(module, config.zero.unit_modules, comm.world_size if self.stage >= 1 else 1)
+        if not layouts:
+            raise ValueError("the model has no parameters to train")
+        self.units = [FlatUnit(layout, comm.rank, self.compute_dtype, keep_full_grad=self.stage <= 1,
+                               keep_grad_shard=self.stage == 2) for layout in layouts]
+        check_plan(self._plan(layouts), self.tiers)
+        self._materialize()
+        self._pieces: list[tuple[FlatUnit, Piece, torch.Tensor]] = []
+        self.optimizer = ZeroOptimizer(self._groups(param_groups), config.optimizer)
+        self._attach_optimizer_state()
+        default_schedule = config.scheduler.type == "constant" and config.scheduler.warmup_steps == 0
+        self.scheduler = None if default_schedule else build_scheduler(self.optimizer, config.scheduler)
+        self.scaler = LossScaler(config.train)
+        mode = Mode.ALL_REDUCE if self.stage == 0 else Mode.REDUCE_SCATTER
+        self.reducer = GradReducer(comm, self._reduction_order(), mode, config.zero.bucket_size, self.tiers["device"])
+        self._hooks = [slot.param.register_post_accumulate_grad_hook(partial(self._on_grad, unit, index))
+                       for unit in self.units for index, slot in enumerate(unit.layout.slots) if slot.trainable]
+        self.micro_steps = 0
+        self._stepped_at = 0
+        self.global_steps = 0
+        self.skipped_steps = 0
+        self._stats: StepStats | None = None
+
+    # ------------------------------------------------------------------ construction
+    def _groups(self, param_groups: list[dict] | None) -> list[dict]:
+        """torch-style groups over model parameters, rewritten over this rank's master pieces."""
+        trainable = [s.param for u in self.units for s in u.layout.slots if s.trainable]
+        groups = param_groups if param_groups is not None else [{"params": trainable}]
+        group_of = {id(p): index for index, group in enumerate(groups) for p in group["params"]}
+        out = [{**{k: v for k, v in g.items() if k != "params"}, "params": []} for g in groups]
+        for unit in self.units:
+            for piece in unit.pieces:
+                slot = unit.layout.slots[piece.slot_index]
+                if not slot.trainable:
+                    continue
+                if id(slot.param) not in group_of:
+                    raise ValueError(f"parameter {slot.names[0]!r} is trainable but in no param group")
+                tensor = unit.master[piece.start:piece.stop]
+                out[group_of[id(slot.param)]]["params"].append(tensor)
+                self._pieces.append((unit, piece, tensor))
+        return out
+
+    def _plan(self, layouts) -> dict:
+        master_is_param = self.compute_dtype == torch.float32 and self._optimizer_tier is self.tiers["device"]
+        return plan_memory(layouts, stage=self.stage, compute_bytes=dtype_bytes(self.config.train.precision),
+                           optimizer_tier=self._optimizer_tier.name, master_is_param=master_is_param,
+                           moments=len(moment_names(self.config.optimizer)), bucket_bytes=self.config.zero.bucket_size,
+                           world_size=self.comm.world_size)
+
+    def _materialize(self) -> None:
+        """Unit by unit: rank 0's values broadcast (as DDP does), then flattened onto their tiers."""
+        for unit in self.units:
+            full = unit.full_fp32().to(self.comm.device)
+            broadcast(self.comm, full)
+            unit.materialize(full, self.tiers["device"], self._optimizer_tier)
+        for module in self.module.modules():
+            for name, buffer in module.named_buffers(recurse=False):
+                moved = buffer.to(self.comm.device)
+                broadcast(self.comm, moved)
+                setattr(module, name, moved)
+
+    def _attach_optimizer_state(self) -> None:
+        """Moments as one buffer per unit shard on the optimizer tier; each piece's state is a view of it."""
+        names = moment_names(self.config.optimizer)
+        moments = {id(u): {n: self._optimizer_tier.zeros(Kind.OPTIMIZER, u.layout.shard_numel, torch.float32)
+                           for n in names} for u in self.units}
+        for unit, piece, tensor in self._pieces:
+            self.optimizer.attach_state(tensor, {n: b[piece.start:piece.stop] for n, b in moments[id(unit)].items()})
+
+    def _reduction_order(self) -> list[FlatUnit]:
+        """Block units last to first, then the root unit: the order backward usually completes them."""
+        blocks = [u for u in self.units if u.layout.name]
+        return blocks[::-1] + [u for u in self.units if not u.layout.name]
+
+    # ------------------------------------------------------------------ forward and backward
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.compute_dtype != torch.float32:
+            args, kwargs = _cast_floats(args, self.compute_dtype), _cast_floats(kwargs, self.compute_dtype)
+        return self.module(*args, **kwargs)
+
+    def _on_grad(self, unit: FlatUnit, index: int, param: nn.Parameter) -> None:
+        complete = unit.accumulate(index, param.grad, self.tiers["device"])
+        param.grad = None
+        if complete and self.stage == 2:
+            self.reducer.mark_ready(unit)
+
+    def backward(self, output: Any) -> None:
+        """Backward of a loss (or of ``output.loss``), scaled by loss scale / ``grad_accum_steps``."""
+        loss = output if isinstance(output, torch.Tensor) else output.loss
+        if self.micro_steps % self.config.train.grad_accum_steps == 0:
+            self.comm.counters.reset()
+        for unit in self.units:
+            unit.begin_backward()
+        (loss * (self.scaler.scale / self.config.train.grad_accum_steps)).backward()
+        if self.stage == 2:
+            self.reducer.flush()
+        self.micro_steps += 1
+
+    @property
+    def is_accumulation_boundary(self) -> bool:
+        """True when the next ``step()`` updates: the last backward closed an accumulation window."""
+        return self.micro_steps > 0 and self.micro_steps % self.config.train.grad_accum_steps == 0
+
+    # ------------------------------------------------------------------ the step
+    def step(self) -> bool:
+        """Call after every backward; updates at accumulation boundaries and returns whether it did."""
+        if not self.is_accumulation_boundary or self._stepped_at == self.micro_steps:
+            return False
+        self._stepped_at = self.micro_steps
+        if self.stage <= 1:
+            self.reducer.flush()
+        grads = [self._fp32_grad(unit) for unit in self.units]
+        norm_sq, had_grad = self._global_norm_and_flags(grads)
+        overflow = self.scaler.enabled and not math.isfinite(norm_sq)
+        if overflow:
+            self.skipped_steps += 1
+        else:
+            self._clip(grads, norm_sq)
+            self._update(grads, had_grad)
+        self._release(grads)
+        self.scaler.update(overflow)
+        self.global_steps += 1
+        if self.scheduler is not None and not overflow:
+            self.scheduler.step()
+        self._record(not overflow, norm_sq)
+        return not overflow
+
+    def _fp32_grad(self, unit: FlatUnit) -> torch.Tensor:
+        """This rank's averaged gradient of ``unit`` in fp32 on the optimizer's device, unscaled."""
+        local = unit.local_grad()
+        if local.dtype == torch.float32 and local.device == self._optimizer_tier.device:
+            grad = local
+        else:
+            grad = self._optimizer_tier.empty(Kind.BUFFER, local.numel(), torch.float32)
+            grad.copy_(local)
+        if self.scaler.enabled:
+            grad.mul_(1.0 / self.scaler.scale)
+        return grad
+
+    def _global_norm_and_flags(self, grads: list[torch.Tensor]) -> tuple[float, list[torch.Tensor]]:
+        """One control all-reduce: the squared gradient norm and each slot's "had a gradient" count."""
+        flags = [torch.tensor(u.has_grad, dtype=torch.float64) for u in self.units]
+        local_sq = torch.stack([g.double().pow(2).sum() for g in grads]).sum().cpu().reshape(1)
+        if self.stage == 0 and self.comm.rank != 0:
+            local_sq.zero_()  # stage 0 gradients are whole on every rank: count them once
+        control = control_all_reduce(self.comm, torch.cat([local_sq, *flags]).to(self.comm.device)).cpu()
+        sizes = [len(f) for f in flags]
+        return float(control[0]), list(torch.split(control[1:], sizes))
+
+    def _clip(self, grads: list[torch.Tensor], norm_sq: float) -> None:
+        if self.config.train.grad_clip > 0:
+            coefficient = min(1.0, self.config.train.grad_clip / (math.sqrt(norm_sq) + 1e-6))
+            for grad in grads:
+                grad.mul_(coefficient)
+
+    def _update(self, grads: list[torch.Tensor], had_grad: list[torch.Tensor]) -> None:
+        """torch's update on pieces with a gradient somewhere; new masters published to every rank."""
+        grad_of = {id(u): (g, flags) for u, g, flags in zip(self.units, grads, had_grad)}
+        for unit, piece, tensor in self._pieces:
+            grad, flags = grad_of[id(unit)]
+            tensor.grad = grad[piece.start:piece.stop] if flags[piece.slot_index] > 0 else None
+        self.optimizer.step()
+        for _, _, tensor in self._pieces:
+            tensor.grad = None
+        for unit in self.units:
+            self._publish(unit)
+
+    def _publish(self, unit: FlatUnit) -> None:
+        shard = unit.publish_master()
+        if unit.layout.shards > 1 and self.comm.world_size > 1:
+            source = self.tiers["device"].empty(Kind.BUFFER, shard.numel(), shard.dtype)
+            source.copy_(shard)  # all-gather input must not alias its output
+            all_gather(self.comm, unit.flat_param, source)
+            self.tiers["device"].free(Kind.BUFFER, source)
+
+    def _release(self, grads: list[torch.Tensor]) -> None:
+        for unit, grad in zip(self.units, grads):
+            if grad is not unit.local_grad():
+                self._optimizer_tier.free(Kind.BUFFER, grad)
+            unit.clear_grads(self.tiers["device"])
+
+    def _record(self, updated: bool, norm_sq: float) -> None:
+        counters = self.comm.counters
+        self._stats = StepStats(
+            step=self.global_steps, updated=updated, skipped_steps=self.skipped_steps,
+            grad_norm=math.sqrt(norm_sq) if math.isfinite(norm_sq) else float("inf"), loss_scale=self.scaler.scale,
+            lr=self.optimizer.param_groups[0]["lr"], data_elements=counters.data_elements,
+            data_bytes=counters.data_bytes, control_elements=counters.control_elements, memory=self.memory_report())
+
+    # ------------------------------------------------------------------ inspection
+    @property
+    def stats(self) -> StepStats | None:
+        """The last optimizer step's telemetry (None before the first)."""
+        return self._stats
+
+    def memory_report(self) -> MemoryReport:
+        return memory_report(self.tiers)
+
+    def full_state_dict(self, all_ranks: bool = False) -> dict[str, torch.Tensor]:
+        """``model.state_dict()``'s keys with fp32 CPU parameters (from the masters) and buffers as they are.
+
+        Collective: every rank must call it. Built unit by unit; rank 0 (every rank with ``all_ranks``)
+        gets the dict, the others ``{}``.
+        """
+        values: dict[int, torch.Tensor] = {}
+        for unit in self.units:
+            flat = torch.empty(unit.layout.padded_numel, dtype=torch.float32, device=unit.master.device)
+            if unit.layout.shards > 1:
+                all_gather(self.comm, flat, unit.master.clone())
+            else:
+                flat.copy_(unit.master)
+            for slot in unit.layout.slots:
+                values[id(slot.param)] = flat[slot.offset:slot.offset + slot.numel].view(slot.shape).cpu().clone()
+        if not (all_ranks or self.comm.rank == 0):
+            return {}
+        return {name: values[id(t)] if id(t) in values else t.detach().cpu().clone()
+                for name, t in self.module.state_dict(keep_vars=True).items()}
+
+    @contextlib.contextmanager
+    def gathered(self, modifier_rank: int = 0) -> Iterator[nn.Module]:
+        """Full parameters readable and writable; on exit ``modifier_rank``'s writes reach the fp32 masters.
+
+        Masters change only where the compute weights were changed, so untouched values keep their
+        full fp32 precision under bf16/fp16.
+        """
+        before = [u.flat_param.clone() for u in self.units]
+        yield self.module
+        for unit, old in zip(self.units, before):
+            broadcast(self.comm, unit.flat_param, src=modifier_rank)
+            changed = unit.flat_param[unit.shard_range] != old[unit.shard_range]
+            if not unit.master_is_param:
+                unit.master[changed] = unit.flat_param[unit.shard_range][changed].float()
+
+    def train(self, mode: bool = True) -> "Engine":
+        self.module.train(mode)
+        return self
+
+    def eval(self) -> "Engine":
+        return self.train(False)
+
+    def close(self) -> None:
+        """Remove the hooks and stop accounting the engine's tensors."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+        for tier in self.tiers.values():
+            tier.usage = {kind: 0 for kind in Kind}

@@ -1,0 +1,68 @@
+"""Model-state memory per device by the ZeRO paper's formulas (Rajbhandari et al., 2020, §5).
+
+With mixed-precision Adam a parameter costs 2 bytes (fp16/bf16 weights) + 2 (gradients) + K = 12
+(fp32 master, momentum, variance). Sharding over Nd ranks divides, by stage:
+  0 (DDP)      (2 + 2 + K) Ψ
+  1 (P_os)     (2 + 2) Ψ + K Ψ / Nd
+  2 (P_os+g)   2 Ψ + (2 + K) Ψ / Nd
+  3 (P_os+g+p) (2 + 2 + K) Ψ / Nd
+Offloading the optimizer states (``offload.optimizer``) moves the K Ψ / Nd term (stages 1–3) to host RAM
+or NVMe; offloading parameters at stage 3 (``offload.param``) moves 2 Ψ / Nd as well. The figures are
+model states only: activations, buffers and fragmentation come on top.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["K_ADAM", "StageEstimate", "estimate", "format_table"]
+
+K_ADAM = 12
+"""Bytes of optimizer state per parameter for mixed-precision Adam: fp32 master, m and v."""
+
+
+@dataclass(frozen=True, slots=True)
+class StageEstimate:
+    """Bytes per device for one stage, all on the device and with states offloaded."""
+
+    stage: int
+    device: float
+    device_optimizer_offloaded: float
+    offloaded_optimizer: float
+    device_all_offloaded: float
+    offloaded_all: float
+
+
+def estimate(params: float, dp: int, k: int = K_ADAM) -> list[StageEstimate]:
+    """Per-device bytes of model states for stages 0–3 (see the module docstring)."""
+    if params <= 0 or dp < 1:
+        raise ValueError(f"--params must be > 0 and --dp >= 1 (got {params}, {dp})")
+    psi = params
+    rows = []
+    for stage in range(4):
+        weights = 2 * psi / (dp if stage == 3 else 1)
+        grads = 2 * psi / (dp if stage >= 2 else 1)
+        optimizer = k * psi / (dp if stage >= 1 else 1)
+        offloadable = optimizer if stage >= 1 else 0.0
+        params_offloadable = weights if stage == 3 else 0.0
+        rows.append(StageEstimate(
+            stage=stage, device=weights + grads + optimizer,
+            device_optimizer_offloaded=weights + grads + optimizer - offloadable,
+            offloaded_optimizer=offloadable,
+            device_all_offloaded=weights + grads + optimizer - offloadable - params_offloadable,
+            offloaded_all=offloadable + params_offloadable))
+    return rows
+
+
+def format_table(rows: list[StageEstimate], params: float, dp: int) -> str:
+    """A table in decimal GB, one line per stage."""
+    gb = 1e9
+    lines = [f"model states per device for {params:.4g} parameters over {dp} data-parallel ranks (GB = 1e9 B)",
+             f"{'stage':<14}{'on device':>11}{'optimizer offloaded: device / host|nvme':>42}"
+             f"{'params too: device / host|nvme':>34}"]
+    names = {0: "0 (DDP)", 1: "1 (P_os)", 2: "2 (P_os+g)", 3: "3 (P_os+g+p)"}
+    for row in rows:
+        optimizer = (f"{row.device_optimizer_offloaded / gb:.2f} / {row.offloaded_optimizer / gb:.2f}"
+                     if row.stage >= 1 else "-")
+        both = f"{row.device_all_offloaded / gb:.2f} / {row.offloaded_all / gb:.2f}" if row.stage == 3 else "-"
+        lines.append(f"{names[row.stage]:<14}{row.device / gb:>11.2f}{optimizer:>42}{both:>34}")
+    return "\n".join(lines)

@@ -1,0 +1,161 @@
+"""Host memory for I/O: page-aligned tensors, a bounded pool of them, and addresses of user buffers.
+
+[Note: buffer vocabulary]
+- *Aligned*: a buffer whose address is a multiple of ``ALIGNMENT`` (4 KiB), as O_DIRECT requires of
+  memory as well as of offsets and lengths. ``aligned_empty`` gives a torch tensor over such memory,
+  without a copy, so tensors and the native engine share it.
+- *Pinned*: page-locked host memory that CUDA copies to and from asynchronously. With CUDA present,
+  aligned buffers are allocated pinned; on a CPU-only machine pinning means nothing and is skipped.
+- *Size class*: a request for n bytes is served by a buffer of n rounded up to 4 KiB, so freed buffers
+  are reused by later requests of the same class. ``HostBufferPool`` bounds the bytes it holds (in use
+  plus cached), because pinned memory is taken from what the OS can page and too much of it starves
+  the rest of the machine.
+- *Span*: the address, length and owner of any host buffer a transfer reads or writes (``host_span``);
+  the owner is kept alive while the transfer is in flight.
+"""
+from __future__ import annotations
+
+import functools
+import threading
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..config import ALIGNMENT
+
+__all__ = ["ALIGNMENT", "HostBufferPool", "HostSpan", "aligned_empty", "host_span", "is_aligned"]
+
+
+def is_aligned(*values: int) -> bool:
+    """Whether every value (address, offset or length) is a multiple of ALIGNMENT."""
+    return all(v % ALIGNMENT == 0 for v in values)
+
+
+@functools.cache
+def _pin() -> bool:
+    return torch.cuda.is_available()
+
+
+def aligned_empty(nbytes: int, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
+    """An uninitialized CPU tensor of ``nbytes`` bytes at a 4 KiB-aligned address (pinned with CUDA).
+
+    Pinned allocations are page aligned already; otherwise ALIGNMENT spare bytes are allocated and the
+    tensor is a view that starts at the first aligned address (the view keeps the allocation alive).
+    """
+    itemsize = dtype.itemsize
+    if nbytes < 0 or nbytes % itemsize:
+        raise ValueError(f"nbytes = {nbytes}: expected a non-negative multiple of {itemsize} ({dtype})")
+    if _pin():
+        pinned = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        if is_aligned(pinned.data_ptr()):
+            return pinned.view(dtype)
+    raw = torch.empty(nbytes + ALIGNMENT, dtype=torch.uint8, pin_memory=_pin())
+    shift = -raw.data_ptr() % ALIGNMENT
+    return raw[shift:shift + nbytes].view(dtype)
+
+
+def _size_class(nbytes: int) -> int:
+    return max(ALIGNMENT, -(-nbytes // ALIGNMENT) * ALIGNMENT)
+
+
+class HostBufferPool:
+    """Aligned (pinned with CUDA) uint8 buffers reused by size class, at most ``limit_bytes`` held.
+
+    ``acquire(n)`` returns a tensor of exactly n bytes; ``release`` gives it back for reuse. When a new
+    buffer would pass the limit, cached buffers of other classes are freed first; if the bytes in use
+    alone leave no room, ``acquire`` waits for a release (``timeout`` seconds, then TimeoutError).
+    """
+
+    def __init__(self, limit_bytes: int):
+        if limit_bytes < ALIGNMENT:
+            raise ValueError(f"limit_bytes = {limit_bytes}: expected at least {ALIGNMENT}")
+        self.limit_bytes = limit_bytes
+        self._cond = threading.Condition()
+        self._free: dict[int, list[torch.Tensor]] = {}
+        self._in_use: dict[int, torch.Tensor] = {}  # by data_ptr: the address is what callers hand back
+        self._held = 0
+
+    @property
+    def held_bytes(self) -> int:
+        """Bytes of buffers in use plus cached for reuse."""
+        return self._held
+
+    def acquire(self, nbytes: int, timeout: float | None = None) -> torch.Tensor:
+        """A buffer of ``nbytes`` bytes, reused when one of its size class is free."""
+        size = _size_class(nbytes)
+        if size > self.limit_bytes:
+            raise ValueError(f"nbytes = {nbytes}: more than the pool's limit of {self.limit_bytes} bytes")
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while (buffer := self._take(size)) is None:
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0 or not self._cond.wait(remaining):
+                    raise TimeoutError(f"no room for {size} bytes in {timeout} s: "
+                                       f"{self._held} of {self.limit_bytes} bytes are in use")
+            self._in_use[buffer.data_ptr()] = buffer
+        return buffer[:nbytes]
+
+    def _take(self, size: int) -> torch.Tensor | None:
+        """A free buffer of this class, else a new one if room can be made; None if it cannot."""
+        if self._free.get(size):
+            return self._free[size].pop()
+        while self._held + size > self.limit_bytes and self._evict_one():
+            pass
+        if self._held + size > self.limit_bytes:
+            return None
+        self._held += size
+        return aligned_empty(size)
+
+    def _evict_one(self) -> bool:
+        for size, buffers in self._free.items():
+            if buffers:
+                buffers.pop()
+                self._held -= size
+                return True
+        return False
+
+    def release(self, tensor: torch.Tensor) -> None:
+        """Give back a tensor returned by ``acquire``."""
+        with self._cond:
+            buffer = self._in_use.pop(tensor.data_ptr(), None)
+            if buffer is None:
+                raise ValueError("release() of a tensor this pool did not hand out (or released twice)")
+            self._free.setdefault(buffer.numel(), []).append(buffer)
+            self._cond.notify_all()
+
+    def clear(self) -> None:
+        """Free every cached buffer (buffers in use stay valid)."""
+        with self._cond:
+            while self._evict_one():
+                pass
+
+
+@dataclass(frozen=True, slots=True)
+class HostSpan:
+    """Where a transfer's host bytes are: ``addr``, ``nbytes``, and the ``owner`` that keeps them alive."""
+
+    addr: int
+    nbytes: int
+    owner: object
+
+
+def host_span(buffer: object, *, writable: bool) -> HostSpan:
+    """The span of a contiguous CPU tensor (any dtype) or of any C-contiguous buffer-protocol object.
+
+    ``writable`` asks for memory a read may fill: read-only buffers (``bytes``) are refused for it.
+    """
+    if isinstance(buffer, torch.Tensor):
+        if buffer.device.type != "cpu":
+            raise ValueError(f"buffer is on {buffer.device}: AsyncIO moves host memory; copy to a CPU tensor")
+        if not buffer.is_contiguous():
+            raise ValueError("buffer tensor is not contiguous")
+        return HostSpan(buffer.data_ptr(), buffer.nbytes, buffer)
+    view = memoryview(buffer)
+    if not view.c_contiguous:
+        raise ValueError("buffer is not C-contiguous")
+    if writable and view.readonly:
+        raise TypeError(f"cannot read into a read-only {type(buffer).__name__}")
+    array = np.frombuffer(view.cast("B"), dtype=np.uint8)
+    return HostSpan(array.ctypes.data, array.nbytes, array)

@@ -1,0 +1,47 @@
+"""The bytes a run will need per tier and kind, known before anything is allocated.
+
+The plan is an upper bound the engine's allocations never pass, so ``tiers.check_plan`` can refuse a
+config at start and a run that starts does not fail for memory later. Steady-state bytes are exact
+(DESIGN §3's formulas plus padding); temporaries (``Kind.BUFFER``) are bounded per phase, backward
+and optimizer step, and the larger phase counts.
+"""
+from __future__ import annotations
+
+from .partition import UnitLayout
+from .reduction import MAX_BUCKETS_IN_FLIGHT, REDUCE_DTYPE
+from .tiers import Kind, Plan
+
+__all__ = ["plan_memory"]
+
+
+def plan_memory(layouts: list[UnitLayout], *, stage: int, compute_bytes: int, optimizer_tier: str,
+                master_is_param: bool, moments: int, bucket_bytes: int, world_size: int) -> Plan:
+    """Bytes by tier and kind for stages 0–2 (parameters full on the device, states by stage)."""
+    full = sum(u.padded_numel for u in layouts) * compute_bytes
+    shard = sum(u.shard_numel for u in layouts)
+    largest = max(u.padded_numel for u in layouts) * compute_bytes
+    plan: Plan = {"device": {k: 0 for k in Kind}}
+    plan.setdefault(optimizer_tier, {k: 0 for k in Kind})
+    device, optimizer = plan["device"], plan[optimizer_tier]
+    device[Kind.PARAM] = full
+    device[Kind.GRAD] = shard * compute_bytes if stage == 2 else full
+    optimizer[Kind.OPTIMIZER] += shard * 4 * (moments + (0 if master_is_param else 1))
+    reduce_bytes = REDUCE_DTYPE.itemsize
+    in_flight = (MAX_BUCKETS_IN_FLIGHT + 1) * (bucket_bytes + largest // compute_bytes * reduce_bytes)
+    full_reduce = full // compute_bytes * reduce_bytes
+    reduce_phase = min(in_flight, full_reduce)  # staging copies of buckets, in the reduction dtype
+    if stage >= 1:
+        reduce_phase += min(in_flight, shard * reduce_bytes)  # reduce-scatter outputs
+    if stage == 2:
+        reduce_phase += full  # full gradients of units waiting for their turn (worst case: all)
+    if stage == 1:
+        reduce_phase += shard * compute_bytes  # the reduced shards, held until the step
+    step_device = shard * compute_bytes if stage == 1 else 0
+    step_fp32 = 0 if (compute_bytes == 4 and optimizer_tier == "device") else shard * 4
+    gather = max(u.shard_numel for u in layouts) * compute_bytes if world_size > 1 and stage >= 1 else 0
+    if optimizer_tier == "device":
+        device[Kind.BUFFER] = max(reduce_phase, step_device + step_fp32 + gather)
+    else:
+        device[Kind.BUFFER] = max(reduce_phase, step_device + gather)
+        optimizer[Kind.BUFFER] += step_fp32
+    return plan

@@ -1,0 +1,61 @@
+"""``ZeroOptimizer``: torch-style param groups over this rank's fp32 master pieces.
+
+[Note: optimizer pieces]
+The tensors in ``param_groups[i]["params"]`` are *pieces*: views of the fp32 master shards, one per
+parameter part this rank owns (``partition.Piece``). Before a step the engine points each piece's
+``.grad`` at its averaged fp32 gradient, or leaves it ``None`` when no rank produced a gradient for
+that parameter in the window, so torch skips it exactly as it skips an unused parameter. The update
+itself is torch's own (fused AdamW/Adam/SGD kernels where the device has them), sharing these group
+dicts, so LR schedulers and per-group settings behave as with any torch optimizer. Moments live in
+one buffer per unit shard on the optimizer's tier, accounted there, and pieces' state are views of it.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..config import OptimizerConfig
+
+__all__ = ["ZeroOptimizer", "moment_names"]
+
+_TORCH = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch.optim.SGD}
+
+
+def _defaults(config: OptimizerConfig) -> dict:
+    if config.type == "sgd":
+        return {"lr": config.lr, "momentum": config.momentum, "weight_decay": config.weight_decay}
+    return {"lr": config.lr, "betas": config.betas, "eps": config.eps, "weight_decay": config.weight_decay}
+
+
+def _fusable(groups: list[dict]) -> bool:
+    """torch's fused kernels need fp32 tensors on a CPU or CUDA device."""
+    return all(p.dtype == torch.float32 and p.device.type in ("cpu", "cuda") for g in groups for p in g["params"])
+
+
+def moment_names(config: OptimizerConfig) -> tuple[str, ...]:
+    """The per-element state tensors the update keeps (and the optimizer tier must hold)."""
+    if config.type == "sgd":
+        return ("momentum_buffer",) if config.momentum else ()
+    return ("exp_avg", "exp_avg_sq")
+
+
+class ZeroOptimizer(torch.optim.Optimizer):
+    """torch-style ``param_groups`` whose params are master pieces (see [Note: optimizer pieces])."""
+
+    def __init__(self, groups: list[dict], config: OptimizerConfig):
+        super().__init__(groups, _defaults(config))
+        self.kind = config.type
+        self._update = _TORCH[config.type](self.param_groups, fused=_fusable(self.param_groups))
+        self.state = self._update.state
+
+    def attach_state(self, piece: torch.Tensor, moments: dict[str, torch.Tensor]) -> None:
+        """Give a piece its moment tensors (views into tier-owned buffers) before the first step."""
+        state = dict(moments)
+        if self.kind != "sgd":
+            fused = self._update.param_groups[0].get("fused")
+            state["step"] = torch.zeros((), dtype=torch.float32, device=piece.device if fused else "cpu")
+        self.state[piece] = state
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """torch's update over the pieces whose ``.grad`` the engine set."""
+        return self._update.step(closure)

@@ -1,0 +1,252 @@
+"""Units and flat shards: which parameters are managed together, and the one object that owns them.
+
+[Note: unit vocabulary]
+- A *unit* is a module subtree whose parameters are flattened into one buffer and moved by one
+  collective: each module named by ``zero.unit_modules`` (by default each direct child of an
+  ``nn.ModuleList``/``nn.Sequential``), outermost first, plus a *root unit* for the rest. A parameter
+  reached from several modules (tied weights) belongs to the unit of their lowest common ancestor.
+- A unit's *flat* layout puts its parameters end to end in registration order, then pads the total
+  to ``shards × shard_numel``, with ``shard_numel`` a multiple of ``ALIGN_ELEMENTS`` so every shard is
+  4 KiB-aligned in fp32 (and so on disk). Shard ``r`` is ``flat[r*S:(r+1)*S]``.
+- A *slot* is one parameter's place in the flat layout (offset, numel, shape, every name it has).
+- A *piece* is the part of one slot inside this rank's shard: the optimizer works on pieces, so a
+  parameter that got no gradient can be skipped exactly as torch skips ``grad is None``.
+- ``FlatUnit`` owns every tensor of one unit on this rank: ``flat_param`` (compute dtype, full: the
+  module's parameters are views of it), ``flat_grad`` (compute dtype, full, while gradients are
+  accumulated or reduced), ``grad_shard`` (compute dtype, this rank's reduced shard) and ``master``
+  (fp32 shard, a view of ``flat_param`` when fp32 weights already live where the optimizer runs).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .tiers import Kind, Tier
+
+__all__ = ["ALIGN_ELEMENTS", "Slot", "Piece", "UnitLayout", "FlatUnit", "find_units"]
+
+ALIGN_ELEMENTS = 1024
+"""Shard granularity in elements: 4 KiB of fp32, the O_DIRECT alignment."""
+
+
+@dataclass(frozen=True, slots=True)
+class Slot:
+    """One parameter's place in its unit's flat buffer."""
+
+    names: tuple[str, ...]
+    param: nn.Parameter
+    offset: int
+    numel: int
+    shape: torch.Size
+
+    @property
+    def trainable(self) -> bool:
+        return self.param.requires_grad
+
+
+@dataclass(frozen=True, slots=True)
+class Piece:
+    """The part of ``slot`` inside this rank's shard: ``[start, stop)`` in shard coordinates."""
+
+    slot_index: int
+    start: int
+    stop: int
+    flat_start: int
+
+
+@dataclass(frozen=True, slots=True)
+class UnitLayout:
+    """Where a unit's parameters go, computed before any memory is touched."""
+
+    name: str
+    module: nn.Module
+    slots: tuple[Slot, ...]
+    shards: int
+    shard_numel: int
+
+    @property
+    def numel(self) -> int:
+        return sum(s.numel for s in self.slots)
+
+    @property
+    def padded_numel(self) -> int:
+        return self.shards * self.shard_numel
+
+    @property
+    def trainable_numel(self) -> int:
+        return sum(s.numel for s in self.slots if s.trainable)
+
+    def pieces(self, rank: int) -> list[Piece]:
+        """The slots' parts inside shard ``rank`` (slots outside it have none)."""
+        lo, hi = rank * self.shard_numel, (rank + 1) * self.shard_numel
+        out = []
+        for index, slot in enumerate(self.slots):
+            start, stop = max(slot.offset, lo), min(slot.offset + slot.numel, hi)
+            if start < stop:
+                out.append(Piece(index, start - lo, stop - lo, start))
+        return out
+
+
+def _unit_roots(model: nn.Module, unit_modules: list[str]) -> list[str]:
+    """Module paths that start units, outermost only, in registration order."""
+    wanted = set(unit_modules)
+    roots: list[str] = []
+    for path, module in model.named_modules():
+        if any(path.startswith(root + ".") for root in roots):
+            continue
+        if wanted:
+            if path and type(module).__name__ in wanted:
+                roots.append(path)
+        elif isinstance(module, (nn.ModuleList, nn.Sequential)):
+            roots.extend(f"{path}.{name}" if path else name for name, _ in module.named_children())
+    return [r for r in dict.fromkeys(roots) if not any(r.startswith(o + ".") for o in roots if o != r)]
+
+
+def _common_prefix(paths: list[str]) -> str:
+    parts = [p.split(".") if p else [] for p in paths]
+    common = []
+    for items in zip(*parts):
+        if len(set(items)) > 1:
+            break
+        common.append(items[0])
+    return ".".join(common)
+
+
+def find_units(model: nn.Module, unit_modules: list[str], shards: int) -> list[UnitLayout]:
+    """Group the model's parameters into units (see [Note: unit vocabulary]); the root unit comes last."""
+    roots = _unit_roots(model, unit_modules)
+    names: dict[int, list[str]] = {}
+    params: dict[int, nn.Parameter] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+        params[id(param)] = param
+    members: dict[str, list[tuple[tuple[str, ...], nn.Parameter]]] = {root: [] for root in [*roots, ""]}
+    for key, param in params.items():
+        owner = _common_prefix([n.rpartition(".")[0] for n in names[key]])
+        unit = next((r for r in roots if owner == r or owner.startswith(r + ".")), "")
+        members[unit].append((tuple(names[key]), param))
+    modules = dict(model.named_modules())
+    return [_layout(root, modules[root], members[root], shards) for root in [*roots, ""] if members[root]]
+
+
+def _layout(name: str, module: nn.Module, members: list, shards: int) -> UnitLayout:
+    slots, offset = [], 0
+    for param_names, param in members:
+        slots.append(Slot(param_names, param, offset, param.numel(), param.shape))
+        offset += param.numel()
+    per_shard = -(-offset // shards)
+    shard_numel = max(1, -(-per_shard // ALIGN_ELEMENTS)) * ALIGN_ELEMENTS
+    return UnitLayout(name, module, tuple(slots), shards, shard_numel)
+
+
+class FlatUnit:
+    """Every tensor of one unit on this rank, and the moves between them (see the note above).
+
+    Which gradient buffers persist depends on the stage: ``keep_full_grad`` (stages 0–1 accumulate
+    full gradients over the window) and ``keep_grad_shard`` (stage 2 accumulates reduced shards).
+    A buffer that does not persist is a temporary (``Kind.BUFFER``), freed as soon as it is used.
+    """
+
+    def __init__(self, layout: UnitLayout, rank: int, compute_dtype: torch.dtype, *, keep_full_grad: bool,
+                 keep_grad_shard: bool):
+        self.layout = layout
+        self.rank = rank if layout.shards > 1 else 0
+        self.compute_dtype = compute_dtype
+        self.keep_full_grad = keep_full_grad
+        self.keep_grad_shard = keep_grad_shard
+        self.pieces = layout.pieces(self.rank)
+        self.flat_param: torch.Tensor | None = None
+        self.flat_grad: torch.Tensor | None = None
+        self.grad_shard: torch.Tensor | None = None
+        self.master: torch.Tensor | None = None
+        self.master_is_param = False
+        self.has_grad = [False] * len(layout.slots)
+        self.pending = 0
+
+    # ---------------------------------------------------------------- construction
+    @property
+    def shard_range(self) -> slice:
+        s = self.layout.shard_numel
+        return slice(self.rank * s, (self.rank + 1) * s)
+
+    def full_fp32(self) -> torch.Tensor:
+        """The parameters' current fp32 values, flat and padded with zeros (for initialization)."""
+        flat = torch.zeros(self.layout.padded_numel, dtype=torch.float32)
+        for slot in self.layout.slots:
+            flat[slot.offset:slot.offset + slot.numel] = slot.param.detach().reshape(-1).float().cpu()
+        return flat
+
+    def materialize(self, full_fp32: torch.Tensor, device_tier: Tier, master_tier: Tier) -> None:
+        """Move the parameters into ``flat_param`` (the module's tensors become views), make ``master``
+        and the persistent gradient buffers."""
+        layout = self.layout
+        self.flat_param = device_tier.empty(Kind.PARAM, layout.padded_numel, self.compute_dtype)
+        self.flat_param.copy_(full_fp32)
+        for slot in layout.slots:
+            slot.param.data = self.flat_param[slot.offset:slot.offset + slot.numel].view(slot.shape)
+        self.master_is_param = self.compute_dtype == torch.float32 and master_tier is device_tier
+        if self.master_is_param:
+            self.master = self.flat_param[self.shard_range]
+        else:
+            self.master = master_tier.empty(Kind.OPTIMIZER, layout.shard_numel, torch.float32)
+            self.master.copy_(full_fp32[self.shard_range])
+        if self.keep_full_grad:
+            self.flat_grad = device_tier.zeros(Kind.GRAD, layout.padded_numel, self.compute_dtype)
+        if self.keep_grad_shard:
+            self.grad_shard = device_tier.zeros(Kind.GRAD, layout.shard_numel, self.compute_dtype)
+
+    # ---------------------------------------------------------------- gradients
+    def begin_backward(self) -> None:
+        """Expect one gradient from every trainable slot before the unit counts as complete."""
+        self.pending = sum(1 for s in self.layout.slots if s.trainable)
+
+    def ensure_flat_grad(self, tier: Tier) -> torch.Tensor:
+        """The full gradient buffer, made (zeros, temporary) when this pass has none yet."""
+        if self.flat_grad is None:
+            self.flat_grad = tier.zeros(Kind.BUFFER, self.layout.padded_numel, self.compute_dtype)
+        return self.flat_grad
+
+    def accumulate(self, slot_index: int, grad: torch.Tensor, tier: Tier) -> bool:
+        """Add one parameter's gradient into ``flat_grad``; True once every trainable slot has reported."""
+        slot = self.layout.slots[slot_index]
+        self.ensure_flat_grad(tier)[slot.offset:slot.offset + slot.numel].add_(grad.reshape(-1))
+        self.has_grad[slot_index] = True
+        self.pending -= 1
+        return self.pending == 0
+
+    def release_flat_grad(self, tier: Tier) -> None:
+        """Drop a temporary full gradient once it has been reduced (a persistent one stays)."""
+        if not self.keep_full_grad:
+            tier.free(Kind.BUFFER, self.flat_grad)
+            self.flat_grad = None
+
+    def add_grad_shard(self, reduced: torch.Tensor, tier: Tier) -> None:
+        """Accumulate a reduced gradient shard (stage 2 adds one per micro-batch)."""
+        if self.grad_shard is None:
+            self.grad_shard = tier.zeros(Kind.BUFFER, self.layout.shard_numel, self.compute_dtype)
+        self.grad_shard.add_(reduced)
+
+    def local_grad(self) -> torch.Tensor:
+        """What the optimizer reads: the reduced shard, or at stage 0 the full all-reduced buffer."""
+        return self.grad_shard if self.grad_shard is not None else self.flat_grad
+
+    def clear_grads(self, tier: Tier) -> None:
+        """End of an accumulation window: zero persistent gradients, free temporary ones."""
+        for name, keep in (("flat_grad", self.keep_full_grad), ("grad_shard", self.keep_grad_shard)):
+            tensor = getattr(self, name)
+            if keep:
+                tensor.zero_()
+            elif tensor is not None:
+                tier.free(Kind.BUFFER, tensor)
+                setattr(self, name, None)
+        self.has_grad = [False] * len(self.layout.slots)
+
+    # ---------------------------------------------------------------- parameters
+    def publish_master(self) -> torch.Tensor:
+        """Copy the updated fp32 master into this rank's slice of ``flat_param``; returns that slice."""
+        shard = self.flat_param[self.shard_range]
+        if not self.master_is_param:
+            shard.copy_(self.master)
+        return shard

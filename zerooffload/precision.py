@@ -1,0 +1,59 @@
+"""Compute dtypes and fp16 loss scaling.
+
+[Note: loss scaling]
+fp16 gradients underflow unless the loss is multiplied by a *scale* before backward and the
+gradients divided by it after. With ``train.loss_scale = 0`` the scale is *dynamic*, as
+``torch.amp.GradScaler`` does it: it starts at ``2**initial_scale_power``; a step whose gradients
+hold inf/NaN on any rank is *skipped* on every rank and halves the scale (not below
+``min_loss_scale``); ``loss_scale_window`` clean steps in a row double it. ``hysteresis`` (from
+DeepSpeed) lets that many overflows in a row pass before the scale halves; 1 is GradScaler exactly.
+A static scale never changes, and overflowing steps are still skipped.
+"""
+from __future__ import annotations
+
+import torch
+
+from .config import TrainConfig
+
+__all__ = ["COMPUTE_DTYPES", "LossScaler"]
+
+COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class LossScaler:
+    """The loss scale of an fp16 run (1.0 and never changing for fp32/bf16)."""
+
+    def __init__(self, config: TrainConfig):
+        self.enabled = config.precision == "fp16"
+        self.dynamic = self.enabled and config.loss_scale == 0
+        self.scale = (config.loss_scale or 2.0 ** config.initial_scale_power) if self.enabled else 1.0
+        self.window = config.loss_scale_window
+        self.hysteresis = config.hysteresis
+        self.min_scale = config.min_loss_scale
+        self._clean_steps = 0
+        self._hysteresis_left = config.hysteresis
+
+    def update(self, overflow: bool) -> None:
+        """Adjust the scale after a step that did (``overflow``) or did not see inf/NaN gradients."""
+        if not self.dynamic:
+            return
+        if overflow:
+            self._clean_steps = 0
+            if self._hysteresis_left > 1:
+                self._hysteresis_left -= 1
+            else:
+                self.scale = max(self.scale / 2, self.min_scale)
+            return
+        self._clean_steps += 1
+        if self._clean_steps == self.window:
+            self.scale *= 2
+            self._clean_steps = 0
+            self._hysteresis_left = self.hysteresis
+
+    def state_dict(self) -> dict:
+        return {"scale": self.scale, "clean_steps": self._clean_steps, "hysteresis_left": self._hysteresis_left}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.scale = state["scale"]
+        self._clean_steps = state["clean_steps"]
+        self._hysteresis_left = state["hysteresis_left"]

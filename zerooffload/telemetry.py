@@ -1,0 +1,62 @@
+"""What the engine reports: memory per tier × kind, and the last step's numbers (frozen snapshots)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Mapping
+
+from .tiers import Kind, Tier
+
+__all__ = ["MemoryReport", "StepStats", "memory_report"]
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryReport:
+    """Bytes the engine holds now, per tier and kind; each tier's peak and budget (None = unlimited)."""
+
+    bytes_by_tier: Mapping[str, Mapping[str, int]]
+    peaks: Mapping[str, int]
+    budgets: Mapping[str, int | None]
+
+    def bytes(self, tier: str, kind: str | Kind) -> int:
+        return self.bytes_by_tier[tier][kind.value if isinstance(kind, Kind) else kind]
+
+    def total(self, tier: str) -> int:
+        return sum(self.bytes_by_tier[tier].values())
+
+    def __str__(self) -> str:
+        kinds = [k.value for k in Kind]
+        lines = [f"{'tier':<8}" + "".join(f"{k:>14}" for k in kinds) + f"{'peak':>14}{'budget':>14}"]
+        for tier, by_kind in self.bytes_by_tier.items():
+            budget = self.budgets[tier]
+            lines.append(f"{tier:<8}" + "".join(f"{by_kind[k]:>14,}" for k in kinds)
+                         + f"{self.peaks[tier]:>14,}" + f"{'-' if budget is None else f'{budget:,}':>14}")
+        return "\n".join(lines)
+
+
+def memory_report(tiers: dict[str, Tier]) -> MemoryReport:
+    """A snapshot of every tier's accounting."""
+    return MemoryReport(
+        MappingProxyType({name: MappingProxyType({k.value: t.usage[k] for k in Kind}) for name, t in tiers.items()}),
+        MappingProxyType({name: t.peak for name, t in tiers.items()}),
+        MappingProxyType({name: t.budget for name, t in tiers.items()}))
+
+
+@dataclass(frozen=True, slots=True)
+class StepStats:
+    """The last accumulation window: what the optimizer did and what the collectives moved."""
+
+    step: int
+    """Optimizer steps attempted so far (updates plus skipped)."""
+    updated: bool
+    skipped_steps: int
+    """fp16 steps skipped for inf/NaN gradients, in total."""
+    grad_norm: float | None
+    """Global gradient norm before clipping (None before the first step)."""
+    loss_scale: float
+    lr: float
+    data_elements: int
+    """Collective elements per rank in the window (DESIGN §3's convention)."""
+    data_bytes: int
+    control_elements: int
+    memory: MemoryReport
