@@ -38,6 +38,12 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
+def _cmd_train(args: argparse.Namespace) -> int:
+    from .train import run_training
+
+    return run_training(args)
+
+
 def _cmd_estimate(args: argparse.Namespace) -> int:
     from .estimate import estimate, format_table
 
@@ -76,6 +82,14 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="zerooffload", description=__doc__.splitlines()[0])
     parser.add_argument("--log-level", default="WARNING", help="logging level (DEBUG, INFO, WARNING)")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    from .models import PRESETS
+
+    train = commands.add_parser("train", help="train the built-in GPT on the offline byte corpus")
+    train.add_argument("--steps", type=int, default=300, help="optimizer steps (default 300)")
+    train.add_argument("--model", default="nano", choices=list(PRESETS), help="GPT preset (default nano)")
+    train.add_argument("--out", default="zerooffload-out", help="directory for summary.json")
+    _add_config_arguments(train)
+    train.set_defaults(run=_cmd_train)
     doctor = commands.add_parser("doctor", help="check the native backend, io_uring, O_DIRECT, CUDA, free space")
     _add_config_arguments(doctor)
     doctor.set_defaults(run=_cmd_doctor)

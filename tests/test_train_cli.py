@@ -1,0 +1,42 @@
+"""``zerooffload train``: the main job, alone and under torchrun (the CI smoke test)."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from zerooffload.models import GPT, PRESETS
+
+
+def _run(args: list[str], tmp_path, timeout: int = 300) -> dict:
+    out = tmp_path / "out"
+    run = subprocess.run([*args, "--out", str(out)], capture_output=True, text=True, timeout=timeout,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
+    assert "trained nano" in run.stdout
+    return json.loads((out / "summary.json").read_text())
+
+
+def test_train_smoke_30_steps(tmp_path):
+    summary = _run([sys.executable, "-m", "zerooffload", "train", "--steps", "30"], tmp_path)
+    assert summary["steps"] == 30 and summary["stage"] == 2 and summary["world_size"] == 1
+    assert summary["loss_ratio"] < 0.9  # the loss falls even in 30 steps
+    assert all(0 < loss < 6 for loss in summary["losses"])
+
+
+def test_train_under_torchrun_two_ranks(tmp_path):
+    torchrun = shutil.which("torchrun") or pytest.skip("torchrun not on PATH")
+    summary = _run([torchrun, "--standalone", "--nproc-per-node", "2", "-m", "zerooffload", "train", "--steps", "8",
+                    "zero.stage=1"], tmp_path)
+    assert summary["world_size"] == 2 and summary["stage"] == 1 and summary["steps"] == 8
+
+
+def test_presets_span_1m_to_2b_and_the_largest_outgrows_this_machine():
+    sizes = {name: config.num_params for name, config in PRESETS.items()}
+    assert min(sizes.values()) < 1.5e6 and max(sizes.values()) > 1.9e9
+    assert max(sizes.values()) * 16 > 24 * 2**30  # bf16 model states of the largest exceed 24 GiB
+    assert sum(p.numel() for p in GPT(PRESETS["small"]).parameters()) == PRESETS["small"].num_params

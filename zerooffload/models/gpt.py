@@ -1,0 +1,120 @@
+"""A GPT in plain PyTorch, read top to bottom (after nanoGPT): byte-level tokens, tied embeddings.
+
+The blocks sit in an ``nn.ModuleList``, so each becomes one ZeRO unit by the default rule; the
+embeddings, final norm and tied head form the root unit. ``forward(idx, targets=None)`` returns the
+logits, or the mean cross-entropy loss when ``targets`` are given.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["GPTConfig", "GPT", "PRESETS"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class GPTConfig:
+    vocab_size: int = 256
+    """Byte-level tokens: every byte value is a token."""
+    block_size: int = 256
+    """Longest sequence the position embedding covers."""
+    n_layer: int = 4
+    n_head: int = 4
+    n_embd: int = 128
+
+    def __post_init__(self) -> None:
+        if self.n_embd % self.n_head:
+            raise ValueError(f"n_embd = {self.n_embd} must be a multiple of n_head = {self.n_head}")
+
+    @property
+    def num_params(self) -> int:
+        """Parameters (the tied head counted once): 12·L·d² for the blocks plus embeddings and norms."""
+        d, layers = self.n_embd, self.n_layer
+        per_block = 12 * d * d + 13 * d
+        return layers * per_block + (self.vocab_size + self.block_size) * d + 2 * d
+
+
+PRESETS = {
+    "nano": GPTConfig(n_layer=4, n_head=4, n_embd=128, block_size=128),       # ~0.85M
+    "small": GPTConfig(n_layer=6, n_head=6, n_embd=384),                       # ~10.8M
+    "50m": GPTConfig(n_layer=7, n_head=12, n_embd=768),                        # ~50M
+    "350m": GPTConfig(n_layer=24, n_head=16, n_embd=1024, block_size=1024),    # ~0.30B
+    "1b": GPTConfig(n_layer=24, n_head=16, n_embd=2048, block_size=1024),      # ~1.2B
+    "2b": GPTConfig(n_layer=32, n_head=24, n_embd=2304, block_size=1024),      # ~2.0B: bf16 model states ~33 GB
+}
+
+
+class SelfAttention(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.n_head = config.n_head
+        self.qkv = nn.Linear(config.n_embd, 3 * config.n_embd)
+        self.proj = nn.Linear(config.n_embd, config.n_embd)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq, width = x.shape
+        q, k, v = self.qkv(x).split(width, dim=2)
+        q, k, v = (t.view(batch, seq, self.n_head, width // self.n_head).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(batch, seq, width))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.fc = nn.Linear(config.n_embd, 4 * config.n_embd)
+        self.proj = nn.Linear(4 * config.n_embd, config.n_embd)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(F.gelu(self.fc(x)))
+
+
+class Block(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.n_embd)
+        self.attn = SelfAttention(config)
+        self.ln_2 = nn.LayerNorm(config.n_embd)
+        self.mlp = MLP(config)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.config = config
+        self.wte = nn.Embedding(config.vocab_size, config.n_embd)
+        self.wpe = nn.Embedding(config.block_size, config.n_embd)
+        self.h = nn.ModuleList(Block(config) for _ in range(config.n_layer))
+        self.ln_f = nn.LayerNorm(config.n_embd)
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.lm_head.weight = self.wte.weight
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """GPT-2's init: N(0, 0.02), residual projections scaled by 1/sqrt(2·layers), zero biases."""
+        for name, param in self.named_parameters():
+            if name.endswith("bias"):
+                nn.init.zeros_(param)
+            elif param.dim() >= 2:
+                std = 0.02 / math.sqrt(2 * self.config.n_layer) if name.endswith("proj.weight") else 0.02
+                nn.init.normal_(param, mean=0.0, std=std)
+            else:
+                nn.init.ones_(param)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        positions = torch.arange(idx.shape[1], device=idx.device)
+        x = self.wte(idx) + self.wpe(positions)
+        for block in self.h:
+            x = block(x)
+        logits = self.lm_head(self.ln_f(x))
+        if targets is None:
+            return logits
+        return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
