@@ -86,3 +86,9 @@ def test_host_optimizer_tier_equals_device_tier(rank_pools):
 
 def test_accumulation_of_four_without_clipping(rank_pools):
     _check(rank_pools(2).run(train_case, 2, "fp32", accum=4, clip=0.0)[0], "fp32", accum=4)
+
+
+@pytest.mark.parametrize("stage, precision", [(0, "fp32"), (2, "bf16")])
+def test_activation_checkpointing_changes_nothing(rank_pools, stage, precision):
+    result = rank_pools(2).run(train_case, stage, precision, train={"activation_checkpointing": True})[0]
+    _check(result, precision)

@@ -172,3 +172,20 @@ def test_unsupported_settings_are_refused_by_name():
         zo.initialize(_mlp(), {"zero": {"stage": 3}})
     with pytest.raises(zo.ConfigError, match="offload.optimizer.tier = 'nvme'"):
         zo.initialize(_mlp(), {"offload": {"optimizer": {"tier": "nvme"}}})
+
+
+def test_activation_checkpointing_recomputes_block_forwards():
+    from zerooffload.models import GPT, GPTConfig
+
+    calls = []
+    for checkpointing in (False, True):
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16))
+        count = [0]
+        model.h[0].mlp.fc.register_forward_hook(lambda *_: count.__setitem__(0, count[0] + 1))
+        engine = zo.initialize(model, {"train": {"activation_checkpointing": checkpointing}})
+        idx = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+        engine.backward(engine(idx, idx))
+        engine.step()
+        calls.append(count[0])
+    assert calls == [1, 2]  # once in forward, once more when backward recomputes

@@ -22,6 +22,7 @@ from functools import partial
 from typing import Any, Iterator
 
 import torch
+import torch.utils.checkpoint
 from torch import nn
 
 from .comm import Comm, all_gather, broadcast, control_all_reduce, init_comm
@@ -76,6 +77,22 @@ def _cast_floats(value: Any, dtype: torch.dtype) -> Any:
     return value
 
 
+def _checkpoint_forward(module: nn.Module) -> None:
+    """Recompute ``module``'s activations in backward (``train.activation_checkpointing``).
+
+    The module's own ``forward`` is wrapped on the instance (its class is left alone) with torch's
+    non-reentrant checkpoint, only while gradients are enabled so evaluation runs plainly.
+    """
+    forward = module.forward
+
+    def checkpointed(*args: Any, **kwargs: Any) -> Any:
+        if torch.is_grad_enabled():
+            return torch.utils.checkpoint.checkpoint(forward, *args, use_reentrant=False, **kwargs)
+        return forward(*args, **kwargs)
+
+    module.forward = checkpointed
+
+
 class Engine:
     """Trains one module with ZeRO stages 0–2; see [Note: a step]."""
 
@@ -104,6 +121,10 @@ class Engine:
         self.reducer = GradReducer(comm, self._reduction_order(), mode, config.zero.bucket_size, self.tiers["device"])
         self._hooks = [slot.param.register_post_accumulate_grad_hook(partial(self._on_grad, unit, index))
                        for unit in self.units for index, slot in enumerate(unit.layout.slots) if slot.trainable]
+        if config.train.activation_checkpointing:
+            for unit in self.units:
+                if unit.layout.name:  # block units; the root unit holds the embeddings and head
+                    _checkpoint_forward(unit.layout.module)
         self.micro_steps = 0
         self._stepped_at = 0
         self.global_steps = 0
