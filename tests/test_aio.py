@@ -26,20 +26,6 @@ from zerooffload.io.backends import BACKENDS
 MiB = 1 << 20
 
 
-@pytest.fixture(scope="module")
-def engines():
-    made: dict[str, AsyncIO] = {}
-
-    def get(name: str) -> AsyncIO:
-        if name not in made:
-            made[name] = AsyncIO(config(name))
-        return made[name]
-
-    yield get
-    for aio in made.values():
-        aio.close()
-
-
 def _file_bytes(path) -> bytes:
     with open(path, "rb") as f:
         return f.read()

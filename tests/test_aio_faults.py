@@ -22,20 +22,6 @@ from zerooffload.io.backends import BACKENDS
 MiB = 1 << 20
 
 
-@pytest.fixture(scope="module")
-def engines():
-    made: dict[str, AsyncIO] = {}
-
-    def get(name: str) -> AsyncIO:
-        if name not in made:
-            made[name] = AsyncIO(config(name))
-        return made[name]
-
-    yield get
-    for aio in made.values():
-        aio.close()
-
-
 def test_missing_directory(tmp_path):
     path = tmp_path / "no" / "such" / "dir" / "f.bin"
     with pytest.raises(AioError) as info:

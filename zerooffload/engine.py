@@ -250,7 +250,8 @@ class Engine:
     def _global_norm_and_flags(self, grads: list[torch.Tensor]) -> tuple[float, list[torch.Tensor]]:
         """One control all-reduce: the squared gradient norm and each slot's "had a gradient" count."""
         flags = [torch.tensor(u.has_grad, dtype=torch.float64) for u in self.units]
-        local_sq = torch.stack([g.double().pow(2).sum() for g in grads]).sum().cpu().reshape(1)
+        norms = torch.stack([torch.linalg.vector_norm(g) for g in grads]).double()  # one pass, no fp64 copy
+        local_sq = norms.square().sum().cpu().reshape(1)
         if self.stage == 0 and self.comm.rank != 0:
             local_sq.zero_()  # stage 0 gradients are whole on every rank: count them once
         control = control_all_reduce(self.comm, torch.cat([local_sq, *flags]).to(self.comm.device)).cpu()
@@ -272,16 +273,21 @@ class Engine:
         self.optimizer.step()
         for _, _, tensor in self._pieces:
             tensor.grad = None
-        for unit in self.units:
-            self._publish(unit)
+        self._publish()
 
-    def _publish(self, unit: FlatUnit) -> None:
-        shard = unit.publish_master()
-        if unit.layout.shards > 1 and self.comm.world_size > 1:
-            source = self.tiers["device"].empty(Kind.BUFFER, shard.numel(), shard.dtype)
-            source.copy_(shard)  # all-gather input must not alias its output
-            all_gather(self.comm, unit.flat_param, source)
-            self.tiers["device"].free(Kind.BUFFER, source)
+    def _publish(self) -> None:
+        """New masters into the compute weights; at stages 1–2 every unit's all-gather in flight at once."""
+        device = self.tiers["device"]
+        pending = []
+        for unit in self.units:
+            shard = unit.publish_master()
+            if unit.layout.shards > 1 and self.comm.world_size > 1:
+                source = device.empty(Kind.BUFFER, shard.numel(), shard.dtype)
+                source.copy_(shard)  # all-gather input must not alias its output
+                pending.append((source, all_gather(self.comm, unit.flat_param, source, async_op=True)))
+        for source, work in pending:
+            work.wait()
+            device.free(Kind.BUFFER, source)
 
     def _release(self, grads: list[torch.Tensor]) -> None:
         for unit, grad in zip(self.units, grads):

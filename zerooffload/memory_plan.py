@@ -38,7 +38,7 @@ def plan_memory(layouts: list[UnitLayout], *, stage: int, compute_bytes: int, op
         reduce_phase += shard * compute_bytes  # the reduced shards, held until the step
     step_device = shard * compute_bytes if stage == 1 else 0
     step_fp32 = 0 if (compute_bytes == 4 and optimizer_tier == "device") else shard * 4
-    gather = max(u.shard_numel for u in layouts) * compute_bytes if world_size > 1 and stage >= 1 else 0
+    gather = shard * compute_bytes if world_size > 1 and stage >= 1 else 0  # all-gather inputs, all at once
     if optimizer_tier == "device":
         device[Kind.BUFFER] = max(reduce_phase, step_device + step_fp32 + gather)
     else:

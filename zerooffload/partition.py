@@ -163,6 +163,7 @@ class FlatUnit:
         self.master: torch.Tensor | None = None
         self.master_is_param = False
         self.has_grad = [False] * len(layout.slots)
+        self._written = [False] * len(layout.slots)
         self.pending = 0
 
     # ---------------------------------------------------------------- construction
@@ -206,15 +207,31 @@ class FlatUnit:
         """The full gradient buffer, made (zeros, temporary) when this pass has none yet."""
         if self.flat_grad is None:
             self.flat_grad = tier.zeros(Kind.BUFFER, self.layout.padded_numel, self.compute_dtype)
+            self._written = [False] * len(self.layout.slots)
         return self.flat_grad
 
     def accumulate(self, slot_index: int, grad: torch.Tensor, tier: Tier) -> bool:
-        """Add one parameter's gradient into ``flat_grad``; True once every trainable slot has reported."""
+        """Put one parameter's gradient into ``flat_grad``; True once every trainable slot has reported.
+
+        The first gradient of a window is copied over whatever the buffer held, later ones added, so a
+        persistent buffer is never zero-filled; ``zero_unwritten`` clears the slots nobody wrote.
+        """
         slot = self.layout.slots[slot_index]
-        self.ensure_flat_grad(tier)[slot.offset:slot.offset + slot.numel].add_(grad.reshape(-1))
+        view = self.ensure_flat_grad(tier)[slot.offset:slot.offset + slot.numel]
+        if self._written[slot_index]:
+            view.add_(grad.reshape(-1))
+        else:
+            view.copy_(grad.reshape(-1))
+            self._written[slot_index] = True
         self.has_grad[slot_index] = True
         self.pending -= 1
         return self.pending == 0
+
+    def zero_unwritten(self) -> None:
+        """Zero the slots that got no gradient this window, before the buffer is reduced."""
+        for slot, written in zip(self.layout.slots, self._written):
+            if not written:
+                self.flat_grad[slot.offset:slot.offset + slot.numel].zero_()
 
     def release_flat_grad(self, tier: Tier) -> None:
         """Drop a temporary full gradient once it has been reduced (a persistent one stays)."""
@@ -233,15 +250,19 @@ class FlatUnit:
         return self.grad_shard if self.grad_shard is not None else self.flat_grad
 
     def clear_grads(self, tier: Tier) -> None:
-        """End of an accumulation window: zero persistent gradients, free temporary ones."""
+        """End of an accumulation window: forget persistent gradients, free temporary ones.
+
+        A persistent full gradient is not zero-filled: the next window's first gradients overwrite it.
+        """
         for name, keep in (("flat_grad", self.keep_full_grad), ("grad_shard", self.keep_grad_shard)):
             tensor = getattr(self, name)
-            if keep:
+            if keep and name == "grad_shard":
                 tensor.zero_()
-            elif tensor is not None:
+            elif not keep and tensor is not None:
                 tier.free(Kind.BUFFER, tensor)
                 setattr(self, name, None)
         self.has_grad = [False] * len(self.layout.slots)
+        self._written = [False] * len(self.layout.slots)
 
     # ---------------------------------------------------------------- parameters
     def publish_master(self) -> torch.Tensor:

@@ -9,7 +9,8 @@ units are packed into *buckets* by that order and their sizes alone, never by ti
 the end launches whatever is left. Ranks thus agree on every bucket, and overlap with backward is
 as good as the model's real order allows.
 
-A bucket holds units until its fp32 staging reaches ``zero.bucket_size`` bytes; at most
+A bucket holds small units until its fp32 staging reaches ``zero.bucket_size`` bytes, while a unit of
+half that or more is reduced alone, in its own buffer when it is fp32; at most
 ``MAX_BUCKETS_IN_FLIGHT`` are in flight, so staging memory stays bounded.
 
 Sums run in ``REDUCE_DTYPE`` (fp32) whatever the compute dtype: a bf16 sum over ranks rounds after
@@ -87,9 +88,19 @@ class GradReducer:
 
     def _add(self, unit: FlatUnit) -> None:
         unit.ensure_flat_grad(self.tier)  # zeros here when this rank had none: the peers may have some
+        unit.zero_unwritten()
+        if self.comm.world_size == 1:  # nothing to sum: no staging, no collective
+            if self.mode is Mode.REDUCE_SCATTER:
+                unit.add_grad_shard(unit.flat_grad, self.tier)
+                unit.release_flat_grad(self.tier)
+            return
+        nbytes = unit.layout.padded_numel * REDUCE_DTYPE.itemsize
+        alone = nbytes >= self.bucket_bytes // 2
+        if alone:
+            self._launch()  # a large unit goes alone, reduced in place: staging it would only copy
         self._filling.units.append(unit)
-        self._filling.nbytes += unit.layout.padded_numel * REDUCE_DTYPE.itemsize
-        if self._filling.nbytes >= self.bucket_bytes:
+        self._filling.nbytes += nbytes
+        if alone or self._filling.nbytes >= self.bucket_bytes:
             self._launch()
 
     def _launch(self) -> None:

@@ -1,0 +1,347 @@
+"""``zerooffload bench io``: write then read one test file through each I/O backend; report GB/s.
+
+[Note: bench vocabulary]
+- A *setting* is one ``AioConfig`` to measure: a backend with a block size and either a queue depth
+  (``uring``: pieces in flight in the ring) or a thread count (``pool``, ``python``, ``aiofiles``:
+  one piece in flight per worker). The knob a backend ignores is recorded as ``None``, so a table
+  never suggests that ``queue_depth`` changed a thread pool's result.
+- A *run* measures one setting: one timed write of the whole *payload* (page-aligned random bytes,
+  changed before every run so a write that did nothing cannot pass), ``os.fsync`` included, then one
+  timed read into the *readback* buffer (zeroed first, so a read that did nothing cannot pass), then
+  a byte-for-byte check outside the timing.
+- A *record* is one op of one run: backend, op ("write" | "read"), the setting's knobs, bytes,
+  seconds and ``gbps`` (GB = 1e9 bytes, the unit disks are sold in).
+
+Transfers use ``AsyncIO(raw=True)`` on an O_DIRECT file, so no page cache and no bounce copy is ever
+measured. This module is a face (DESIGN §3): it parses, measures through the public I/O layer,
+prints and plots; it holds no I/O logic of its own.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import difflib
+import json
+import logging
+import os
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import psutil
+import torch
+from tqdm import tqdm
+
+from .config import ALIGNMENT, AioConfig, Config, ConfigError, format_size, parse_size
+from .io import AioError, AioFile, AsyncIO, aligned_empty, open_file
+
+__all__ = ["BenchError", "Record", "run_io_bench"]
+
+log = logging.getLogger("zerooffload.bench")
+
+BACKENDS = ("uring", "pool", "python", "aiofiles")
+"""Every backend ``bench io`` knows, in the order they are measured (fastest expected first)."""
+
+QUEUE_BACKENDS = frozenset({"uring"})
+"""Backends whose in-flight bound is ``queue_depth``; the others are bounded by ``threads``."""
+
+SWEEP_BLOCK_SIZES = (256 << 10, 1 << 20, 4 << 20)
+SWEEP_QUEUE_DEPTHS = (4, 16, 32)
+"""io_uring's grid: 4 shows the latency-bound end, 32 is the aio.queue_depth default (deeper did not help
+fio on the disks measured, shared/anchors/README.md)."""
+SWEEP_NATIVE_THREADS = (4, 16, 32)
+"""The native pool's analogue of queue depth (one piece in flight per worker)."""
+SWEEP_PYTHON_THREADS = (1, 4)
+"""The Python baselines' grid: 1 shows the single-stream cost, 4 what the GIL lets threads overlap."""
+
+
+class BenchError(Exception):
+    """A run that cannot start or a check that failed; ``code`` is the exit status (2 usage, 1 failure)."""
+
+    def __init__(self, message: str, code: int = 1):
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass(frozen=True, slots=True)
+class Record:
+    """One op of one run; ``as_json`` gives exactly the keys the ``--json`` output promises."""
+
+    backend: str
+    op: str
+    block_size: int
+    queue_depth: int | None
+    threads: int | None
+    bytes: int
+    seconds: float
+
+    @property
+    def gbps(self) -> float:
+        return self.bytes / self.seconds / 1e9
+
+    def as_json(self) -> dict:
+        return {**dataclasses.asdict(self), "gbps": self.gbps}
+
+
+# ------------------------------------------------------------------------------------------------
+# Entry point
+
+
+def run_io_bench(args: argparse.Namespace, config: Config) -> int:
+    """Measure every chosen setting, then print a table (or JSON) and save the plot; the exit status.
+
+    Usage problems (a bad flag, too little space) exit 2 before any I/O; a byte that does not read
+    back as written exits 1; Ctrl-C exits 130. The test file is deleted in every case.
+    """
+    try:
+        size = _parse_total(args.size)
+        directory = args.path or config.nvme.paths[0]
+        if args.plot:
+            _require_matplotlib()
+        settings = _settings(args, config.aio)
+        _preflight(directory, size)
+        records = _measure(settings, directory, size)
+    except BenchError as exc:
+        print(f"zerooffload bench io: {exc}", file=sys.stderr)
+        return exc.code
+    except KeyboardInterrupt:
+        print("zerooffload bench io: interrupted (no test file left behind)", file=sys.stderr)
+        return 130
+    print(json.dumps([r.as_json() for r in records], indent=1) if args.json else format_table(records))
+    if args.plot:
+        try:
+            plot(records, args.plot)
+        except OSError as exc:
+            print(f"zerooffload bench io: cannot save --plot {args.plot}: {exc.strerror}", file=sys.stderr)
+            return 1
+        log.info("saved plot %s", args.plot)
+    return 0
+
+
+# ------------------------------------------------------------------------------------------------
+# Parsing: flags and config into settings
+
+
+def _parse_total(text: str) -> int:
+    """``--size`` in bytes: positive and a multiple of 4096, as O_DIRECT transfers must be."""
+    try:
+        size = parse_size(text, "--size")
+    except ConfigError as exc:
+        raise BenchError(str(exc), code=2) from None
+    if size <= 0 or size % ALIGNMENT:
+        raise BenchError(f"--size {text}: must be a positive multiple of {ALIGNMENT} bytes (O_DIRECT)", code=2)
+    return size
+
+
+def _backend_names(asked: list[str] | None) -> list[str]:
+    """The backends to measure: those asked for (checked), else all (any that cannot run here is skipped
+    with a warning when its turn comes, so one missing extension does not cost the other results)."""
+    if asked:
+        for name in asked:
+            if name not in BACKENDS:
+                near = difflib.get_close_matches(name, BACKENDS, n=1)
+                hint = f"; did you mean {near[0]!r}?" if near else ""
+                raise BenchError(f"--backend {name!r} is not a backend{hint} (choose from {', '.join(BACKENDS)})",
+                                 code=2)
+        return list(dict.fromkeys(asked))
+    return list(BACKENDS)
+
+
+def _settings(args: argparse.Namespace, base: AioConfig) -> list[AioConfig]:
+    """One AioConfig per run: the flags over ``config.aio``; with ``--sweep``, each backend's grid over
+    the knobs that no flag pins (``--sweep --block-size 1MiB`` sweeps queue depths and threads only)."""
+    base = dataclasses.replace(base, direct=True)
+    pinned = set()
+    for flag, key, value in (("--block-size", "block_size", args.block_size),
+                             ("--queue-depth", "queue_depth", args.queue_depth),
+                             ("--threads", "threads", args.threads)):
+        if value is not None:
+            try:  # AioConfig checks the value; the message names the flag as well as the aio.* key
+                base = dataclasses.replace(base, **{key: value})
+                pinned.add(key)
+            except ConfigError as exc:
+                raise BenchError(f"{flag} {value}: {exc}", code=2) from None
+    grids = {name: _grid(name, pinned) if args.sweep else [{}] for name in _backend_names(args.backend)}
+    return [dataclasses.replace(base, backend=name, **point) for name, grid in grids.items() for point in grid]
+
+
+def _grid(backend: str, pinned: set[str]) -> list[dict]:
+    """The sweep for one backend: block sizes x its own in-flight knob (see the constants above),
+    less the knobs in ``pinned``."""
+    if backend in QUEUE_BACKENDS:
+        axes = {"block_size": SWEEP_BLOCK_SIZES, "queue_depth": SWEEP_QUEUE_DEPTHS}
+    else:
+        axes = {"block_size": SWEEP_BLOCK_SIZES,
+                "threads": SWEEP_NATIVE_THREADS if backend == "pool" else SWEEP_PYTHON_THREADS}
+    points = [{}]
+    for key, values in axes.items():
+        if key not in pinned:
+            points = [{**point, key: value} for point in points for value in values]
+    return points
+
+
+def _require_matplotlib() -> None:
+    """Fail before measuring, not after minutes of I/O, when ``--plot`` cannot be honoured."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise BenchError("--plot needs matplotlib: pip install 'zerooffload[plot]'", code=2) from None
+
+
+def _preflight(directory: str, size: int) -> None:
+    """Refuse up front what would fail half way: no directory, too little disk or memory."""
+    if not os.path.isdir(directory):
+        raise BenchError(f"--path {directory}: not a directory", code=2)
+    free = shutil.disk_usage(directory).free
+    if free < size:
+        raise BenchError(f"--size {format_size(size)} ({size} bytes) does not fit in {directory}: only "
+                         f"{free} bytes free; pass a smaller --size or another --path", code=2)
+    memory = psutil.virtual_memory().available
+    if memory < 2 * size:  # the payload and the readback buffer
+        raise BenchError(f"--size {size} bytes needs twice that in host memory (payload and readback); "
+                         f"only {memory} bytes are available", code=2)
+
+
+# ------------------------------------------------------------------------------------------------
+# Measuring
+
+
+@contextlib.contextmanager
+def _test_file(directory: str, size: int) -> Iterator[AioFile]:
+    """A fresh O_DIRECT file of ``size`` bytes, deleted on leaving (also on error and Ctrl-C).
+
+    The file is preallocated once with posix_fallocate, so every timed write lands inside the file
+    size: ext4 serializes writes that extend a file (they take the inode lock exclusively), which
+    would measure the filesystem's lock rather than the backend's parallelism.
+    """
+    fd, path = tempfile.mkstemp(prefix="zerooffload-bench-", suffix=".dat", dir=directory)
+    try:
+        os.close(fd)
+        try:
+            with open_file(path, "rw", direct=True) as file:
+                os.posix_fallocate(file.fd, 0, size)
+                yield file
+        except AioError as exc:  # open, or a transfer: the message names the file, offset and errno
+            hint = " (choose a --path on a filesystem with O_DIRECT)" if exc.op == "open" else ""
+            raise BenchError(f"{exc}{hint}") from None
+        except OSError as exc:  # posix_fallocate, fsync
+            raise BenchError(f"{path}: [Errno {exc.errno}] {exc.strerror}") from None
+    finally:
+        os.unlink(path)
+
+
+def _measure(settings: list[AioConfig], directory: str, size: int) -> list[Record]:
+    """Run every setting on one test file, one progress tick per run; skip backends that cannot run."""
+    payload, readback = aligned_empty(size), aligned_empty(size)
+    payload.random_(0, 256, generator=torch.Generator().manual_seed(0))
+    records: list[Record] = []
+    skipped: set[str] = set()
+    with _test_file(directory, size) as file, tqdm(total=len(settings), unit="run", file=sys.stderr,
+                                                   disable=None, desc="bench io") as bar:
+        for setting in settings:
+            if setting.backend not in skipped:
+                payload.add_(1)  # new bytes each run: a write that moved nothing would read back stale
+                try:
+                    records += _run(setting, file, payload, readback)
+                except _Unavailable as exc:
+                    skipped.add(setting.backend)
+                    log.warning("skipping backend %s: %s", setting.backend, exc)
+            bar.update(1)
+    if not records:
+        raise BenchError(f"no backend could run here (skipped: {', '.join(sorted(skipped))})")
+    return records
+
+
+class _Unavailable(Exception):
+    """The backend cannot start on this machine (the reason is the message)."""
+
+
+def _run(setting: AioConfig, file: AioFile, payload: torch.Tensor, readback: torch.Tensor) -> list[Record]:
+    """One timed write (with fsync) and one timed read of the whole file, then the byte check."""
+    try:
+        aio = AsyncIO(setting, raw=True)
+    except RuntimeError as exc:
+        raise _Unavailable(str(exc)) from None
+    readback.zero_()
+    with aio:
+        start = time.perf_counter()
+        aio.write(file, payload, 0).wait()
+        os.fsync(file.fd)
+        wrote = time.perf_counter() - start
+        start = time.perf_counter()
+        aio.read(file, readback, 0).wait()
+        read = time.perf_counter() - start
+    _verify(setting.backend, payload, readback)
+    return [_record(setting, "write", payload.numel(), wrote), _record(setting, "read", payload.numel(), read)]
+
+
+def _record(setting: AioConfig, op: str, nbytes: int, seconds: float) -> Record:
+    queued = setting.backend in QUEUE_BACKENDS
+    return Record(setting.backend, op, setting.block_size, setting.queue_depth if queued else None,
+                  None if queued else setting.threads, nbytes, seconds)
+
+
+def _verify(backend: str, written: torch.Tensor, read: torch.Tensor, chunk: int = 64 << 20) -> None:
+    """Every byte read back equals the byte written, or BenchError naming the first bad offset.
+
+    Compared chunk by chunk so that locating a mismatch never needs a mask as large as the file.
+    """
+    if torch.equal(written, read):
+        return
+    for start in range(0, written.numel(), chunk):
+        diff = (written[start:start + chunk] != read[start:start + chunk]).nonzero()
+        if diff.numel():
+            offset = start + int(diff[0])
+            raise BenchError(f"{backend}: data read back differs from what was written, first at byte offset "
+                             f"{offset} (wrote {int(written[offset])}, read {int(read[offset])})")
+    raise AssertionError("torch.equal found a difference that no chunk shows")
+
+
+# ------------------------------------------------------------------------------------------------
+# Output
+
+
+def _knob(value: int | None) -> str:
+    return "-" if value is None else str(value)
+
+
+def format_table(records: list[Record]) -> str:
+    """A fixed-width table, one line per record, in the order measured."""
+    header = ("backend", "op", "block_size", "queue_depth", "threads", "GB/s")
+    rows = [(r.backend, r.op, str(format_size(r.block_size)), _knob(r.queue_depth), _knob(r.threads),
+             f"{r.gbps:.2f}") for r in records]
+    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
+    lines = ["  ".join(cell.rjust(w) if i >= 2 else cell.ljust(w) for i, (cell, w) in
+                       enumerate(zip(row, widths))) for row in [header, *rows]]
+    return "\n".join(lines)
+
+
+def _label(record: Record) -> str:
+    knob = f"qd{record.queue_depth}" if record.queue_depth is not None else f"t{record.threads}"
+    return f"{record.backend}\n{format_size(record.block_size)} {knob}"
+
+
+def plot(records: list[Record], path: str) -> None:
+    """A grouped bar chart (write and read side by side per setting) saved as PNG at ``path``."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: no display needed, none opened
+    import matplotlib.pyplot as plt
+
+    labels = list(dict.fromkeys(_label(r) for r in records))
+    width = 0.4
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.9 * len(labels)), 4.5))
+    for shift, op in ((-width / 2, "write"), (width / 2, "read")):
+        speed = {_label(r): r.gbps for r in records if r.op == op}
+        ax.bar([i + shift for i in range(len(labels))], [speed.get(x, 0.0) for x in labels], width, label=op)
+    ax.set_xticks(range(len(labels)), labels, fontsize=7)
+    ax.set_ylabel("GB/s (1e9 bytes)")
+    ax.set_title(f"zerooffload bench io: {format_size(records[0].bytes)} O_DIRECT, fsync in write")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, format="png", dpi=120)
+    plt.close(fig)
