@@ -208,7 +208,16 @@ def test_any_misspelt_key_is_refused_with_its_path(section, data):
         zo.Config.load(tree)
 
 
-_WRONG = st.one_of(st.text(min_size=1).filter(lambda s: s not in {"auto"}), st.lists(st.integers(), min_size=3),
+def _not_a_size(text: str) -> bool:
+    """Strings like "0" or "4KiB" are valid values of size keys, so they are not wrong types."""
+    try:
+        parse_size(text)
+    except ConfigError:
+        return text != "auto"
+    return False
+
+
+_WRONG = st.one_of(st.text(min_size=1).filter(_not_a_size), st.lists(st.integers(), min_size=3),
                    st.dictionaries(st.text(min_size=1), st.integers(), min_size=1))
 
 
