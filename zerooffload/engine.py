@@ -339,11 +339,11 @@ class Engine:
         Masters change only where the compute weights were changed, so untouched values keep their
         full fp32 precision under bf16/fp16.
         """
-        before = [u.flat_param.clone() for u in self.units]
+        before = [u.flat_param[u.shard_range].clone() for u in self.units]  # only this rank's masters matter
         yield self.module
         for unit, old in zip(self.units, before):
             broadcast(self.comm, unit.flat_param, src=modifier_rank)
-            changed = unit.flat_param[unit.shard_range] != old[unit.shard_range]
+            changed = unit.flat_param[unit.shard_range] != old
             if not unit.master_is_param:
                 unit.master[changed] = unit.flat_param[unit.shard_range][changed].float()
 
