@@ -61,6 +61,8 @@ int zo_piece_progress(struct zo_piece *p, long result);
 
 /* Hand p back to the core: error is 0 or -errno. p must not be touched afterwards. */
 void zo_piece_finish(struct zo_piece *p, int error);
+/* Finish every piece of a ->next chain with the same error (cancelled or failed queues). */
+void zo_chain_finish(struct zo_piece *p, int error);
 
 /* pthread_create with every signal blocked in the new thread, so that signals (SIGINT,
  * SIGXFSZ, ...) go to the Python threads that handle them. Returns 0 or -errno. */

@@ -285,6 +285,15 @@ void zo_engine_destroy(zo_engine *e)
     free(e);
 }
 
+void zo_chain_finish(struct zo_piece *p, int error)
+{
+    while (p) {
+        struct zo_piece *next = p->next;  /* read first: finishing may free the piece */
+        zo_piece_finish(p, error);
+        p = next;
+    }
+}
+
 void zo_piece_finish(struct zo_piece *p, int error)
 {
     struct zo_batch *b = p->batch;

@@ -89,11 +89,7 @@ static void pool_stop(struct zo_backend *b)
     pool->queue_head = pool->queue_tail = NULL;
     pthread_cond_broadcast(&pool->work);
     pthread_mutex_unlock(&pool->lock);
-    while (p) {
-        struct zo_piece *next = p->next;  /* read first: finishing may free the piece */
-        zo_piece_finish(p, -ECANCELED);
-        p = next;
-    }
+    zo_chain_finish(p, -ECANCELED);
     for (unsigned i = 0; i < pool->nthreads; i++)
         pthread_join(pool->threads[i], NULL);
     pthread_cond_destroy(&pool->work);

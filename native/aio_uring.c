@@ -220,15 +220,6 @@ static struct zo_piece *chain_pop(struct zo_piece **head, struct zo_piece **tail
 }
 
 /* Finish every piece of a chain with error (next is read first: finishing may free a piece). */
-static void chain_fail(struct zo_piece *p, int error)
-{
-    while (p) {
-        struct zo_piece *next = p->next;
-        zo_piece_finish(p, error);
-        p = next;
-    }
-}
-
 static void prep_piece(struct uring *u, struct zo_piece *p)
 {
     unsigned slot = u->free_slots[--u->nfree];
@@ -291,8 +282,8 @@ static void fail_all(struct uring *u, int error)
     u->queue_head = u->queue_tail = NULL;
     u->broken = error;
     pthread_mutex_unlock(&u->lock);
-    chain_fail(queued, error);
-    chain_fail(u->retry_head, error);
+    zo_chain_finish(queued, error);
+    zo_chain_finish(u->retry_head, error);
     u->retry_head = u->retry_tail = NULL;
     for (unsigned slot = 0; slot < u->depth; slot++)
         if (u->slots[slot])
@@ -404,7 +395,7 @@ static void uring_stop(struct zo_backend *b)
     struct zo_piece *queued = u->queue_head;
     u->queue_head = u->queue_tail = NULL;
     pthread_mutex_unlock(&u->lock);
-    chain_fail(queued, -ECANCELED);
+    zo_chain_finish(queued, -ECANCELED);
     wake(u);
     pthread_join(u->thread, NULL);
     ring_close(&u->ring);
