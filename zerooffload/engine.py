@@ -29,7 +29,7 @@ from .comm import Comm, all_gather, broadcast, control_all_reduce, init_comm
 from .config import Config, ConfigError, dtype_bytes
 from .memory_plan import plan_memory
 from .optim import ZeroOptimizer, build_scheduler, moment_names
-from .partition import FlatUnit, Piece, find_units
+from .partition import FlatUnit, Piece, find_units, masters_alias_params
 from .precision import COMPUTE_DTYPES, LossScaler
 from .reduction import GradReducer, Mode
 from .telemetry import MemoryReport, StepStats, memory_report
@@ -151,7 +151,7 @@ class Engine:
         return out
 
     def _plan(self, layouts) -> dict:
-        master_is_param = self.compute_dtype == torch.float32 and self._optimizer_tier is self.tiers["device"]
+        master_is_param = masters_alias_params(self.compute_dtype, self.tiers["device"], self._optimizer_tier)
         return plan_memory(layouts, stage=self.stage, compute_bytes=dtype_bytes(self.config.train.precision),
                            optimizer_tier=self._optimizer_tier.name, master_is_param=master_is_param,
                            moments=len(moment_names(self.config.optimizer)), bucket_bytes=self.config.zero.bucket_size,
@@ -280,11 +280,14 @@ class Engine:
         device = self.tiers["device"]
         pending = []
         for unit in self.units:
-            shard = unit.publish_master()
             if unit.layout.shards > 1 and self.comm.world_size > 1:
-                source = device.empty(Kind.BUFFER, shard.numel(), shard.dtype)
-                source.copy_(shard)  # all-gather input must not alias its output
+                # The all-gather writes this rank's shard too, so the master goes straight into its input
+                # (cast once), which must not alias the output.
+                source = device.empty(Kind.BUFFER, unit.layout.shard_numel, unit.compute_dtype)
+                source.copy_(unit.master)
                 pending.append((source, all_gather(self.comm, unit.flat_param, source, async_op=True)))
+            else:
+                unit.publish_master()
         for source, work in pending:
             work.wait()
             device.free(Kind.BUFFER, source)
@@ -322,7 +325,7 @@ class Engine:
         for unit in self.units:
             flat = torch.empty(unit.layout.padded_numel, dtype=torch.float32, device=unit.master.device)
             if unit.layout.shards > 1:
-                all_gather(self.comm, flat, unit.master.clone())
+                all_gather(self.comm, flat, unit.master)
             else:
                 flat.copy_(unit.master)
             for slot in unit.layout.slots:

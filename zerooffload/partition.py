@@ -25,7 +25,7 @@ from torch import nn
 
 from .tiers import Kind, Tier
 
-__all__ = ["ALIGN_ELEMENTS", "Slot", "Piece", "UnitLayout", "FlatUnit", "find_units"]
+__all__ = ["ALIGN_ELEMENTS", "Slot", "Piece", "UnitLayout", "FlatUnit", "find_units", "masters_alias_params"]
 
 ALIGN_ELEMENTS = 1024
 """Shard granularity in elements: 4 KiB of fp32, the O_DIRECT alignment."""
@@ -141,6 +141,11 @@ def _layout(name: str, module: nn.Module, members: list, shards: int) -> UnitLay
     return UnitLayout(name, module, tuple(slots), shards, shard_numel)
 
 
+def masters_alias_params(compute_dtype: torch.dtype, device_tier: Tier, master_tier: Tier) -> bool:
+    """Whether fp32 masters can simply be views of the compute weights (no separate copy, no bytes)."""
+    return compute_dtype == torch.float32 and master_tier is device_tier
+
+
 class FlatUnit:
     """Every tensor of one unit on this rank, and the moves between them (see the note above).
 
@@ -187,7 +192,7 @@ class FlatUnit:
         self.flat_param.copy_(full_fp32)
         for slot in layout.slots:
             slot.param.data = self.flat_param[slot.offset:slot.offset + slot.numel].view(slot.shape)
-        self.master_is_param = self.compute_dtype == torch.float32 and master_tier is device_tier
+        self.master_is_param = masters_alias_params(self.compute_dtype, device_tier, master_tier)
         if self.master_is_param:
             self.master = self.flat_param[self.shard_range]
         else:
@@ -265,9 +270,7 @@ class FlatUnit:
         self._written = [False] * len(self.layout.slots)
 
     # ---------------------------------------------------------------- parameters
-    def publish_master(self) -> torch.Tensor:
-        """Copy the updated fp32 master into this rank's slice of ``flat_param``; returns that slice."""
-        shard = self.flat_param[self.shard_range]
+    def publish_master(self) -> None:
+        """Copy the updated fp32 master into this rank's slice of ``flat_param`` (unsharded units)."""
         if not self.master_is_param:
-            shard.copy_(self.master)
-        return shard
+            self.flat_param[self.shard_range].copy_(self.master)
