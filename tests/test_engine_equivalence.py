@@ -92,3 +92,7 @@ def test_accumulation_of_four_without_clipping(rank_pools):
 def test_activation_checkpointing_changes_nothing(rank_pools, stage, precision):
     result = rank_pools(2).run(train_case, stage, precision, train={"activation_checkpointing": True})[0]
     _check(result, precision)
+
+
+def test_stage_2_without_overlap_comm(rank_pools):
+    _check(rank_pools(2).run(train_case, 2, "fp32", zero={"overlap_comm": False})[0], "fp32")

@@ -191,8 +191,8 @@ class Engine:
     def _on_grad(self, unit: FlatUnit, index: int, param: nn.Parameter) -> None:
         complete = unit.accumulate(index, param.grad, self.tiers["device"])
         param.grad = None
-        if complete and self.stage == 2:
-            self.reducer.mark_ready(unit)
+        if complete and self.stage == 2 and self.config.zero.overlap_comm:
+            self.reducer.mark_ready(unit)  # without overlap_comm, flush() reduces after backward
 
     def backward(self, output: Any) -> None:
         """Backward of a loss (or of ``output.loss``), scaled by loss scale / ``grad_accum_steps``."""

@@ -53,7 +53,6 @@ class Piece:
     slot_index: int
     start: int
     stop: int
-    flat_start: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,10 +73,6 @@ class UnitLayout:
     def padded_numel(self) -> int:
         return self.shards * self.shard_numel
 
-    @property
-    def trainable_numel(self) -> int:
-        return sum(s.numel for s in self.slots if s.trainable)
-
     def pieces(self, rank: int) -> list[Piece]:
         """The slots' parts inside shard ``rank`` (slots outside it have none)."""
         lo, hi = rank * self.shard_numel, (rank + 1) * self.shard_numel
@@ -85,7 +80,7 @@ class UnitLayout:
         for index, slot in enumerate(self.slots):
             start, stop = max(slot.offset, lo), min(slot.offset + slot.numel, hi)
             if start < stop:
-                out.append(Piece(index, start - lo, stop - lo, start))
+                out.append(Piece(index, start - lo, stop - lo))
         return out
 
 

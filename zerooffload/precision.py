@@ -49,11 +49,3 @@ class LossScaler:
             self.scale *= 2
             self._clean_steps = 0
             self._hysteresis_left = self.hysteresis
-
-    def state_dict(self) -> dict:
-        return {"scale": self.scale, "clean_steps": self._clean_steps, "hysteresis_left": self._hysteresis_left}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.scale = state["scale"]
-        self._clean_steps = state["clean_steps"]
-        self._hysteresis_left = state["hysteresis_left"]

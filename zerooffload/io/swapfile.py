@@ -88,9 +88,6 @@ class _ExtentAllocator:
         if self.free and sum(self.free[-1]) == self.end:
             self.end = self.free.pop()[0]  # give the tail back, so the file can shrink
 
-    def free_bytes(self) -> int:
-        return sum(size for _, size in self.free)
-
 
 @dataclass(frozen=True, slots=True)
 class _Entry:
