@@ -204,9 +204,14 @@ class FlatUnit:
         self.pending = sum(1 for s in self.layout.slots if s.trainable)
 
     def ensure_flat_grad(self, tier: Tier) -> torch.Tensor:
-        """The full gradient buffer, made (zeros, temporary) when this pass has none yet."""
+        """The full gradient buffer, made (temporary) when this pass has none yet.
+
+        Only the padding is zeroed here: slots are overwritten by their first gradient, and
+        ``zero_unwritten`` clears the rest before the buffer is reduced.
+        """
         if self.flat_grad is None:
-            self.flat_grad = tier.zeros(Kind.BUFFER, self.layout.padded_numel, self.compute_dtype)
+            self.flat_grad = tier.empty(Kind.BUFFER, self.layout.padded_numel, self.compute_dtype)
+            self.flat_grad[self.layout.numel:].zero_()
             self._written = [False] * len(self.layout.slots)
         return self.flat_grad
 
