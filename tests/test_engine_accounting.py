@@ -27,28 +27,31 @@ def _one_step(engine) -> None:
     engine.step()
 
 
-def accounting_case(stage: int, precision: str) -> dict:
+def accounting_case(stage: int, precision: str, prefetch_size: str = "0", steps: int = 1) -> dict:
     world = dist.get_world_size() if dist.is_initialized() else 1
     model = _mlp()
     psi = sum(p.numel() for p in model.parameters())
-    engine = zo.initialize(model, {"zero": {"stage": stage}, "train": {"precision": precision}})
+    engine = zo.initialize(model, {"zero": {"stage": stage, "prefetch_size": prefetch_size},
+                                   "train": {"precision": precision}})
     padded = sum(u.layout.padded_numel for u in engine.units)
-    _one_step(engine)
+    for _ in range(steps):
+        _one_step(engine)
     report, stats = engine.memory_report(), engine.stats
     engine.close()
     return {"psi": psi, "padded": padded, "world": world, "units": len(engine.units),
             "param": report.bytes("device", "param"), "grad": report.bytes("device", "grad"),
-            "optimizer": report.bytes("device", "optimizer"), "data_elements": stats.data_elements}
+            "optimizer": report.bytes("device", "optimizer"), "gathered": report.bytes("device", "gathered"),
+            "data_elements": stats.data_elements}
 
 
 def _expected(stage: int, precision: str, psi: int, nd: int) -> dict:
     """DESIGN §3: bf16 params 2Ψ, grads 2Ψ, optimizer 12Ψ; fp32 4Ψ, 4Ψ, 8Ψ; each / Nd once sharded."""
     weight, grad, optimizer = (2, 2, 12) if precision == "bf16" else (4, 4, 8)
-    return {"param": weight * psi, "grad": grad * psi / (nd if stage >= 2 else 1),
+    return {"param": weight * psi / (nd if stage >= 3 else 1), "grad": grad * psi / (nd if stage >= 2 else 1),
             "optimizer": optimizer * psi / (nd if stage >= 1 else 1)}
 
 
-CASES = [(stage, precision) for stage in (0, 1, 2) for precision in ("fp32", "bf16")]
+CASES = [(stage, precision) for stage in (0, 1, 2, 3) for precision in ("fp32", "bf16")]
 
 
 def _check_memory(result: dict, stage: int, precision: str) -> None:
@@ -56,6 +59,7 @@ def _check_memory(result: dict, stage: int, precision: str) -> None:
     exact = _expected(stage, precision, result["padded"], nd)  # the formula on the padded count
     for kind in ("param", "grad", "optimizer"):
         assert result[kind] == exact[kind], kind
+    assert result["gathered"] == 0  # stage 3 frees every gathered unit by the end of the step
     slack = result["units"] * nd * ALIGN_ELEMENTS  # padding: at most one aligned block per unit shard
     assert result["psi"] <= result["padded"] <= result["psi"] + slack
     loose = _expected(stage, precision, result["psi"], nd)
@@ -71,13 +75,23 @@ def test_memory_report_matches_formulas_at_nd_1(stage, precision):
 
 
 @pytest.mark.parametrize("world", [2, 4])
-@pytest.mark.parametrize("stage", [0, 1, 2])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_memory_and_collectives_at_nd_2_and_4(rank_pools, world, stage):
     for precision in ("fp32", "bf16"):
         results = rank_pools(world).run(accounting_case, stage, precision)
         for result in results:
             _check_memory(result, stage, precision)
-            assert result["data_elements"] == 2 * result["padded"]  # 2Ψ per step for stages 0–2
+            # 2Ψ per step for stages 0–2; 3Ψ at stage 3 (gathered for forward, again for backward)
+            assert result["data_elements"] == (3 if stage == 3 else 2) * result["padded"]
+
+
+def test_stage_3_prefetch_keeps_units_reused_soon_and_moves_less(rank_pools):
+    """Once the first step has recorded the trace, a unit used again within the prefetch window stays
+    gathered (here: the last layer between its forward and its backward), so a step moves less than 3Ψ
+    but never less than 2Ψ."""
+    for result in rank_pools(2).run(accounting_case, 3, "fp32", "64MiB", steps=2):
+        _check_memory(result, 3, "fp32")
+        assert 2 * result["padded"] <= result["data_elements"] < 3 * result["padded"]
 
 
 def test_budget_one_byte_short_is_refused_before_training():

@@ -1,4 +1,4 @@
-"""Stages 0–2 × {fp32, bf16} × world sizes match plain PyTorch AdamW on the full global batch."""
+"""Stages 0–3 × {fp32, bf16} × world sizes match plain PyTorch AdamW on the full global batch."""
 from __future__ import annotations
 
 import pytest
@@ -23,8 +23,12 @@ def _config(stage: int, precision: str, accum: int, clip: float, **extra) -> dic
     return config
 
 
-def train_case(stage: int, precision: str, accum: int = 2, clip: float = 0.05, steps: int = 3, **extra) -> dict | None:
-    """Run in every rank: train with the engine on this rank's slice; rank 0 compares with the reference."""
+def train_case(stage: int, precision: str, accum: int = 2, clip: float = 0.05, steps: int = 3, eval_between: bool = False,
+               **extra) -> dict | None:
+    """Run in every rank: train with the engine on this rank's slice; rank 0 compares with the reference.
+
+    ``eval_between`` runs an evaluation forward (``engine.eval()``, no grad) after every step.
+    """
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     batches = make_batches(steps, accum, MICRO * world)
     model = make_model()
@@ -36,6 +40,8 @@ def train_case(stage: int, precision: str, accum: int = 2, clip: float = 0.05, s
             rows = slice(rank * MICRO, (rank + 1) * MICRO)
             engine.backward(engine(idx[rows], targets[rows]))
             updates.append(engine.step())
+        if eval_between:
+            _evaluate(engine, *window[0])
     full = engine.full_state_dict()
     stats = engine.stats
     engine.close()
@@ -43,13 +49,21 @@ def train_case(stage: int, precision: str, accum: int = 2, clip: float = 0.05, s
         return None
     parts = world if precision == "bf16" else 1  # see reference_train: bf16 rounding of a split batch
     reference = reference_train(make_model(), batches, clip=clip, dtype=DTYPES[precision], parts=parts,
-                                average_each_micro_batch=stage == 2)
+                                average_each_micro_batch=stage >= 2)
     return {"errors": update_errors(initial, full, reference), "updates": updates,
             "keys": list(full) == list(initial),
             "frozen": float((full["frozen.weight"] - initial["frozen.weight"]).abs().max()),
             "unused": float((full["unused.weight"] - initial["unused.weight"]).abs().max()),
             "tied": bool(torch.equal(full["embed.weight"], full["head.weight"])),
             "data_elements": stats.data_elements}
+
+
+def _evaluate(engine, idx, targets) -> None:
+    engine.eval()
+    with torch.no_grad():
+        loss = engine(idx, targets)
+    engine.train()
+    assert torch.isfinite(loss)
 
 
 def _check(result: dict, precision: str, accum: int = 2) -> None:
@@ -60,7 +74,7 @@ def _check(result: dict, precision: str, accum: int = 2) -> None:
     assert result["updates"] == [(i + 1) % accum == 0 for i in range(len(result["updates"]))]
 
 
-GRID = [(stage, precision) for stage in (0, 1, 2) for precision in ("fp32", "bf16")]
+GRID = [(stage, precision) for stage in (0, 1, 2, 3) for precision in ("fp32", "bf16")]
 
 
 @pytest.mark.parametrize("stage, precision", GRID)
@@ -73,7 +87,8 @@ def test_world_size_2(rank_pools, stage, precision):
     _check(rank_pools(2).run(train_case, stage, precision)[0], precision)
 
 
-@pytest.mark.parametrize("stage, precision", [(0, "fp32"), (1, "bf16"), (2, "fp32"), (2, "bf16")])
+@pytest.mark.parametrize("stage, precision", [(0, "fp32"), (1, "bf16"), (2, "fp32"), (2, "bf16"), (3, "fp32"),
+                                              (3, "bf16")])
 def test_world_size_4(rank_pools, stage, precision):
     _check(rank_pools(4).run(train_case, stage, precision)[0], precision)
 
@@ -88,7 +103,7 @@ def test_accumulation_of_four_without_clipping(rank_pools):
     _check(rank_pools(2).run(train_case, 2, "fp32", accum=4, clip=0.0)[0], "fp32", accum=4)
 
 
-@pytest.mark.parametrize("stage, precision", [(0, "fp32"), (2, "bf16")])
+@pytest.mark.parametrize("stage, precision", [(0, "fp32"), (2, "bf16"), (3, "fp32"), (3, "bf16")])
 def test_activation_checkpointing_changes_nothing(rank_pools, stage, precision):
     result = rank_pools(2).run(train_case, stage, precision, train={"activation_checkpointing": True})[0]
     _check(result, precision)
@@ -96,3 +111,12 @@ def test_activation_checkpointing_changes_nothing(rank_pools, stage, precision):
 
 def test_stage_2_without_overlap_comm(rank_pools):
     _check(rank_pools(2).run(train_case, 2, "fp32", zero={"overlap_comm": False})[0], "fp32")
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_stage_3_with_an_eval_forward_between_steps(rank_pools, precision):
+    _check(rank_pools(2).run(train_case, 3, precision, eval_between=True)[0], precision)
+
+
+def test_stage_3_on_demand_without_prefetch(rank_pools):
+    _check(rank_pools(2).run(train_case, 3, "fp32", zero={"prefetch_size": 0})[0], "fp32")

@@ -16,6 +16,7 @@ all units are reduced when the window closes. ``engine.step`` at the accumulatio
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import math
 from functools import partial
@@ -29,9 +30,11 @@ from .comm import Comm, all_gather, broadcast, control_all_reduce, init_comm
 from .config import Config, ConfigError, dtype_bytes
 from .memory_plan import plan_memory
 from .optim import ZeroOptimizer, build_scheduler, moment_names
-from .partition import FlatUnit, Piece, find_units, masters_alias_params
+from .param_hooks import register_param_hooks
+from .partition import FlatUnit, Piece, UnitLayout, find_units, masters_alias_params
 from .precision import COMPUTE_DTYPES, LossScaler
 from .reduction import GradReducer, Mode
+from .scheduler import ParamScheduler, check_live_bound
 from .telemetry import MemoryReport, StepStats, memory_report
 from .tiers import Kind, check_plan, make_tiers
 
@@ -58,8 +61,8 @@ def initialize(model: nn.Module, config: Config | dict | str | None = None, para
 
 def _check_supported(config: Config) -> None:
     """Settings the config accepts that this engine cannot run yet, refused by name."""
-    if config.zero.stage == 3:
-        raise ConfigError("zero.stage = 3: parameter partitioning is not in this version yet; use zero.stage <= 2")
+    if config.offload.param.tier != "device":
+        raise ConfigError(f"offload.param.tier = {config.offload.param.tier!r} is not in this version yet; use 'device'")
     if config.offload.optimizer.tier == "nvme":
         raise ConfigError("offload.optimizer.tier = 'nvme' is not in this version yet; use 'device' or 'host'")
     if config.offload.optimizer.fraction != 1.0:
@@ -94,7 +97,7 @@ def _checkpoint_forward(module: nn.Module) -> None:
 
 
 class Engine:
-    """Trains one module with ZeRO stages 0–2; see [Note: a step]."""
+    """Trains one module with ZeRO stages 0–3; see [Note: a step]."""
 
     def __init__(self, module: nn.Module, config: Config, comm: Comm, param_groups: list[dict] | None):
         self.module = module
@@ -108,9 +111,14 @@ class Engine:
         if not layouts:
             raise ValueError("the model has no parameters to train")
         self.units = [FlatUnit(layout, comm.rank, self.compute_dtype, keep_full_grad=self.stage <= 1,
-                               keep_grad_shard=self.stage == 2) for layout in layouts]
+                               keep_grad_shard=self.stage >= 2, partitioned=self._partitioned(layout))
+                      for layout in layouts]
+        partitioned = [u for u in self.units if u.partitioned]
+        check_live_bound(partitioned, config.zero.max_live_size)
         check_plan(self._plan(layouts), self.tiers)
         self._materialize()
+        self.param_scheduler = ParamScheduler(comm, partitioned, self.tiers["device"], prefetch_bytes=config.zero.prefetch_size,
+                                        max_live_bytes=config.zero.max_live_size)
         self._pieces: list[tuple[FlatUnit, Piece, torch.Tensor]] = []
         self.optimizer = ZeroOptimizer(self._groups(param_groups), config.optimizer)
         self._attach_optimizer_state()
@@ -121,6 +129,8 @@ class Engine:
         self.reducer = GradReducer(comm, self._reduction_order(), mode, config.zero.bucket_size, self.tiers["device"])
         self._hooks = [slot.param.register_post_accumulate_grad_hook(partial(self._on_grad, unit, index))
                        for unit in self.units for index, slot in enumerate(unit.layout.slots) if slot.trainable]
+        if partitioned:
+            self._hooks += register_param_hooks(module, partitioned, self.param_scheduler)
         if config.train.activation_checkpointing:
             for unit in self.units:
                 if unit.layout.name:  # block units; the root unit holds the embeddings and head
@@ -130,6 +140,7 @@ class Engine:
         self.global_steps = 0
         self.skipped_steps = 0
         self._stats: StepStats | None = None
+        self._start_window()
 
     # ------------------------------------------------------------------ construction
     def _groups(self, param_groups: list[dict] | None) -> list[dict]:
@@ -150,12 +161,18 @@ class Engine:
                 self._pieces.append((unit, piece, tensor))
         return out
 
+    def _partitioned(self, layout: UnitLayout) -> bool:
+        """Stage 3 partitions every unit except those under ``zero.persist_threshold`` parameters."""
+        return self.stage == 3 and layout.numel >= self.config.zero.persist_threshold
+
     def _plan(self, layouts) -> dict:
         master_is_param = masters_alias_params(self.compute_dtype, self.tiers["device"], self._optimizer_tier)
         return plan_memory(layouts, stage=self.stage, compute_bytes=dtype_bytes(self.config.train.precision),
                            optimizer_tier=self._optimizer_tier.name, master_is_param=master_is_param,
                            moments=len(moment_names(self.config.optimizer)), bucket_bytes=self.config.zero.bucket_size,
-                           world_size=self.comm.world_size)
+                           world_size=self.comm.world_size,
+                           partitioned=[u.layout for u in self.units if u.partitioned],
+                           max_live_bytes=self.config.zero.max_live_size)
 
     def _materialize(self) -> None:
         """Unit by unit: rank 0's values broadcast (as DDP does), then flattened onto their tiers."""
@@ -191,19 +208,18 @@ class Engine:
     def _on_grad(self, unit: FlatUnit, index: int, param: nn.Parameter) -> None:
         complete = unit.accumulate(index, param.grad, self.tiers["device"])
         param.grad = None
-        if complete and self.stage == 2 and self.config.zero.overlap_comm:
+        if complete and self.stage >= 2 and self.config.zero.overlap_comm:
             self.reducer.mark_ready(unit)  # without overlap_comm, flush() reduces after backward
 
     def backward(self, output: Any) -> None:
         """Backward of a loss (or of ``output.loss``), scaled by loss scale / ``grad_accum_steps``."""
         loss = output if isinstance(output, torch.Tensor) else output.loss
-        if self.micro_steps % self.config.train.grad_accum_steps == 0:
-            self.comm.counters.reset()
         for unit in self.units:
             unit.begin_backward()
         (loss * (self.scaler.scale / self.config.train.grad_accum_steps)).backward()
-        if self.stage == 2:
+        if self.stage >= 2:
             self.reducer.flush()
+        self.param_scheduler.end_pass()
         self.micro_steps += 1
 
     @property
@@ -233,6 +249,7 @@ class Engine:
         if self.scheduler is not None and not overflow:
             self.scheduler.step()
         self._record(not overflow, norm_sq)
+        self._start_window()
         return not overflow
 
     def _fp32_grad(self, unit: FlatUnit) -> torch.Tensor:
@@ -276,11 +293,12 @@ class Engine:
         self._publish()
 
     def _publish(self) -> None:
-        """New masters into the compute weights; at stages 1–2 every unit's all-gather in flight at once."""
+        """New masters into the compute weights: partitioned units keep just their shard (gathered at the
+        next use); the others are all-gathered now, every unit's all-gather in flight at once."""
         device = self.tiers["device"]
         pending = []
         for unit in self.units:
-            if unit.layout.shards > 1 and self.comm.world_size > 1:
+            if unit.layout.shards > 1 and self.comm.world_size > 1 and not unit.partitioned:
                 # The all-gather writes this rank's shard too, so the master goes straight into its input
                 # (cast once), which must not alias the output.
                 source = device.empty(Kind.BUFFER, unit.layout.shard_numel, unit.compute_dtype)
@@ -298,13 +316,19 @@ class Engine:
                 self._optimizer_tier.free(Kind.BUFFER, grad)
             unit.clear_grads(self.tiers["device"])
 
+    def _start_window(self) -> None:
+        """Counters cover one accumulation window: everything between two optimizer steps."""
+        self.comm.counters.reset()
+        self.param_scheduler.stats.reset(self.param_scheduler.live_bytes)
+
     def _record(self, updated: bool, norm_sq: float) -> None:
         counters = self.comm.counters
         self._stats = StepStats(
             step=self.global_steps, updated=updated, skipped_steps=self.skipped_steps,
             grad_norm=math.sqrt(norm_sq) if math.isfinite(norm_sq) else float("inf"), loss_scale=self.scaler.scale,
             lr=self.optimizer.param_groups[0]["lr"], data_elements=counters.data_elements,
-            data_bytes=counters.data_bytes, control_elements=counters.control_elements, memory=self.memory_report())
+            data_bytes=counters.data_bytes, control_elements=counters.control_elements, memory=self.memory_report(),
+            prefetch=dataclasses.replace(self.param_scheduler.stats))
 
     # ------------------------------------------------------------------ inspection
     @property
@@ -340,15 +364,23 @@ class Engine:
         """Full parameters readable and writable; on exit ``modifier_rank``'s writes reach the fp32 masters.
 
         Masters change only where the compute weights were changed, so untouched values keep their
-        full fp32 precision under bf16/fp16.
+        full fp32 precision under bf16/fp16. At stage 3 every unit is gathered for the duration (not
+        bounded by ``zero.max_live_size``) and freed on exit.
         """
+        self.param_scheduler.gather_all()
         before = [u.flat_param[u.shard_range].clone() for u in self.units]  # only this rank's masters matter
-        yield self.module
-        for unit, old in zip(self.units, before):
-            broadcast(self.comm, unit.flat_param, src=modifier_rank)
-            changed = unit.flat_param[unit.shard_range] != old
-            if not unit.master_is_param:
-                unit.master[changed] = unit.flat_param[unit.shard_range][changed].float()
+        try:
+            yield self.module
+            for unit, old in zip(self.units, before):
+                broadcast(self.comm, unit.flat_param, src=modifier_rank)
+                new = unit.flat_param[unit.shard_range]
+                changed = new != old
+                if unit.partitioned:
+                    unit.param_shard.copy_(new)
+                if not unit.master_is_param:
+                    unit.master[changed] = new[changed].float()
+        finally:
+            self.param_scheduler.free_all()
 
     def train(self, mode: bool = True) -> "Engine":
         self.module.train(mode)

@@ -15,16 +15,20 @@ __all__ = ["plan_memory"]
 
 
 def plan_memory(layouts: list[UnitLayout], *, stage: int, compute_bytes: int, optimizer_tier: str,
-                master_is_param: bool, moments: int, bucket_bytes: int, world_size: int) -> Plan:
-    """Bytes by tier and kind for stages 0–2 (parameters full on the device, states by stage)."""
+                master_is_param: bool, moments: int, bucket_bytes: int, world_size: int,
+                partitioned: list[UnitLayout], max_live_bytes: int) -> Plan:
+    """Bytes by tier and kind: parameters full on the device, except the ``partitioned`` units of stage
+    3 (a shard each, plus at most ``max_live_bytes`` gathered); the other states by stage."""
     full = sum(u.padded_numel for u in layouts) * compute_bytes
     shard = sum(u.shard_numel for u in layouts)
     largest = max(u.padded_numel for u in layouts) * compute_bytes
+    partitioned_full = sum(u.padded_numel for u in partitioned) * compute_bytes
     plan: Plan = {"device": {k: 0 for k in Kind}}
     plan.setdefault(optimizer_tier, {k: 0 for k in Kind})
     device, optimizer = plan["device"], plan[optimizer_tier]
-    device[Kind.PARAM] = full
-    device[Kind.GRAD] = shard * compute_bytes if stage == 2 else full
+    device[Kind.PARAM] = full - partitioned_full + sum(u.shard_numel for u in partitioned) * compute_bytes
+    device[Kind.GATHERED] = min(max_live_bytes, partitioned_full)
+    device[Kind.GRAD] = shard * compute_bytes if stage >= 2 else full
     optimizer[Kind.OPTIMIZER] += shard * 4 * (moments + (0 if master_is_param else 1))
     reduce_bytes = REDUCE_DTYPE.itemsize
     in_flight = (MAX_BUCKETS_IN_FLIGHT + 1) * (bucket_bytes + largest // compute_bytes * reduce_bytes)
@@ -32,13 +36,15 @@ def plan_memory(layouts: list[UnitLayout], *, stage: int, compute_bytes: int, op
     reduce_phase = min(in_flight, full_reduce)  # staging copies of buckets, in the reduction dtype
     if stage >= 1:
         reduce_phase += min(in_flight, shard * reduce_bytes)  # reduce-scatter outputs
-    if stage == 2:
+    if stage >= 2:
         reduce_phase += full  # full gradients of units waiting for their turn (worst case: all)
     if stage == 1:
         reduce_phase += shard * compute_bytes  # the reduced shards, held until the step
     step_device = shard * compute_bytes if stage == 1 else 0
     step_fp32 = 0 if (compute_bytes == 4 and optimizer_tier == "device") else shard * 4
-    gather = shard * compute_bytes if world_size > 1 and stage >= 1 else 0  # all-gather inputs, all at once
+    kept = {id(u) for u in partitioned}
+    gathered_after_step = [u for u in layouts if id(u) not in kept] if stage >= 1 and world_size > 1 else []
+    gather = sum(u.shard_numel for u in gathered_after_step) * compute_bytes  # all-gather inputs, all at once
     if optimizer_tier == "device":
         device[Kind.BUFFER] = max(reduce_phase, step_device + step_fp32 + gather)
     else:

@@ -14,10 +14,20 @@
 - ``FlatUnit`` owns every tensor of one unit on this rank: ``flat_param`` (compute dtype, full: the
   module's parameters are views of it), ``flat_grad`` (compute dtype, full, while gradients are
   accumulated or reduced), ``grad_shard`` (compute dtype, this rank's reduced shard) and ``master``
-  (fp32 shard, a view of ``flat_param`` when fp32 weights already live where the optimizer runs).
+  (fp32 shard, a view of the weights when fp32 weights already live where the optimizer runs).
+
+[Note: partitioned units (stage 3)]
+A *partitioned* unit keeps only ``param_shard`` (compute dtype, this rank's shard) between uses. Its
+``flat_param`` tensor stays, but its storage is *released* (zero bytes) while the unit is *sharded*
+and *restored* and all-gathered into when the unit is *gathered*. Autograd saves views of the weights
+(``weight.t()``), which share that storage: they are freed with it and valid again once the unit is
+gathered for backward. The module's parameters are views of ``flat_param`` only while gathered; while
+sharded each is a *placeholder* of the right shape holding one NaN (an expanded view), so reading a
+parameter outside forward and backward shows NaN instead of crashing or looking like real weights.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -145,19 +155,24 @@ class FlatUnit:
     """Every tensor of one unit on this rank, and the moves between them (see the note above).
 
     Which gradient buffers persist depends on the stage: ``keep_full_grad`` (stages 0–1 accumulate
-    full gradients over the window) and ``keep_grad_shard`` (stage 2 accumulates reduced shards).
+    full gradients over the window) and ``keep_grad_shard`` (stages 2–3 accumulate reduced shards).
     A buffer that does not persist is a temporary (``Kind.BUFFER``), freed as soon as it is used.
+    ``partitioned`` units (stage 3) gather their parameters only while in use (see the note above).
     """
 
     def __init__(self, layout: UnitLayout, rank: int, compute_dtype: torch.dtype, *, keep_full_grad: bool,
-                 keep_grad_shard: bool):
+                 keep_grad_shard: bool, partitioned: bool = False):
         self.layout = layout
         self.rank = rank if layout.shards > 1 else 0
         self.compute_dtype = compute_dtype
         self.keep_full_grad = keep_full_grad
         self.keep_grad_shard = keep_grad_shard
+        self.partitioned = partitioned
+        self.gathered = True
         self.pieces = layout.pieces(self.rank)
         self.flat_param: torch.Tensor | None = None
+        self.param_shard: torch.Tensor | None = None
+        self._placeholder: torch.Tensor | None = None
         self.flat_grad: torch.Tensor | None = None
         self.grad_shard: torch.Tensor | None = None
         self.master: torch.Tensor | None = None
@@ -181,15 +196,20 @@ class FlatUnit:
 
     def materialize(self, full_fp32: torch.Tensor, device_tier: Tier, master_tier: Tier) -> None:
         """Move the parameters into ``flat_param`` (the module's tensors become views), make ``master``
-        and the persistent gradient buffers."""
+        and the persistent gradient buffers; a partitioned unit then keeps only its shard."""
         layout = self.layout
-        self.flat_param = device_tier.empty(Kind.PARAM, layout.padded_numel, self.compute_dtype)
+        kind = Kind.GATHERED if self.partitioned else Kind.PARAM
+        self.flat_param = device_tier.empty(kind, layout.padded_numel, self.compute_dtype)
         self.flat_param.copy_(full_fp32)
-        for slot in layout.slots:
-            slot.param.data = self.flat_param[slot.offset:slot.offset + slot.numel].view(slot.shape)
+        self.attach_params()
+        weights = self.flat_param[self.shard_range]
+        if self.partitioned:
+            self.param_shard = device_tier.empty(Kind.PARAM, layout.shard_numel, self.compute_dtype)
+            weights = self.param_shard.copy_(weights)
+            self._placeholder = torch.full((1,), math.nan, dtype=self.compute_dtype, device=device_tier.device)
         self.master_is_param = masters_alias_params(self.compute_dtype, device_tier, master_tier)
         if self.master_is_param:
-            self.master = self.flat_param[self.shard_range]
+            self.master = weights
         else:
             self.master = master_tier.empty(Kind.OPTIMIZER, layout.shard_numel, torch.float32)
             self.master.copy_(full_fp32[self.shard_range])
@@ -197,6 +217,8 @@ class FlatUnit:
             self.flat_grad = device_tier.zeros(Kind.GRAD, layout.padded_numel, self.compute_dtype)
         if self.keep_grad_shard:
             self.grad_shard = device_tier.zeros(Kind.GRAD, layout.shard_numel, self.compute_dtype)
+        if self.partitioned:
+            self.reshard(device_tier)
 
     # ---------------------------------------------------------------- gradients
     def begin_backward(self) -> None:
@@ -271,6 +293,30 @@ class FlatUnit:
 
     # ---------------------------------------------------------------- parameters
     def publish_master(self) -> None:
-        """Copy the updated fp32 master into this rank's slice of ``flat_param`` (unsharded units)."""
+        """Copy the updated fp32 master into this rank's compute weights (its shard, or its slice of
+        ``flat_param`` for a unit that is not all-gathered after the step)."""
         if not self.master_is_param:
-            self.flat_param[self.shard_range].copy_(self.master)
+            target = self.param_shard if self.partitioned else self.flat_param[self.shard_range]
+            target.copy_(self.master)
+
+    def attach_params(self) -> None:
+        """Make the module's parameters views of ``flat_param`` (whose storage must be present)."""
+        for slot in self.layout.slots:
+            slot.param.data = self.flat_param[slot.offset:slot.offset + slot.numel].view(slot.shape)
+
+    def gather_buffer(self, tier: Tier) -> torch.Tensor:
+        """``flat_param`` with its storage restored, for the all-gather of a partitioned unit."""
+        if self.gathered:
+            raise RuntimeError(f"unit {self.layout.name or '<root>'} is already gathered")
+        tier.restore_storage(Kind.GATHERED, self.flat_param)
+        self.gathered = True
+        return self.flat_param
+
+    def reshard(self, tier: Tier) -> None:
+        """Back to the shard alone: parameters become placeholders and the full buffer's memory is freed."""
+        if not self.gathered:
+            return
+        for slot in self.layout.slots:
+            slot.param.data = self._placeholder.expand(slot.shape)
+        tier.release_storage(Kind.GATHERED, self.flat_param)
+        self.gathered = False

@@ -5,6 +5,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Mapping
 
+from .scheduler import PrefetchStats
 from .tiers import Kind, Tier
 
 __all__ = ["MemoryReport", "StepStats", "memory_report"]
@@ -60,3 +61,5 @@ class StepStats:
     data_bytes: int
     control_elements: int
     memory: MemoryReport
+    prefetch: PrefetchStats
+    """Stage 3: all-gathers served ahead of need, stalls and peak gathered bytes in the window."""

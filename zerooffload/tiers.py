@@ -30,6 +30,8 @@ class Kind(enum.Enum):
     """Gradients in the compute dtype: full, or this rank's shard."""
     OPTIMIZER = "optimizer"
     """fp32 master weights (when separate from the parameters) and optimizer moments."""
+    GATHERED = "gathered"
+    """Stage 3: full parameters of units gathered for compute (bounded by ``zero.max_live_size``)."""
     BUFFER = "buffer"
     """Engine temporaries: gradients of a unit being reduced, reduce-scatter outputs, staging."""
 
@@ -82,6 +84,20 @@ class Tier(abc.ABC):
         """Stop counting ``tensor`` (the caller drops its references; memory returns when they are gone)."""
         if tensor is not None:
             self.usage[kind] -= tensor.numel() * tensor.element_size()
+
+    def release_storage(self, kind: Kind, tensor: torch.Tensor) -> None:
+        """Free ``tensor``'s memory now but keep the tensor, and every view of it, for ``restore_storage``.
+
+        Views saved by autograd share the storage, so they are freed too and come back with it.
+        """
+        tensor.untyped_storage().resize_(0)
+        self.free(kind, tensor)
+
+    def restore_storage(self, kind: Kind, tensor: torch.Tensor) -> None:
+        """Give a tensor whose storage was released its memory back (contents undefined), counted as ``kind``."""
+        nbytes = tensor.numel() * tensor.element_size()
+        self._account(kind, nbytes)
+        tensor.untyped_storage().resize_(nbytes)
 
 
 class DeviceTier(Tier):

@@ -1,0 +1,245 @@
+"""The prefetching scheduler: when each partitioned unit's parameters are gathered and freed (stage 3).
+
+[Note: uses, passes and the trace]
+- A *use* is one unit's forward (from its pre-hook to its post-hook) or its backward (from the first
+  gradient of its outputs to the gradient of its inputs); ``acquire`` starts one, ``release`` ends it.
+  A unit is *live* while gathered or being gathered; live bytes count toward ``zero.max_live_size``.
+- A *pass* is a training forward and its backward. The first pass records the order of its uses, the
+  *trace*. Later passes check every use against it and, at each use, start the all-gathers of the next
+  units along it: those within ``zero.prefetch_size`` bytes of upcoming units, as long as the live
+  bytes stay within ``max_live_size``. A use that differs from the trace invalidates it (logged with
+  the position and both units); that pass goes on fetching on demand and the next records anew.
+- When a use ends the unit is freed, unless the trace says it is used again within the prefetch
+  window: then it stays gathered (a unit called twice, or the last block between forward and backward).
+- Evaluation forwards (no grad, or ``module.eval()``) fetch on demand and neither read nor write the
+  trace. ``end_pass`` frees every live unit, so each pass starts with only the persistent units.
+- Ranks issue the same all-gathers in the same order: the trace, the uses and the byte sizes are the
+  same on every rank, and nothing here depends on timing.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch.distributed as dist
+
+from .comm import Comm, all_gather
+from .config import ConfigError
+from .partition import FlatUnit
+from .tiers import Tier
+
+__all__ = ["PrefetchStats", "ParamScheduler", "gathered_bytes", "check_live_bound"]
+
+logger = logging.getLogger(__name__)
+
+
+def gathered_bytes(unit: FlatUnit) -> int:
+    """Bytes a unit holds while gathered: its full padded buffer in the compute dtype."""
+    return unit.layout.padded_numel * unit.compute_dtype.itemsize
+
+
+def check_live_bound(units: list[FlatUnit], max_live_bytes: int) -> None:
+    """Refuse up front a ``zero.max_live_size`` that cannot hold what must be gathered at once.
+
+    The root unit's module is the whole model, so the root stays gathered while each block computes:
+    the bound must hold the root plus the largest other unit.
+    """
+    root = next((gathered_bytes(u) for u in units if not u.layout.name), 0)
+    for unit in units:
+        need = gathered_bytes(unit) + (root if unit.layout.name else 0)
+        if need > max_live_bytes:
+            what = (f"unit {unit.layout.name!r} ({gathered_bytes(unit)} bytes gathered) inside the root unit "
+                    f"({root} bytes), which stays gathered around it" if unit.layout.name and root
+                    else f"unit {unit.layout.name or '<root>'!r} ({gathered_bytes(unit)} bytes gathered)")
+            raise ConfigError(f"zero.max_live_size = {max_live_bytes} bytes cannot hold {what}: raise zero.max_live_size "
+                              f"to at least {need}, or keep small units gathered with zero.persist_threshold")
+
+
+@dataclass(slots=True)
+class PrefetchStats:
+    """What the scheduler did since the last ``reset`` (training passes only)."""
+
+    gathers: int = 0
+    """All-gathers started (on demand or ahead)."""
+    hits: int = 0
+    """Uses whose unit was already gathered or in flight when needed."""
+    misses: int = 0
+    """Uses that had to start their unit's all-gather themselves."""
+    wait_seconds: float = 0.0
+    """Time blocked waiting for all-gathers to finish."""
+    peak_live_bytes: int = 0
+    """Most gathered bytes held at once."""
+
+    def reset(self, live_bytes: int) -> None:
+        self.gathers = self.hits = self.misses = 0
+        self.wait_seconds = 0.0
+        self.peak_live_bytes = live_bytes
+
+
+class ParamScheduler:
+    """Gathers and frees the partitioned units of one engine (see [Note: uses, passes and the trace])."""
+
+    def __init__(self, comm: Comm, units: list[FlatUnit], tier: Tier, *, prefetch_bytes: int, max_live_bytes: int):
+        self.comm = comm
+        self.units = units
+        self.tier = tier
+        self.prefetch_bytes = prefetch_bytes
+        self.max_live_bytes = max_live_bytes
+        self._index = {id(u): i for i, u in enumerate(units)}
+        self._in_flight: dict[int, dist.Work | None] = {}
+        self._active = [0] * len(units)
+        self.live_bytes = 0
+        self.trace: list[int] | None = None
+        self._recording: list[int] | None = None
+        self._position = 0
+        self._training = False
+        self.stats = PrefetchStats()
+
+    # ------------------------------------------------------------------ passes
+    def begin_pass(self, training: bool) -> None:
+        """A forward starts; a training one follows (or records) the trace."""
+        if self._training:
+            self.end_pass()  # the previous training forward had no backward through the engine
+        self._training = training
+        self._position = 0
+        if training and self.trace is None:
+            self._recording = []
+
+    def end_pass(self) -> None:
+        """Backward is over: keep a freshly recorded trace and free every live unit."""
+        if self._training and self._recording is not None:
+            self.trace, self._recording = self._recording, None
+            logger.debug("recorded a trace of %d unit uses", len(self.trace))
+        self._training = False
+        self.free_all()
+
+    # ------------------------------------------------------------------ uses
+    def acquire(self, unit: FlatUnit) -> None:
+        """``unit`` is about to compute: make it gathered, then fetch ahead along the trace."""
+        index = self._index[id(unit)]
+        self._follow_trace(index)
+        if self._training:
+            if unit.gathered:
+                self.stats.hits += 1
+            else:
+                self.stats.misses += 1
+        if not unit.gathered:
+            self._make_room(gathered_bytes(unit))
+            self._launch(index)
+        self._wait(index)
+        self._active[index] += 1
+        self._prefetch()
+
+    def release(self, unit: FlatUnit) -> None:
+        """A use of ``unit`` ended: free it unless it is used again soon (and no other use is open)."""
+        index = self._index[id(unit)]
+        if self._active[index] == 0:
+            return  # its pass already ended (end_pass freed it)
+        self._active[index] -= 1
+        if self._active[index] == 0 and index not in self._window():
+            self._free(index)
+
+    def gather_all(self) -> None:
+        """Every unit gathered at once, outside any pass (``engine.gathered``): not bounded by max_live_size."""
+        for index, unit in enumerate(self.units):
+            if not unit.gathered:
+                self._launch(index)
+        for index in list(self._in_flight):
+            self._wait(index)
+
+    def free_all(self) -> None:
+        """Free every live unit (waiting for all-gathers in flight first)."""
+        for index in list(self._in_flight):
+            self._wait(index)
+        for index, unit in enumerate(self.units):
+            self._active[index] = 0
+            if unit.gathered:
+                self._free(index)
+
+    # ------------------------------------------------------------------ the trace
+    def _follow_trace(self, index: int) -> None:
+        if not self._training:
+            return
+        if self._recording is not None:
+            self._recording.append(index)
+            return
+        if self.trace is None:
+            return
+        expected = self.trace[self._position] if self._position < len(self.trace) else None
+        if expected == index:
+            self._position += 1
+            return
+        logger.info("unit order changed at use %d (trace: %s, now: %s): prefetch is off until the next pass "
+                    "records a new trace", self._position, self._name(expected), self._name(index))
+        self.trace = None
+
+    def _window(self) -> list[int]:
+        """Units used next along the trace, within ``prefetch_size`` bytes (empty without a trace)."""
+        if not self._training or self.trace is None or self._recording is not None:
+            return []
+        window: list[int] = []
+        budget = self.prefetch_bytes
+        for index in self.trace[self._position:]:
+            if index in window:
+                continue
+            budget -= gathered_bytes(self.units[index])
+            if budget < 0:
+                break
+            window.append(index)
+        return window
+
+    def _prefetch(self) -> None:
+        for index in self._window():
+            unit = self.units[index]
+            if unit.gathered:
+                continue
+            if self.live_bytes + gathered_bytes(unit) > self.max_live_bytes:
+                break
+            self._launch(index)
+
+    def _name(self, index: int | None) -> str:
+        return "end of trace" if index is None else repr(self.units[index].layout.name or "<root>")
+
+    # ------------------------------------------------------------------ moves
+    def _launch(self, index: int) -> None:
+        """Start ``units[index]``'s all-gather (its views attach once it is waited for)."""
+        unit = self.units[index]
+        buffer = unit.gather_buffer(self.tier)
+        self.live_bytes += gathered_bytes(unit)
+        self.stats.gathers += 1
+        self.stats.peak_live_bytes = max(self.stats.peak_live_bytes, self.live_bytes)
+        self._in_flight[index] = all_gather(self.comm, buffer, unit.param_shard, async_op=True)
+
+    def _wait(self, index: int) -> None:
+        if index not in self._in_flight:
+            return
+        work = self._in_flight.pop(index)
+        if work is not None:
+            start = time.perf_counter()
+            work.wait()
+            self.stats.wait_seconds += time.perf_counter() - start
+        self.units[index].attach_params()
+
+    def _free(self, index: int) -> None:
+        self._wait(index)
+        unit = self.units[index]
+        unit.reshard(self.tier)
+        self.live_bytes -= gathered_bytes(unit)
+
+    def _make_room(self, nbytes: int) -> None:
+        """Free idle live units (prefetched or kept) until ``nbytes`` more fit in max_live_size."""
+        for index in self._idle_live():
+            if self.live_bytes + nbytes <= self.max_live_bytes:
+                return
+            self._free(index)
+        if self.live_bytes + nbytes > self.max_live_bytes:
+            raise RuntimeError(
+                f"stage 3 needs {self.live_bytes + nbytes} bytes of gathered parameters at once (units in use: "
+                f"{self.live_bytes}, next: {nbytes}) but zero.max_live_size is {self.max_live_bytes}; raise it")
+
+    def _idle_live(self) -> Iterator[int]:
+        for index, unit in enumerate(self.units):
+            if unit.gathered and self._active[index] == 0:
+                yield index
