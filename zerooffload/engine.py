@@ -12,6 +12,8 @@ all units are reduced when the window closes. ``engine.step`` at the accumulatio
 3. skips the step everywhere if the fp16 gradients overflowed, else clips to ``train.grad_clip``;
 4. runs torch's update on the pieces whose parameters had a gradient somewhere (others skip, as torch
    skips ``grad is None``), copies the masters into the compute weights and all-gathers them.
+At stage 3 gradients are reduced as at stage 2, and partitioned units keep only their updated shard:
+the hooks of ``param_hooks`` have the ``ParamScheduler`` gather them around each forward and backward.
 """
 from __future__ import annotations
 
