@@ -6,6 +6,17 @@ reduce-scatter its input, an all-reduce twice its size (so DDP moves 2Ψ, stages
 3Ψ). *Data* collectives move model states and are what that convention counts; *control*
 collectives (one small all-reduce per step of gradient-norm squares, overflow and used-parameter
 flags) are counted apart. At world size 1 nothing is sent and nothing is counted.
+
+[Note: direct exchange on gloo]
+gloo's reduce-scatter is slow on CPU: on 2 ranks, 200 MB took 0.34 s against 0.14 s for an all-reduce
+of the same 200 MB and 0.11 s for the same exchange done with point-to-point messages (measured on
+this project's 2-core machine), and its all-gather 0.19 s against ~0.1 s. So on gloo both run as a
+*direct exchange*: every rank posts its sends to and receives from every peer at once (each part
+goes straight to the rank that needs it; (N−1)/N of the data leaves each rank, as in a ring), and
+the handle's ``wait`` finishes the job (the reduce-scatter sums the received parts in rank order, so
+every rank adds in the same order). Messages carry a tag from a per-``Comm`` sequence, which every
+rank advances identically because ranks issue the same collectives in the same order. NCCL keeps
+its own collectives.
 """
 from __future__ import annotations
 
@@ -13,11 +24,12 @@ import logging
 import os
 from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["Comm", "CommCounters", "init_comm", "all_reduce", "reduce_scatter", "all_gather", "control_all_reduce",
+__all__ = ["Comm", "CommCounters", "ExchangeWork", "init_comm", "all_reduce", "reduce_scatter", "all_gather", "control_all_reduce",
            "broadcast"]
 
 logger = logging.getLogger(__name__)
@@ -44,6 +56,46 @@ class Comm:
     world_size: int
     device: torch.device
     counters: CommCounters = field(default_factory=CommCounters)
+    sequence: int = 0
+    """Collectives run as direct exchanges so far: the next one's message tag."""
+
+    @property
+    def direct_exchange(self) -> bool:
+        """Whether reduce-scatter and all-gather run as point-to-point exchanges (gloo; see the note)."""
+        return self.group is not None and dist.get_backend(self.group) == "gloo"
+
+    def next_tag(self) -> int:
+        self.sequence += 1
+        return self.sequence % (1 << 30)
+
+
+class ExchangeWork:
+    """The handles of one direct exchange; ``wait`` completes them, then runs ``finish`` once."""
+
+    def __init__(self, handles: list, finish: Callable[[], None]):
+        self._handles = handles
+        self._finish: Callable[[], None] | None = finish
+
+    def wait(self) -> bool:
+        for handle in self._handles:
+            handle.wait()
+        if self._finish is not None:
+            finish, self._finish = self._finish, None
+            finish()
+        return True
+
+
+def _exchange(comm: Comm, sends: dict[int, torch.Tensor], receives: dict[int, torch.Tensor],
+              finish: Callable[[], None], async_op: bool) -> ExchangeWork | None:
+    """Post every send and receive with one tag; complete now unless ``async_op``."""
+    tag = comm.next_tag()
+    handles = [dist.isend(t, peer, group=comm.group, tag=tag) for peer, t in sends.items()]
+    handles += [dist.irecv(t, peer, group=comm.group, tag=tag) for peer, t in receives.items()]
+    work = ExchangeWork(handles, finish)
+    if async_op:
+        return work
+    work.wait()
+    return None
 
 
 def _compute_device() -> torch.device:
@@ -88,14 +140,31 @@ def all_reduce(comm: Comm, tensor: torch.Tensor, *, async_op: bool = False) -> d
     return dist.all_reduce(tensor, group=comm.group, async_op=async_op)
 
 
-def reduce_scatter(comm: Comm, output: torch.Tensor, input: torch.Tensor, *,
-                   async_op: bool = False) -> dist.Work | None:
-    """``output`` = this rank's slice of the sum over ranks of ``input`` (world_size × output elements)."""
+def reduce_scatter(comm: Comm, output: torch.Tensor, input: torch.Tensor, *, scratch: torch.Tensor | None = None,
+                   async_op: bool = False) -> dist.Work | ExchangeWork | None:
+    """``output`` = this rank's slice of the sum over ranks of ``input`` (world_size × output elements).
+
+    ``scratch`` ((world_size − 1) × output elements, the caller's to account) receives the peers'
+    parts in a direct exchange; one is allocated when it is not given. Keep ``input`` alive until done.
+    """
     if comm.world_size == 1:
         output.copy_(input)
         return None
     _count(comm, input.numel(), input)
-    return _reduce_scatter_single(output, input, group=comm.group, async_op=async_op)
+    if not comm.direct_exchange:
+        return _reduce_scatter_single(output, input, group=comm.group, async_op=async_op)
+    parts = input.view(comm.world_size, -1)
+    peers = [r for r in range(comm.world_size) if r != comm.rank]
+    if scratch is None:
+        scratch = torch.empty(len(peers) * output.numel(), dtype=input.dtype, device=input.device)
+    received = dict(zip(peers, scratch.view(len(peers), -1)))
+
+    def finish() -> None:
+        contributions = [parts[comm.rank] if r == comm.rank else received[r] for r in range(comm.world_size)]
+        torch.add(contributions[0], contributions[1], out=output)
+        for part in contributions[2:]:
+            output.add_(part)
+    return _exchange(comm, {peer: parts[peer] for peer in peers}, received, finish, async_op)
 
 
 def all_gather(comm: Comm, output: torch.Tensor, input: torch.Tensor, *,
@@ -106,7 +175,12 @@ def all_gather(comm: Comm, output: torch.Tensor, input: torch.Tensor, *,
             output.copy_(input)
         return None
     _count(comm, output.numel(), output)
-    return _all_gather_single(output, input, group=comm.group, async_op=async_op)
+    if not comm.direct_exchange:
+        return _all_gather_single(output, input, group=comm.group, async_op=async_op)
+    rows = output.view(comm.world_size, -1)
+    peers = [r for r in range(comm.world_size) if r != comm.rank]
+    return _exchange(comm, {peer: input for peer in peers}, {peer: rows[peer] for peer in peers},
+                     lambda: rows[comm.rank].copy_(input), async_op)
 
 
 def broadcast(comm: Comm, tensor: torch.Tensor, src: int = 0) -> None:

@@ -284,33 +284,36 @@ class Engine:
                 grad.mul_(coefficient)
 
     def _update(self, grads: list[torch.Tensor], had_grad: list[torch.Tensor]) -> None:
-        """torch's update on pieces with a gradient somewhere; new masters published to every rank."""
-        grad_of = {id(u): (g, flags) for u, g, flags in zip(self.units, grads, had_grad)}
+        """Unit by unit: torch's update on the pieces with a gradient somewhere, then the unit's new
+        masters published, so one unit's all-gather runs while the next unit updates."""
+        pieces_of: dict[int, list[tuple[Piece, torch.Tensor]]] = {}
         for unit, piece, tensor in self._pieces:
-            grad, flags = grad_of[id(unit)]
-            tensor.grad = grad[piece.start:piece.stop] if flags[piece.slot_index] > 0 else None
-        self.optimizer.step()
-        for _, _, tensor in self._pieces:
-            tensor.grad = None
-        self._publish()
-
-    def _publish(self) -> None:
-        """New masters into the compute weights: partitioned units keep just their shard (gathered at the
-        next use); the others are all-gathered now, every unit's all-gather in flight at once."""
-        device = self.tiers["device"]
+            pieces_of.setdefault(id(unit), []).append((piece, tensor))
         pending = []
-        for unit in self.units:
-            if unit.layout.shards > 1 and self.comm.world_size > 1 and not unit.partitioned:
-                # The all-gather writes this rank's shard too, so the master goes straight into its input
-                # (cast once), which must not alias the output.
-                source = device.empty(Kind.BUFFER, unit.layout.shard_numel, unit.compute_dtype)
-                source.copy_(unit.master)
-                pending.append((source, all_gather(self.comm, unit.flat_param, source, async_op=True)))
-            else:
-                unit.publish_master()
-        for source, work in pending:
+        for unit, grad, flags in zip(self.units, grads, had_grad):
+            pieces = pieces_of.get(id(unit), [])
+            for piece, tensor in pieces:
+                tensor.grad = grad[piece.start:piece.stop] if flags[piece.slot_index] > 0 else None
+            if pieces:
+                self.optimizer.step()
+            for _, tensor in pieces:
+                tensor.grad = None
+            pending.append(self._publish(unit))
+        for source, work in filter(None, pending):
             work.wait()
-            device.free(Kind.BUFFER, source)
+            self.tiers["device"].free(Kind.BUFFER, source)
+
+    def _publish(self, unit: FlatUnit) -> tuple[torch.Tensor, Any] | None:
+        """A unit's new masters into its compute weights: a partitioned unit keeps just its shard
+        (gathered at its next use); a sharded one is all-gathered (returns the input and the handle)."""
+        if unit.layout.shards > 1 and self.comm.world_size > 1 and not unit.partitioned:
+            # The all-gather writes this rank's shard too, so the master goes straight into its input
+            # (cast once), which must not alias the output.
+            source = self.tiers["device"].empty(Kind.BUFFER, unit.layout.shard_numel, unit.compute_dtype)
+            source.copy_(unit.master)
+            return source, all_gather(self.comm, unit.flat_param, source, async_op=True)
+        unit.publish_master()
+        return None
 
     def _release(self, grads: list[torch.Tensor]) -> None:
         for unit, grad in zip(self.units, grads):

@@ -35,7 +35,8 @@ def plan_memory(layouts: list[UnitLayout], *, stage: int, compute_bytes: int, op
     full_reduce = full // compute_bytes * reduce_bytes
     reduce_phase = min(in_flight, full_reduce)  # staging copies of buckets, in the reduction dtype
     if stage >= 1:
-        reduce_phase += min(in_flight, shard * reduce_bytes)  # reduce-scatter outputs
+        # reduce-scatter outputs, and on gloo the peers' parts received beside them (world − 1 as many)
+        reduce_phase += world_size * min(in_flight, shard * reduce_bytes)
     if stage >= 2:
         reduce_phase += full  # full gradients of units waiting for their turn (worst case: all)
     if stage == 1:

@@ -52,6 +52,7 @@ class _Bucket:
     work: object = None
     staging: torch.Tensor | None = None
     output: torch.Tensor | None = None
+    scratch: torch.Tensor | None = None
 
 
 class GradReducer:
@@ -115,7 +116,10 @@ class GradReducer:
         else:
             shard_total = sum(u.layout.shard_numel for u in bucket.units)
             bucket.output = self.tier.empty(Kind.BUFFER, shard_total, REDUCE_DTYPE)
-            bucket.work = reduce_scatter(self.comm, bucket.output, bucket.staging, async_op=True)
+            if self.comm.direct_exchange:  # the peers' parts land here (comm's [Note: direct exchange on gloo])
+                bucket.scratch = self.tier.empty(Kind.BUFFER, (self.comm.world_size - 1) * shard_total, REDUCE_DTYPE)
+            bucket.work = reduce_scatter(self.comm, bucket.output, bucket.staging, scratch=bucket.scratch,
+                                         async_op=True)
         self._in_flight.append(bucket)
 
     def _staged(self, bucket: _Bucket) -> torch.Tensor:
@@ -158,5 +162,6 @@ class GradReducer:
                 offset += unit.layout.shard_numel
                 unit.release_flat_grad(self.tier)
         self.tier.free(Kind.BUFFER, bucket.output)
+        self.tier.free(Kind.BUFFER, bucket.scratch)
         if staged:
             self.tier.free(Kind.BUFFER, bucket.staging)
