@@ -99,6 +99,20 @@ def test_host_optimizer_tier_equals_device_tier(rank_pools):
     assert host["errors"] == device["errors"]
 
 
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_nvme_optimizer_tier_equals_device_tier(rank_pools, stage):
+    """Optimizer blocks paged through swap files (O_DIRECT) give exactly the device tier's training."""
+    for precision in ("fp32", "bf16"):
+        device = rank_pools(2).run(train_case, stage, precision)[0]
+        nvme = rank_pools(2).run(train_case, stage, precision, offload={"optimizer": {"tier": "nvme"}})[0]
+        _check(nvme, precision)
+        assert nvme["errors"] == device["errors"]
+
+
+def test_nvme_optimizer_tier_world_size_1():
+    _check(train_case(3, "bf16", offload={"optimizer": {"tier": "nvme"}}), "bf16")
+
+
 def test_accumulation_of_four_without_clipping(rank_pools):
     _check(rank_pools(2).run(train_case, 2, "fp32", accum=4, clip=0.0)[0], "fp32", accum=4)
 

@@ -38,7 +38,8 @@ from .precision import COMPUTE_DTYPES, LossScaler
 from .reduction import GradReducer, Mode
 from .scheduler import ParamScheduler, check_live_bound
 from .telemetry import MemoryReport, StepStats, memory_report
-from .tiers import Kind, check_plan, make_tiers
+from .optim.state import UnitOptimizerState
+from .tiers import Kind, NvmeTier, check_plan, make_tiers, stream_blocks
 
 __all__ = ["Engine", "initialize"]
 
@@ -65,8 +66,6 @@ def _check_supported(config: Config) -> None:
     """Settings the config accepts that this engine cannot run yet, refused by name."""
     if config.offload.param.tier != "device":
         raise ConfigError(f"offload.param.tier = {config.offload.param.tier!r} is not in this version yet; use 'device'")
-    if config.offload.optimizer.tier == "nvme":
-        raise ConfigError("offload.optimizer.tier = 'nvme' is not in this version yet; use 'device' or 'host'")
     if config.offload.optimizer.fraction != 1.0:
         raise ConfigError("offload.optimizer.fraction < 1 is not in this version yet; use 1.0")
 
@@ -108,7 +107,6 @@ class Engine:
         self.stage = config.zero.stage
         self.compute_dtype = COMPUTE_DTYPES[config.train.precision]
         self.tiers = make_tiers(config.memory, comm.device)
-        self._optimizer_tier = self.tiers[config.offload.optimizer.tier]
         layouts = find_units(module, config.zero.unit_modules, comm.world_size if self.stage >= 1 else 1)
         if not layouts:
             raise ValueError("the model has no parameters to train")
@@ -117,10 +115,15 @@ class Engine:
                       for layout in layouts]
         partitioned = [u for u in self.units if u.partitioned]
         check_live_bound(partitioned, config.zero.max_live_size)
-        check_plan(self._plan(layouts), self.tiers)
-        self._materialize()
+        plan = self._plan(layouts)
+        check_plan(plan, self.tiers)  # memory budgets first: they are cheap to check, swap space is not
+        if "nvme" in plan:
+            self.tiers["nvme"] = NvmeTier(config, comm.rank, reserve=sum(plan["nvme"].values()))
+        self._optimizer_tier = self.tiers[config.offload.optimizer.tier]
+        self._update_tier = self._optimizer_tier if self._optimizer_tier.resident else self.tiers["host"]
+        self.opt_states = self._materialize()
         self.param_scheduler = ParamScheduler(comm, partitioned, self.tiers["device"], prefetch_bytes=config.zero.prefetch_size,
-                                        max_live_bytes=config.zero.max_live_size)
+                                              max_live_bytes=config.zero.max_live_size)
         self._pieces: list[tuple[FlatUnit, Piece, torch.Tensor]] = []
         self.optimizer = ZeroOptimizer(self._groups(param_groups), config.optimizer)
         self._attach_optimizer_state()
@@ -158,7 +161,7 @@ class Engine:
                     continue
                 if id(slot.param) not in group_of:
                     raise ValueError(f"parameter {slot.names[0]!r} is trainable but in no param group")
-                tensor = unit.master[piece.start:piece.stop]
+                tensor = self.opt_states[self.units.index(unit)].add_piece(piece)
                 out[group_of[id(slot.param)]]["params"].append(tensor)
                 self._pieces.append((unit, piece, tensor))
         return out
@@ -167,34 +170,57 @@ class Engine:
         """Stage 3 partitions every unit except those under ``zero.persist_threshold`` parameters."""
         return self.stage == 3 and layout.numel >= self.config.zero.persist_threshold
 
+    def _master_is_param(self) -> bool:
+        optimizer_tier = self.config.offload.optimizer.tier
+        return masters_alias_params(self.compute_dtype, self.tiers["device"], self.tiers.get(optimizer_tier))
+
     def _plan(self, layouts) -> dict:
-        master_is_param = masters_alias_params(self.compute_dtype, self.tiers["device"], self._optimizer_tier)
         return plan_memory(layouts, stage=self.stage, compute_bytes=dtype_bytes(self.config.train.precision),
-                           optimizer_tier=self._optimizer_tier.name, master_is_param=master_is_param,
+                           optimizer_tier=self.config.offload.optimizer.tier, master_is_param=self._master_is_param(),
                            moments=len(moment_names(self.config.optimizer)), bucket_bytes=self.config.zero.bucket_size,
                            world_size=self.comm.world_size,
                            partitioned=[u.layout for u in self.units if u.partitioned],
                            max_live_bytes=self.config.zero.max_live_size)
 
-    def _materialize(self) -> None:
-        """Unit by unit: rank 0's values broadcast (as DDP does), then flattened onto their tiers."""
-        for unit in self.units:
+    def _materialize(self) -> list[UnitOptimizerState]:
+        """Unit by unit: rank 0's values broadcast (as DDP does), flattened onto their tiers, and the
+        unit's optimizer block written; returns the optimizer states in unit order."""
+        states = []
+        names = moment_names(self.config.optimizer)
+        for index, unit in enumerate(self.units):
             full = unit.full_fp32().to(self.comm.device)
             broadcast(self.comm, full)
-            unit.materialize(full, self.tiers["device"], self._optimizer_tier)
+            unit.materialize(full, self.tiers["device"], self._master_is_param())
+            state = UnitOptimizerState(unit, self._optimizer_tier, names, key=f"optimizer.{index}")
+            for _ in stream_blocks([state.block], self.tiers["host"], read=False):
+                state.initialize(full.to(self._update_tier.device))
+            states.append(state)
         for module in self.module.modules():
             for name, buffer in module.named_buffers(recurse=False):
                 moved = buffer.to(self.comm.device)
                 broadcast(self.comm, moved)
                 setattr(module, name, moved)
+        return states
 
     def _attach_optimizer_state(self) -> None:
-        """Moments as one buffer per unit shard on the optimizer tier; each piece's state is a view of it."""
+        """Give every piece its (empty) moment tensors, then point resident blocks' pieces once for good."""
         names = moment_names(self.config.optimizer)
-        moments = {id(u): {n: self._optimizer_tier.zeros(Kind.OPTIMIZER, u.layout.shard_numel, torch.float32)
-                           for n in names} for u in self.units}
-        for unit, piece, tensor in self._pieces:
-            self.optimizer.attach_state(tensor, {n: b[piece.start:piece.stop] for n, b in moments[id(unit)].items()})
+        for state in self.opt_states:
+            for _, tensor in state.pieces:
+                self.optimizer.attach_state(tensor, {n: torch.empty(0, dtype=torch.float32, device=tensor.device)
+                                                     for n in names})
+            if state.block.resident:
+                state.point(self.optimizer)
+
+    def _visit_optimizer_states(self, *, write: bool) -> Iterator[UnitOptimizerState]:
+        """Each unit's optimizer state loaded and pointed, in unit order (paged through host buffers
+        when it lives on NVMe: read i+1 ‖ work on i ‖ write i−1); ``write`` stores changes back."""
+        states = iter(self.opt_states)
+        for _ in stream_blocks([state.block for state in self.opt_states], self.tiers["host"], write=write):
+            state = next(states)  # the stream must be resumed after each yield: it stores the block then
+            state.point(self.optimizer)
+            yield state
+            state.unpoint(self.optimizer)
 
     def _reduction_order(self) -> list[FlatUnit]:
         """Block units last to first, then the root unit: the order backward usually completes them."""
@@ -257,10 +283,10 @@ class Engine:
     def _fp32_grad(self, unit: FlatUnit) -> torch.Tensor:
         """This rank's averaged gradient of ``unit`` in fp32 on the optimizer's device, unscaled."""
         local = unit.local_grad()
-        if local.dtype == torch.float32 and local.device == self._optimizer_tier.device:
+        if local.dtype == torch.float32 and local.device == self._update_tier.device:
             grad = local
         else:
-            grad = self._optimizer_tier.empty(Kind.BUFFER, local.numel(), torch.float32)
+            grad = self._update_tier.empty(Kind.BUFFER, local.numel(), torch.float32)
             grad.copy_(local)
         if self.scaler.enabled:
             grad.mul_(1.0 / self.scaler.scale)
@@ -286,12 +312,9 @@ class Engine:
     def _update(self, grads: list[torch.Tensor], had_grad: list[torch.Tensor]) -> None:
         """Unit by unit: torch's update on the pieces with a gradient somewhere, then the unit's new
         masters published, so one unit's all-gather runs while the next unit updates."""
-        pieces_of: dict[int, list[tuple[Piece, torch.Tensor]]] = {}
-        for unit, piece, tensor in self._pieces:
-            pieces_of.setdefault(id(unit), []).append((piece, tensor))
         pending = []
-        for unit, grad, flags in zip(self.units, grads, had_grad):
-            pieces = pieces_of.get(id(unit), [])
+        for state, grad, flags in zip(self._visit_optimizer_states(write=True), grads, had_grad):
+            unit, pieces = state.unit, state.pieces
             for piece, tensor in pieces:
                 tensor.grad = grad[piece.start:piece.stop] if flags[piece.slot_index] > 0 else None
             if pieces:
@@ -318,7 +341,7 @@ class Engine:
     def _release(self, grads: list[torch.Tensor]) -> None:
         for unit, grad in zip(self.units, grads):
             if grad is not unit.local_grad():
-                self._optimizer_tier.free(Kind.BUFFER, grad)
+                self._update_tier.free(Kind.BUFFER, grad)
             unit.clear_grads(self.tiers["device"])
 
     def _start_window(self) -> None:
@@ -351,7 +374,8 @@ class Engine:
         gets the dict, the others ``{}``.
         """
         values: dict[int, torch.Tensor] = {}
-        for unit in self.units:
+        for state in self._visit_optimizer_states(write=False):
+            unit = state.unit
             flat = torch.empty(unit.layout.padded_numel, dtype=torch.float32, device=unit.master.device)
             if unit.layout.shards > 1:
                 all_gather(self.comm, flat, unit.master)
@@ -376,14 +400,15 @@ class Engine:
         before = [u.flat_param[u.shard_range].clone() for u in self.units]  # only this rank's masters matter
         try:
             yield self.module
-            for unit, old in zip(self.units, before):
+            for state, old in zip(self._visit_optimizer_states(write=True), before):
+                unit = state.unit
                 broadcast(self.comm, unit.flat_param, src=modifier_rank)
                 new = unit.flat_param[unit.shard_range]
                 changed = new != old
                 if unit.partitioned:
                     unit.param_shard.copy_(new)
                 if not unit.master_is_param:
-                    unit.master[changed] = new[changed].float()
+                    unit.master[changed.to(unit.master.device)] = new[changed].float().to(unit.master.device)
         finally:
             self.param_scheduler.free_all()
 
@@ -401,3 +426,4 @@ class Engine:
         self._hooks = []
         for tier in self.tiers.values():
             tier.usage = {kind: 0 for kind in Kind}
+            tier.close()

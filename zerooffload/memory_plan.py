@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from .partition import UnitLayout
 from .reduction import MAX_BUCKETS_IN_FLIGHT, REDUCE_DTYPE
-from .tiers import Kind, Plan
+from .tiers import STREAM_BUFFERS, Kind, Plan
 
 __all__ = ["plan_memory"]
 
@@ -48,7 +48,11 @@ def plan_memory(layouts: list[UnitLayout], *, stage: int, compute_bytes: int, op
     gather = sum(u.shard_numel for u in gathered_after_step) * compute_bytes  # all-gather inputs, all at once
     if optimizer_tier == "device":
         device[Kind.BUFFER] = max(reduce_phase, step_device + step_fp32 + gather)
-    else:
-        device[Kind.BUFFER] = max(reduce_phase, step_device + gather)
-        optimizer[Kind.BUFFER] += step_fp32
+        return plan
+    device[Kind.BUFFER] = max(reduce_phase, step_device + gather)
+    update = plan.setdefault("host", {k: 0 for k in Kind})  # the CPU update runs in host memory
+    update[Kind.BUFFER] += step_fp32
+    if optimizer_tier == "nvme":  # blocks stream through host buffers (tiers.stream_blocks)
+        segments = max(1, moments + (0 if master_is_param else 1))
+        update[Kind.BUFFER] += STREAM_BUFFERS * max(u.shard_numel for u in layouts) * 4 * segments
     return plan

@@ -194,9 +194,11 @@ class FlatUnit:
             flat[slot.offset:slot.offset + slot.numel] = slot.param.detach().reshape(-1).float().cpu()
         return flat
 
-    def materialize(self, full_fp32: torch.Tensor, device_tier: Tier, master_tier: Tier) -> None:
-        """Move the parameters into ``flat_param`` (the module's tensors become views), make ``master``
-        and the persistent gradient buffers; a partitioned unit then keeps only its shard."""
+    def materialize(self, full_fp32: torch.Tensor, device_tier: Tier, master_is_param: bool) -> None:
+        """Move the parameters into ``flat_param`` (the module's tensors become views) and make the
+        persistent gradient buffers; a partitioned unit then keeps only its shard. With
+        ``master_is_param`` the fp32 master is the weights' shard itself; otherwise the optimizer's
+        state block provides it (``optim.state``)."""
         layout = self.layout
         kind = Kind.GATHERED if self.partitioned else Kind.PARAM
         self.flat_param = device_tier.empty(kind, layout.padded_numel, self.compute_dtype)
@@ -207,12 +209,8 @@ class FlatUnit:
             self.param_shard = device_tier.empty(Kind.PARAM, layout.shard_numel, self.compute_dtype)
             weights = self.param_shard.copy_(weights)
             self._placeholder = torch.full((1,), math.nan, dtype=self.compute_dtype, device=device_tier.device)
-        self.master_is_param = masters_alias_params(self.compute_dtype, device_tier, master_tier)
-        if self.master_is_param:
-            self.master = weights
-        else:
-            self.master = master_tier.empty(Kind.OPTIMIZER, layout.shard_numel, torch.float32)
-            self.master.copy_(full_fp32[self.shard_range])
+        self.master_is_param = master_is_param
+        self.master = weights if master_is_param else None
         if self.keep_full_grad:
             self.flat_grad = device_tier.zeros(Kind.GRAD, layout.padded_numel, self.compute_dtype)
         if self.keep_grad_shard:

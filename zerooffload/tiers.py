@@ -9,18 +9,32 @@
 - The engine never asks which tier it has: it asks the tier for tensors (``empty``/``zeros``), gives
   them back (``free``), and copies between tiers' devices; a tier that would pass its budget raises
   ``BudgetError``. ``check_plan`` refuses a whole run up front, before anything is allocated.
+
+[Note: blocks]
+A *block* is a buffer whose home is a tier, for state that is worked on a piece at a time (a unit's
+optimizer state, a unit's parameter shard). ``load(buffer)`` makes ``block.data`` valid, ``store()``
+writes changes home, ``unload()`` lets the memory go. On a resident tier (device, host) ``data`` is
+always the block's own tensor, and the three are no-ops; on the ``nvme`` tier the bytes live in a swap
+file and ``data`` is the caller's host buffer while loaded, read and written through the async-I/O
+engine. Callers treat every block alike; the tier decides what moving means.
 """
 from __future__ import annotations
 
 import abc
+import contextlib
 import enum
+from collections import deque
+from typing import Any, Iterator
 
 import torch
 
-from .config import ConfigError, MemoryConfig
+from .config import Config, ConfigError, MemoryConfig
+from .io.aio import AsyncIO
 from .io.buffers import aligned_empty
+from .io.swapfile import SwapStore
 
-__all__ = ["Kind", "Tier", "DeviceTier", "HostTier", "BudgetError", "make_tiers", "check_plan", "Plan"]
+__all__ = ["Kind", "Tier", "DeviceTier", "HostTier", "NvmeTier", "Block", "BudgetError", "make_tiers", "check_plan",
+           "Plan", "stream_blocks", "STREAM_BUFFERS"]
 
 
 class Kind(enum.Enum):
@@ -93,6 +107,16 @@ class Tier(abc.ABC):
         tensor.untyped_storage().resize_(0)
         self.free(kind, tensor)
 
+    resident = True
+    """Whether the tier's tensors are memory the compute can address (device, host) or not (nvme)."""
+
+    def close(self) -> None:
+        """Release what the tier holds outside memory (the NVMe tier's swap files)."""
+
+    def block(self, kind: Kind, key: str, numel: int, dtype: torch.dtype) -> "Block":
+        """A buffer of ``numel`` ``dtype`` elements whose home is this tier (see [Note: blocks])."""
+        return Block(self.empty(kind, numel, dtype))
+
     def restore_storage(self, kind: Kind, tensor: torch.Tensor) -> None:
         """Give a tensor whose storage was released its memory back (contents undefined), counted as ``kind``."""
         nbytes = tensor.numel() * tensor.element_size()
@@ -118,6 +142,167 @@ class HostTier(Tier):
         return aligned_empty(numel * dtype.itemsize, dtype)
 
 
+class _Done:
+    """A finished move (resident blocks never wait)."""
+
+    def wait(self) -> int:
+        return 0
+
+
+class Block:
+    """A resident block: ``data`` is always its own tensor; loading and storing move nothing."""
+
+    resident = True
+
+    def __init__(self, data: torch.Tensor):
+        self.data: torch.Tensor | None = data
+        self.numel, self.dtype = data.numel(), data.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+    def load(self, buffer: torch.Tensor | None = None, *, read: bool = True) -> Any:
+        """Make ``data`` valid (``read=False``: contents to be overwritten, nothing is read)."""
+        return _Done()
+
+    def store(self) -> Any:
+        """Write ``data`` home."""
+        return _Done()
+
+    def unload(self) -> torch.Tensor | None:
+        """Let the memory go; returns the caller's host buffer for reuse (None when resident)."""
+        return None
+
+
+class _SwappedBlock(Block):
+    """A block in the NVMe tier's swap store, paged through a caller's host buffer."""
+
+    resident = False
+
+    def __init__(self, store: SwapStore, key: str, numel: int, dtype: torch.dtype):
+        self.store_, self.key = store, key
+        self.numel, self.dtype = numel, dtype
+        self.data = None
+
+    def load(self, buffer: torch.Tensor | None = None, *, read: bool = True) -> Any:
+        if buffer is None or buffer.numel() * buffer.element_size() < self.nbytes:
+            raise ValueError(f"block {self.key!r} needs a host buffer of at least {self.nbytes} bytes")
+        self.data = buffer.view(torch.uint8)[:self.nbytes].view(self.dtype)
+        return self.store_.read(self.key, self.data) if read else _Done()
+
+    def store(self) -> Any:
+        return self.store_.write(self.key, self.data)
+
+    def unload(self) -> torch.Tensor | None:
+        data, self.data = self.data, None
+        return data
+
+
+class NvmeTier(Tier):
+    """Swap files on NVMe (``nvme.path``, striped over a list): blocks only, never addressable tensors.
+
+    Its space is checked and preallocated when it opens (``reserve``), so a disk too small refuses
+    the run at start with the numbers; ``close`` removes the files.
+    """
+
+    budget_key = "nvme.path free space"
+    resident = False
+
+    def __init__(self, config: Config, rank: int, reserve: int):
+        super().__init__("nvme", torch.device("cpu"), None)
+        self._aio = AsyncIO(config.aio)
+        try:
+            self.swap = SwapStore(_swap_paths(config), self._aio, rank=rank, reserve=reserve,
+                                  checksum=config.nvme.checksum, direct=config.aio.direct)
+        except BaseException:
+            self._aio.close()
+            raise
+
+    def close(self) -> None:
+        self.swap.close()
+        self._aio.close()
+
+    def _allocate(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        raise TypeError("the nvme tier holds blocks (Tier.block), not tensors the compute can address")
+
+    def block(self, kind: Kind, key: str, numel: int, dtype: torch.dtype) -> Block:
+        self._account(kind, numel * dtype.itemsize)
+        return _SwappedBlock(self.swap, key, numel, dtype)
+
+
+STREAM_BUFFERS = 3
+"""Host buffers a block stream holds: one being read, one being worked on, one being written."""
+
+
+def stream_blocks(blocks: list[Block], buffer_tier: Tier, *, read: bool = True, write: bool = True
+                  ) -> Iterator[Block]:
+    """Yield each block loaded, in order: block i+1 loads while the caller works on block i and block
+    i−1 is stored, through at most ``STREAM_BUFFERS`` host buffers (``Kind.BUFFER`` of ``buffer_tier``).
+
+    ``read=False`` skips the reads (the caller overwrites ``data``), ``write=False`` the stores. The
+    caller must finish with a block before asking for the next: after that it is stored and unloaded.
+    """
+    size = max((b.nbytes for b in blocks if not b.resident), default=0)
+    owned: list[torch.Tensor] = []
+    spare: list[torch.Tensor] = []
+    storing: deque[tuple[Block, Any]] = deque()
+
+    def finish_oldest_store() -> None:
+        block, handle = storing.popleft()
+        handle.wait()
+        _recycle(block)
+
+    def _recycle(block: Block) -> None:
+        buffer = block.unload()
+        if buffer is not None:
+            spare.append(buffer)
+
+    def start_load(block: Block) -> Any:
+        if block.resident:
+            return block.load()
+        if not spare and len(owned) == STREAM_BUFFERS:
+            finish_oldest_store()
+        if not spare:
+            owned.append(buffer_tier.empty(Kind.BUFFER, size, torch.uint8))
+            spare.append(owned[-1])
+        return block.load(spare.pop(), read=read)
+
+    loading = deque()
+    try:
+        for index, block in enumerate(blocks):
+            if index == 0:
+                loading.append(start_load(block))
+            if index + 1 < len(blocks):
+                loading.append(start_load(blocks[index + 1]))
+            loading.popleft().wait()
+            yield block
+            if write:
+                storing.append((block, block.store()))
+                while len(storing) > 1:
+                    finish_oldest_store()
+            else:
+                _recycle(block)
+        while storing:
+            finish_oldest_store()
+    finally:
+        for handle in [*loading, *(h for _, h in storing)]:
+            with contextlib.suppress(Exception):  # already failing: the first error is the one to see
+                handle.wait()
+        for buffer in owned:
+            buffer_tier.free(Kind.BUFFER, buffer)
+
+
+def _swap_paths(config: Config) -> list[str]:
+    """``nvme.path``, or the ``offload.*.path`` that overrides it for the states that live on NVMe."""
+    offload = config.offload
+    chosen = {section.path for section in (offload.param, offload.optimizer) if section.tier == "nvme" and section.path}
+    if len(chosen) > 1:
+        raise ConfigError(f"offload.param.path and offload.optimizer.path differ ({sorted(chosen)}): one swap "
+                          "directory set per run in this version; set nvme.path (a list stripes) instead")
+    return [chosen.pop()] if chosen else config.nvme.paths
+
+
 def _device_budget(value: int | str, device: torch.device) -> int | None:
     if value != "auto":
         return int(value)
@@ -128,7 +313,8 @@ def _device_budget(value: int | str, device: torch.device) -> int | None:
 
 
 def make_tiers(memory: MemoryConfig, device: torch.device) -> dict[str, Tier]:
-    """The tiers of a run, by the names config uses (``offload.*.tier``)."""
+    """The resident tiers of a run, by the names config uses (``offload.*.tier``); the engine adds
+    ``nvme`` once it knows how much swap space to reserve."""
     host_budget = None if memory.host_budget == "auto" else int(memory.host_budget)
     return {"device": DeviceTier("device", device, _device_budget(memory.device_budget, device)),
             "host": HostTier("host", torch.device("cpu"), host_budget)}
@@ -137,8 +323,8 @@ def make_tiers(memory: MemoryConfig, device: torch.device) -> dict[str, Tier]:
 def check_plan(plan: Plan, tiers: dict[str, Tier]) -> None:
     """Refuse a run whose planned bytes exceed a tier's budget, before anything is allocated."""
     for name, kinds in plan.items():
-        tier, total = tiers[name], sum(kinds.values())
-        if tier.budget is not None and total > tier.budget:
+        tier, total = tiers.get(name), sum(kinds.values())
+        if tier is not None and tier.budget is not None and total > tier.budget:  # nvme: checked as it opens
             parts = ", ".join(f"{kind.value} {n}" for kind, n in kinds.items() if n)
             raise BudgetError(
                 f"the {name} tier needs {total} bytes ({parts}) but {tier.budget_key} is "

@@ -1,0 +1,85 @@
+"""Each unit shard's optimizer state as one block on the optimizer tier, and the pieces pointed into it.
+
+[Note: optimizer blocks]
+- A unit's *optimizer block* holds this rank's shard of ``[master | moment_1 | moment_2 ...]`` in fp32,
+  one segment each; the master is left out when it is a view of fp32 weights already
+  (``partition.masters_alias_params``). The block's home is ``offload.optimizer.tier``: device or
+  host memory, or a swap file on NVMe paged through host buffers (``tiers.stream_blocks``).
+- The torch optimizer sees *pieces* (``optimizer.py``), and per piece the moment tensors in its state.
+  These tensor objects live as long as the engine (torch keys its state by them) but their memory
+  is *pointed* into the block whenever it is loaded, and *unpointed* (made empty) when a block that is
+  not resident is unloaded, so no stale view keeps a host buffer alive.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..partition import FlatUnit, Piece
+from ..tiers import Kind, Tier
+
+__all__ = ["UnitOptimizerState"]
+
+
+def _point(tensor: torch.Tensor, source: torch.Tensor | None, start: int = 0, stop: int = 0) -> None:
+    """Make ``tensor`` the view ``source[start:stop]`` (or empty when ``source`` is None), in place."""
+    if source is None:
+        tensor.set_()
+    else:
+        tensor.set_(source.untyped_storage(), source.storage_offset() + start, (stop - start,), (1,))
+
+
+class UnitOptimizerState:
+    """One unit shard's optimizer block and the optimizer pieces that live in it."""
+
+    def __init__(self, unit: FlatUnit, tier: Tier, moment_names: tuple[str, ...], key: str):
+        self.unit = unit
+        self.moment_names = moment_names
+        self.has_master = not unit.master_is_param
+        segments = len(moment_names) + self.has_master
+        self.block = tier.block(Kind.OPTIMIZER, key, max(1, segments) * unit.layout.shard_numel, torch.float32)
+        self.pieces: list[tuple[Piece, torch.Tensor]] = []
+
+    def _segment(self, index: int) -> torch.Tensor:
+        size = self.unit.layout.shard_numel
+        return self.block.data[index * size:(index + 1) * size]
+
+    def master(self) -> torch.Tensor:
+        """This rank's fp32 master shard (valid while the block is loaded)."""
+        return self._segment(0) if self.has_master else self.unit.master
+
+    def moment(self, name: str) -> torch.Tensor:
+        return self._segment(self.has_master + self.moment_names.index(name))
+
+    def initialize(self, full_fp32: torch.Tensor) -> None:
+        """First values of a loaded block: the master from the full fp32 unit, moments zero."""
+        if self.has_master:
+            self.master().copy_(full_fp32[self.unit.shard_range])
+        for name in self.moment_names:
+            self.moment(name).zero_()
+
+    def add_piece(self, piece: Piece) -> torch.Tensor:
+        """A new optimizer param for ``piece``: an fp32 tensor object pointed into the block when loaded."""
+        tensor = torch.empty(0, dtype=torch.float32, device=self.block.data.device if self.block.resident
+                             else torch.device("cpu"))
+        self.pieces.append((piece, tensor))
+        return tensor
+
+    def point(self, optimizer: torch.optim.Optimizer) -> None:
+        """Point the pieces, their moments and ``unit.master`` into the loaded block."""
+        master = self.master()
+        self.unit.master = master
+        for piece, tensor in self.pieces:
+            _point(tensor, master, piece.start, piece.stop)
+            state = optimizer.state[tensor]
+            for name in self.moment_names:
+                _point(state[name], self.moment(name), piece.start, piece.stop)
+
+    def unpoint(self, optimizer: torch.optim.Optimizer) -> None:
+        """Before a block that is not resident unloads: empty every view of it."""
+        if self.block.resident:
+            return
+        self.unit.master = None
+        for _, tensor in self.pieces:
+            _point(tensor, None)
+            for name in self.moment_names:
+                _point(optimizer.state[tensor][name], None)
