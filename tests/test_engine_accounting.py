@@ -1,6 +1,7 @@
 """Memory and communication accounting against DESIGN §3's formulas; budgets refused up front."""
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -124,3 +125,30 @@ def test_estimate_reproduces_the_zero_paper_example():
                          capture_output=True, text=True, check=True).stdout
     for figure in ("120.00", "31.41", "16.64", "1.88"):
         assert figure in out
+
+
+def offload_accounting_case() -> dict:
+    """Stage 3, bf16, parameter shards and optimizer states both on NVMe: what each tier holds."""
+    model = _mlp()
+    engine = zo.initialize(model, {"zero": {"stage": 3}, "train": {"precision": "bf16"},
+                                   "offload": {"param": {"tier": "nvme"}, "optimizer": {"tier": "nvme"}}})
+    shard = sum(u.layout.shard_numel for u in engine.units)
+    for _ in range(2):
+        _one_step(engine)
+    report = engine.memory_report()
+    result = {"shard": shard, "bytes": {t: dict(k) for t, k in report.bytes_by_tier.items()},
+              "peaks": dict(report.peaks), "swap_files": [str(p) for p in engine.tiers["nvme"].swap.paths]}
+    engine.close()
+    result["swap_files_left"] = [p for p in result["swap_files"] if os.path.exists(p)]
+    return result
+
+
+def test_offloaded_states_are_accounted_on_their_tiers(rank_pools):
+    for result in rank_pools(2).run(offload_accounting_case):
+        shard, held = result["shard"], result["bytes"]
+        assert held["nvme"]["param"] == 2 * shard  # bf16 shards: 2Ψ/Nd (padded)
+        assert held["nvme"]["optimizer"] == 12 * shard  # fp32 master, m, v: 12Ψ/Nd
+        assert held["device"]["param"] == held["device"]["optimizer"] == held["device"]["gathered"] == 0
+        assert held["device"]["grad"] == 2 * shard  # gradient shards stay on the device
+        assert held["host"]["buffer"] == 0 and result["peaks"]["host"] > 0  # staging comes and goes
+        assert result["swap_files"] and not result["swap_files_left"]  # close() removes the swap files

@@ -134,3 +134,14 @@ def test_stage_3_with_an_eval_forward_between_steps(rank_pools, precision):
 
 def test_stage_3_on_demand_without_prefetch(rank_pools):
     _check(rank_pools(2).run(train_case, 3, "fp32", zero={"prefetch_size": 0})[0], "fp32")
+
+
+@pytest.mark.parametrize("param_tier", ["host", "nvme"])
+def test_stage_3_offloaded_parameters_equal_the_device_run(rank_pools, param_tier):
+    """Parameter shards on host or NVMe (staged ahead along the trace), with the optimizer on each tier."""
+    device = rank_pools(2).run(train_case, 3, "fp32", eval_between=True)[0]
+    for optimizer_tier in ("device", "host", "nvme"):
+        offload = {"param": {"tier": param_tier}, "optimizer": {"tier": optimizer_tier}}
+        result = rank_pools(2).run(train_case, 3, "fp32", eval_between=True, offload=offload)[0]
+        _check(result, "fp32")
+        assert result["errors"] == device["errors"], optimizer_tier

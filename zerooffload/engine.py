@@ -39,7 +39,7 @@ from .reduction import GradReducer, Mode
 from .scheduler import ParamScheduler, check_live_bound
 from .telemetry import MemoryReport, StepStats, memory_report
 from .optim.state import UnitOptimizerState
-from .tiers import Kind, NvmeTier, check_plan, make_tiers, stream_blocks
+from .tiers import Kind, NvmeTier, check_plan, make_tiers, stream_blocks, write_block
 
 __all__ = ["Engine", "initialize"]
 
@@ -64,8 +64,6 @@ def initialize(model: nn.Module, config: Config | dict | str | None = None, para
 
 def _check_supported(config: Config) -> None:
     """Settings the config accepts that this engine cannot run yet, refused by name."""
-    if config.offload.param.tier != "device":
-        raise ConfigError(f"offload.param.tier = {config.offload.param.tier!r} is not in this version yet; use 'device'")
     if config.offload.optimizer.fraction != 1.0:
         raise ConfigError("offload.optimizer.fraction < 1 is not in this version yet; use 1.0")
 
@@ -120,9 +118,11 @@ class Engine:
         if "nvme" in plan:
             self.tiers["nvme"] = NvmeTier(config, comm.rank, reserve=sum(plan["nvme"].values()))
         self._optimizer_tier = self.tiers[config.offload.optimizer.tier]
+        self._param_tier = self.tiers[config.offload.param.tier]
         self._update_tier = self._optimizer_tier if self._optimizer_tier.resident else self.tiers["host"]
         self.opt_states = self._materialize()
-        self.param_scheduler = ParamScheduler(comm, partitioned, self.tiers["device"], prefetch_bytes=config.zero.prefetch_size,
+        self.param_scheduler = ParamScheduler(comm, partitioned, self.tiers["device"], self.tiers["host"],
+                                              prefetch_bytes=config.zero.prefetch_size,
                                               max_live_bytes=config.zero.max_live_size)
         self._pieces: list[tuple[FlatUnit, Piece, torch.Tensor]] = []
         self.optimizer = ZeroOptimizer(self._groups(param_groups), config.optimizer)
@@ -171,16 +171,19 @@ class Engine:
         return self.stage == 3 and layout.numel >= self.config.zero.persist_threshold
 
     def _master_is_param(self) -> bool:
-        optimizer_tier = self.config.offload.optimizer.tier
-        return masters_alias_params(self.compute_dtype, self.tiers["device"], self.tiers.get(optimizer_tier))
+        offload = self.config.offload
+        return offload.param.tier == "device" and masters_alias_params(
+            self.compute_dtype, self.tiers["device"], self.tiers.get(offload.optimizer.tier))
 
     def _plan(self, layouts) -> dict:
         return plan_memory(layouts, stage=self.stage, compute_bytes=dtype_bytes(self.config.train.precision),
-                           optimizer_tier=self.config.offload.optimizer.tier, master_is_param=self._master_is_param(),
+                           optimizer_tier=self.config.offload.optimizer.tier, param_tier=self.config.offload.param.tier,
+                           master_is_param=self._master_is_param(),
                            moments=len(moment_names(self.config.optimizer)), bucket_bytes=self.config.zero.bucket_size,
                            world_size=self.comm.world_size,
                            partitioned=[u.layout for u in self.units if u.partitioned],
-                           max_live_bytes=self.config.zero.max_live_size)
+                           max_live_bytes=self.config.zero.max_live_size,
+                           prefetch_bytes=self.config.zero.prefetch_size)
 
     def _materialize(self) -> list[UnitOptimizerState]:
         """Unit by unit: rank 0's values broadcast (as DDP does), flattened onto their tiers, and the
@@ -190,7 +193,13 @@ class Engine:
         for index, unit in enumerate(self.units):
             full = unit.full_fp32().to(self.comm.device)
             broadcast(self.comm, full)
-            unit.materialize(full, self.tiers["device"], self._master_is_param())
+            param_block = None
+            if unit.partitioned:
+                param_block = self._param_tier.block(Kind.PARAM, f"param.{index}", unit.layout.shard_numel,
+                                                     self.compute_dtype)
+            unit.materialize(full, self.tiers["device"], self._master_is_param(), param_block)
+            if param_block is not None:
+                write_block(param_block, full[unit.shard_range], self.tiers["host"])
             state = UnitOptimizerState(unit, self._optimizer_tier, names, key=f"optimizer.{index}")
             for _ in stream_blocks([state.block], self.tiers["host"], read=False):
                 state.initialize(full.to(self._update_tier.device))
@@ -329,7 +338,11 @@ class Engine:
     def _publish(self, unit: FlatUnit) -> tuple[torch.Tensor, Any] | None:
         """A unit's new masters into its compute weights: a partitioned unit keeps just its shard
         (gathered at its next use); a sharded one is all-gathered (returns the input and the handle)."""
-        if unit.layout.shards > 1 and self.comm.world_size > 1 and not unit.partitioned:
+        if unit.partitioned:
+            if not unit.master_is_param:
+                write_block(unit.param_block, unit.master, self.tiers["host"])
+            return None
+        if unit.layout.shards > 1 and self.comm.world_size > 1:
             # The all-gather writes this rank's shard too, so the master goes straight into its input
             # (cast once), which must not alias the output.
             source = self.tiers["device"].empty(Kind.BUFFER, unit.layout.shard_numel, unit.compute_dtype)
@@ -406,7 +419,7 @@ class Engine:
                 new = unit.flat_param[unit.shard_range]
                 changed = new != old
                 if unit.partitioned:
-                    unit.param_shard.copy_(new)
+                    write_block(unit.param_block, new, self.tiers["host"])
                 if not unit.master_is_param:
                     unit.master[changed.to(unit.master.device)] = new[changed].float().to(unit.master.device)
         finally:

@@ -14,20 +14,27 @@ from .tiers import STREAM_BUFFERS, Kind, Plan
 __all__ = ["plan_memory"]
 
 
-def plan_memory(layouts: list[UnitLayout], *, stage: int, compute_bytes: int, optimizer_tier: str,
+def plan_memory(layouts: list[UnitLayout], *, stage: int, compute_bytes: int, optimizer_tier: str, param_tier: str,
                 master_is_param: bool, moments: int, bucket_bytes: int, world_size: int,
-                partitioned: list[UnitLayout], max_live_bytes: int) -> Plan:
+                partitioned: list[UnitLayout], max_live_bytes: int, prefetch_bytes: int) -> Plan:
     """Bytes by tier and kind: parameters full on the device, except the ``partitioned`` units of stage
-    3 (a shard each, plus at most ``max_live_bytes`` gathered); the other states by stage."""
+    3 (a shard each on ``param_tier``, plus at most ``max_live_bytes`` gathered on the device); the
+    other states by stage."""
     full = sum(u.padded_numel for u in layouts) * compute_bytes
     shard = sum(u.shard_numel for u in layouts)
     largest = max(u.padded_numel for u in layouts) * compute_bytes
     partitioned_full = sum(u.padded_numel for u in partitioned) * compute_bytes
     plan: Plan = {"device": {k: 0 for k in Kind}}
-    plan.setdefault(optimizer_tier, {k: 0 for k in Kind})
+    for tier in (optimizer_tier, param_tier, "host"):
+        plan.setdefault(tier, {k: 0 for k in Kind})
     device, optimizer = plan["device"], plan[optimizer_tier]
-    device[Kind.PARAM] = full - partitioned_full + sum(u.shard_numel for u in partitioned) * compute_bytes
+    device[Kind.PARAM] = full - partitioned_full
+    plan[param_tier][Kind.PARAM] += sum(u.shard_numel for u in partitioned) * compute_bytes
     device[Kind.GATHERED] = min(max_live_bytes, partitioned_full)
+    if partitioned and param_tier != "device":  # shards staged in host memory (scheduler's note)
+        largest_shard = max(u.shard_numel for u in partitioned) * compute_bytes
+        staged = (2 * prefetch_bytes + max_live_bytes) // world_size + largest_shard
+        plan["host"][Kind.BUFFER] += min(staged, partitioned_full // world_size + largest_shard)
     device[Kind.GRAD] = shard * compute_bytes if stage >= 2 else full
     optimizer[Kind.OPTIMIZER] += shard * 4 * (moments + (0 if master_is_param else 1))
     reduce_bytes = REDUCE_DTYPE.itemsize
@@ -48,11 +55,16 @@ def plan_memory(layouts: list[UnitLayout], *, stage: int, compute_bytes: int, op
     gather = sum(u.shard_numel for u in gathered_after_step) * compute_bytes  # all-gather inputs, all at once
     if optimizer_tier == "device":
         device[Kind.BUFFER] = max(reduce_phase, step_device + step_fp32 + gather)
-        return plan
+        return _drop_empty(plan)
     device[Kind.BUFFER] = max(reduce_phase, step_device + gather)
     update = plan.setdefault("host", {k: 0 for k in Kind})  # the CPU update runs in host memory
     update[Kind.BUFFER] += step_fp32
     if optimizer_tier == "nvme":  # blocks stream through host buffers (tiers.stream_blocks)
         segments = max(1, moments + (0 if master_is_param else 1))
         update[Kind.BUFFER] += STREAM_BUFFERS * max(u.shard_numel for u in layouts) * 4 * segments
-    return plan
+    return _drop_empty(plan)
+
+
+def _drop_empty(plan: Plan) -> Plan:
+    """Tiers the run does not use at all are left out (so no swap space is reserved for nothing)."""
+    return {name: kinds for name, kinds in plan.items() if name == "device" or any(kinds.values())}

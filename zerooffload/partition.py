@@ -17,7 +17,8 @@
   (fp32 shard, a view of the weights when fp32 weights already live where the optimizer runs).
 
 [Note: partitioned units (stage 3)]
-A *partitioned* unit keeps only ``param_shard`` (compute dtype, this rank's shard) between uses. Its
+A *partitioned* unit keeps only ``param_block`` (compute dtype, this rank's shard, a ``tiers.Block``
+whose home is ``offload.param.tier``: device, host or NVMe) between uses. Its
 ``flat_param`` tensor stays, but its storage is *released* (zero bytes) while the unit is *sharded*
 and *restored* and all-gathered into when the unit is *gathered*. Autograd saves views of the weights
 (``weight.t()``), which share that storage: they are freed with it and valid again once the unit is
@@ -33,7 +34,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .tiers import Kind, Tier
+from .tiers import Block, Kind, Tier
 
 __all__ = ["ALIGN_ELEMENTS", "Slot", "Piece", "UnitLayout", "FlatUnit", "find_units", "masters_alias_params"]
 
@@ -171,7 +172,7 @@ class FlatUnit:
         self.gathered = True
         self.pieces = layout.pieces(self.rank)
         self.flat_param: torch.Tensor | None = None
-        self.param_shard: torch.Tensor | None = None
+        self.param_block: Block | None = None
         self._placeholder: torch.Tensor | None = None
         self.flat_grad: torch.Tensor | None = None
         self.grad_shard: torch.Tensor | None = None
@@ -194,11 +195,12 @@ class FlatUnit:
             flat[slot.offset:slot.offset + slot.numel] = slot.param.detach().reshape(-1).float().cpu()
         return flat
 
-    def materialize(self, full_fp32: torch.Tensor, device_tier: Tier, master_is_param: bool) -> None:
+    def materialize(self, full_fp32: torch.Tensor, device_tier: Tier, master_is_param: bool,
+                    param_block: Block | None = None) -> None:
         """Move the parameters into ``flat_param`` (the module's tensors become views) and make the
-        persistent gradient buffers; a partitioned unit then keeps only its shard. With
-        ``master_is_param`` the fp32 master is the weights' shard itself; otherwise the optimizer's
-        state block provides it (``optim.state``)."""
+        persistent gradient buffers; a partitioned unit then keeps only ``param_block`` (which the
+        caller fills with the shard). With ``master_is_param`` the fp32 master is the weights' shard
+        itself; otherwise the optimizer's state block provides it (``optim.state``)."""
         layout = self.layout
         kind = Kind.GATHERED if self.partitioned else Kind.PARAM
         self.flat_param = device_tier.empty(kind, layout.padded_numel, self.compute_dtype)
@@ -206,8 +208,8 @@ class FlatUnit:
         self.attach_params()
         weights = self.flat_param[self.shard_range]
         if self.partitioned:
-            self.param_shard = device_tier.empty(Kind.PARAM, layout.shard_numel, self.compute_dtype)
-            weights = self.param_shard.copy_(weights)
+            self.param_block = param_block
+            weights = param_block.data
             self._placeholder = torch.full((1,), math.nan, dtype=self.compute_dtype, device=device_tier.device)
         self.master_is_param = master_is_param
         self.master = weights if master_is_param else None
@@ -291,11 +293,10 @@ class FlatUnit:
 
     # ---------------------------------------------------------------- parameters
     def publish_master(self) -> None:
-        """Copy the updated fp32 master into this rank's compute weights (its shard, or its slice of
-        ``flat_param`` for a unit that is not all-gathered after the step)."""
+        """Copy the updated fp32 master into this rank's slice of ``flat_param`` (a unit that is neither
+        partitioned nor all-gathered after the step: world size 1)."""
         if not self.master_is_param:
-            target = self.param_shard if self.partitioned else self.flat_param[self.shard_range]
-            target.copy_(self.master)
+            self.flat_param[self.shard_range].copy_(self.master)
 
     def attach_params(self) -> None:
         """Make the module's parameters views of ``flat_param`` (whose storage must be present)."""

@@ -15,20 +15,25 @@
   trace. ``end_pass`` frees every live unit, so each pass starts with only the persistent units.
 - Ranks issue the same all-gathers in the same order: the trace, the uses and the byte sizes are the
   same on every rank, and nothing here depends on timing.
+- A shard whose home is not resident (``offload.param.tier = "nvme"``) is first *staged*: read into a
+  host buffer. Reads run further ahead than all-gathers, over twice the prefetch window, since they
+  need no agreement between ranks; an all-gather waits for its shard's read if it is still running.
+  A shard in host memory on a CUDA machine is copied to the device just before its all-gather.
 """
 from __future__ import annotations
 
 import logging
 import time
 from dataclasses import dataclass
-from typing import Iterator
+from functools import partial
+from typing import Any, Callable, Iterator
 
-import torch.distributed as dist
+import torch
 
 from .comm import Comm, all_gather
 from .config import ConfigError
 from .partition import FlatUnit
-from .tiers import Tier
+from .tiers import Kind, Tier
 
 __all__ = ["PrefetchStats", "ParamScheduler", "gathered_bytes", "check_live_bound"]
 
@@ -71,24 +76,29 @@ class PrefetchStats:
     """Time blocked waiting for all-gathers to finish."""
     peak_live_bytes: int = 0
     """Most gathered bytes held at once."""
+    read_wait_seconds: float = 0.0
+    """Time blocked waiting for parameter shards to arrive from NVMe."""
 
     def reset(self, live_bytes: int) -> None:
         self.gathers = self.hits = self.misses = 0
-        self.wait_seconds = 0.0
+        self.wait_seconds = self.read_wait_seconds = 0.0
         self.peak_live_bytes = live_bytes
 
 
 class ParamScheduler:
     """Gathers and frees the partitioned units of one engine (see [Note: uses, passes and the trace])."""
 
-    def __init__(self, comm: Comm, units: list[FlatUnit], tier: Tier, *, prefetch_bytes: int, max_live_bytes: int):
+    def __init__(self, comm: Comm, units: list[FlatUnit], tier: Tier, host_tier: Tier, *, prefetch_bytes: int,
+                 max_live_bytes: int):
         self.comm = comm
         self.units = units
         self.tier = tier
+        self.host_tier = host_tier
+        self._staged: dict[int, Any] = {}
         self.prefetch_bytes = prefetch_bytes
         self.max_live_bytes = max_live_bytes
         self._index = {id(u): i for i, u in enumerate(units)}
-        self._in_flight: dict[int, dist.Work | None] = {}
+        self._in_flight: dict[int, tuple[Any, list[Callable[[], None]]]] = {}
         self._active = [0] * len(units)
         self.live_bytes = 0
         self.trace: list[int] | None = None
@@ -150,9 +160,13 @@ class ParamScheduler:
             self._wait(index)
 
     def free_all(self) -> None:
-        """Free every live unit (waiting for all-gathers in flight first)."""
+        """Free every live unit (waiting for all-gathers in flight first) and every staged shard."""
         for index in list(self._in_flight):
             self._wait(index)
+        for index, handle in list(self._staged.items()):
+            handle.wait()
+            self.host_tier.free(Kind.BUFFER, self.units[index].param_block.unload())
+        self._staged.clear()
         for index, unit in enumerate(self.units):
             self._active[index] = 0
             if unit.gathered:
@@ -175,12 +189,12 @@ class ParamScheduler:
                     "records a new trace", self._position, self._name(expected), self._name(index))
         self.trace = None
 
-    def _window(self) -> list[int]:
-        """Units used next along the trace, within ``prefetch_size`` bytes (empty without a trace)."""
+    def _window(self, scale: int = 1) -> list[int]:
+        """Units used next along the trace, within ``scale × prefetch_size`` bytes (empty without a trace)."""
         if not self._training or self.trace is None or self._recording is not None:
             return []
         window: list[int] = []
-        budget = self.prefetch_bytes
+        budget = scale * self.prefetch_bytes
         for index in self.trace[self._position:]:
             if index in window:
                 continue
@@ -191,6 +205,9 @@ class ParamScheduler:
         return window
 
     def _prefetch(self) -> None:
+        for index in self._window(scale=2):
+            if not self.units[index].gathered:
+                self._stage(index)
         for index in self._window():
             unit = self.units[index]
             if unit.gathered:
@@ -203,23 +220,49 @@ class ParamScheduler:
         return "end of trace" if index is None else repr(self.units[index].layout.name or "<root>")
 
     # ------------------------------------------------------------------ moves
+    def _stage(self, index: int) -> None:
+        """Start reading a shard that lives on NVMe into a host buffer (nothing for resident shards)."""
+        block = self.units[index].param_block
+        if block.resident or index in self._staged:
+            return
+        self._staged[index] = block.load(self.host_tier.empty(Kind.BUFFER, block.nbytes, torch.uint8))
+
+    def _shard_source(self, index: int) -> tuple[torch.Tensor, list[Callable[[], None]]]:
+        """The shard as an all-gather input on the device, and what to release once the gather is done."""
+        block = self.units[index].param_block
+        releases: list[Callable[[], None]] = []
+        if not block.resident:
+            self._stage(index)
+            start = time.perf_counter()
+            self._staged.pop(index).wait()
+            self.stats.read_wait_seconds += time.perf_counter() - start
+            releases.append(lambda: self.host_tier.free(Kind.BUFFER, block.unload()))
+        source = block.data
+        if source.device != self.tier.device:
+            source = self.tier.empty(Kind.BUFFER, block.numel, block.dtype).copy_(source, non_blocking=True)
+            releases.append(partial(self.tier.free, Kind.BUFFER, source))
+        return source, releases
+
     def _launch(self, index: int) -> None:
         """Start ``units[index]``'s all-gather (its views attach once it is waited for)."""
         unit = self.units[index]
+        source, releases = self._shard_source(index)
         buffer = unit.gather_buffer(self.tier)
         self.live_bytes += gathered_bytes(unit)
         self.stats.gathers += 1
         self.stats.peak_live_bytes = max(self.stats.peak_live_bytes, self.live_bytes)
-        self._in_flight[index] = all_gather(self.comm, buffer, unit.param_shard, async_op=True)
+        self._in_flight[index] = (all_gather(self.comm, buffer, source, async_op=True), releases)
 
     def _wait(self, index: int) -> None:
         if index not in self._in_flight:
             return
-        work = self._in_flight.pop(index)
+        work, releases = self._in_flight.pop(index)
         if work is not None:
             start = time.perf_counter()
             work.wait()
             self.stats.wait_seconds += time.perf_counter() - start
+        for release in releases:
+            release()
         self.units[index].attach_params()
 
     def _free(self, index: int) -> None:

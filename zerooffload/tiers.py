@@ -34,7 +34,7 @@ from .io.buffers import aligned_empty
 from .io.swapfile import SwapStore
 
 __all__ = ["Kind", "Tier", "DeviceTier", "HostTier", "NvmeTier", "Block", "BudgetError", "make_tiers", "check_plan",
-           "Plan", "stream_blocks", "STREAM_BUFFERS"]
+           "Plan", "stream_blocks", "write_block", "STREAM_BUFFERS"]
 
 
 class Kind(enum.Enum):
@@ -291,6 +291,12 @@ def stream_blocks(blocks: list[Block], buffer_tier: Tier, *, read: bool = True, 
                 handle.wait()
         for buffer in owned:
             buffer_tier.free(Kind.BUFFER, buffer)
+
+
+def write_block(block: Block, values: torch.Tensor, buffer_tier: Tier) -> None:
+    """Overwrite ``block`` with ``values`` (cast to its dtype) and store it home, now."""
+    for _ in stream_blocks([block], buffer_tier, read=False):
+        block.data.copy_(values)
 
 
 def _swap_paths(config: Config) -> list[str]:
