@@ -1,7 +1,7 @@
 /*
- * module.c - CPython bindings of aio.h as the module zerooffload._native. No I/O logic lives
- * here: arguments are converted, the GIL is released around every call that may block, and
- * negative errnos become OSError.
+ * module.c - CPython bindings of aio.h and cpu_adam.h as the module zerooffload._native. No I/O
+ * or optimizer logic lives here: arguments are converted, the GIL is released around every call
+ * that may block or run long, and negative errnos become OSError.
  *
  * Python interface
  *   Engine(kind, block_size, queue_depth, threads)   kind: "uring" | "pool"
@@ -13,6 +13,11 @@
  *   Engine.close()      queued requests end with ECANCELED, requests in flight are waited for
  *   uring_probe() -> 0 or the errno why io_uring is unusable; uring_supported() -> bool
  *   READ, WRITE (ops), EEOF (errno of a read that met end of file)
+ *   adam_step(param_addr, grad_addr, grad_dtype, exp_avg_addr, exp_avg_sq_addr, out_addr, out_dtype,
+ *             n, lr, beta1, beta2, eps, weight_decay, grad_scale, step, adamw, threads) -> None
+ *       one fused Adam/AdamW pass over n elements (cpu_adam.h); OSError(EINVAL) on bad arguments
+ *   adam_simd() -> "avx512" | "avx2" | "scalar"; OSError(EINVAL) when ZO_ADAM_SIMD names no level
+ *   DTYPE_NONE, DTYPE_FP32, DTYPE_BF16, DTYPE_FP16 (grad_dtype, out_dtype)
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -20,6 +25,7 @@
 #include <string.h>
 
 #include "aio.h"
+#include "cpu_adam.h"
 
 typedef struct {
     PyObject_HEAD
@@ -255,7 +261,47 @@ static PyObject *uring_supported(PyObject *Py_UNUSED(module), PyObject *Py_UNUSE
     return PyBool_FromLong(rc == 0);
 }
 
+static PyObject *adam_step(PyObject *Py_UNUSED(module), PyObject *args)
+{
+    unsigned long long param, grad, exp_avg, exp_avg_sq, out;
+    long long step;
+    Py_ssize_t n;
+    struct zo_adam_args a;
+    if (!PyArg_ParseTuple(args, "KKiKKKindddddfLpI", &param, &grad, &a.grad_dtype, &exp_avg,
+                          &exp_avg_sq, &out, &a.out_dtype, &n, &a.lr, &a.beta1, &a.beta2, &a.eps,
+                          &a.weight_decay, &a.grad_scale, &step, &a.adamw, &a.threads))
+        return NULL;
+    if (n < 0) {
+        PyErr_SetString(PyExc_ValueError, "n must be >= 0");
+        return NULL;
+    }
+    a.param = (float *)(uintptr_t)param;
+    a.grad = (const void *)(uintptr_t)grad;
+    a.exp_avg = (float *)(uintptr_t)exp_avg;
+    a.exp_avg_sq = (float *)(uintptr_t)exp_avg_sq;
+    a.out = (void *)(uintptr_t)out;
+    a.n = (size_t)n;
+    a.step = step;
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = zo_adam_step(&a);
+    Py_END_ALLOW_THREADS
+    if (rc < 0)
+        return raise_errno(rc);
+    Py_RETURN_NONE;
+}
+
+static PyObject *adam_simd(PyObject *Py_UNUSED(module), PyObject *Py_UNUSED(ignored))
+{
+    int level = zo_adam_simd();
+    if (level < 0)
+        return raise_errno(level);
+    return PyUnicode_FromString(zo_adam_simd_name(level));
+}
+
 static PyMethodDef module_methods[] = {
+    {"adam_step", adam_step, METH_VARARGS, "One fused Adam/AdamW pass (see native/cpu_adam.h)."},
+    {"adam_simd", adam_simd, METH_NOARGS, "The instruction set adam_step runs on."},
     {"uring_probe", uring_probe, METH_NOARGS, "0, or the errno why io_uring is unusable here."},
     {"uring_supported", uring_supported, METH_NOARGS, "Whether io_uring works here."},
     {NULL, NULL, 0, NULL},
@@ -263,7 +309,9 @@ static PyMethodDef module_methods[] = {
 
 static struct PyModuleDef module_def = {
     PyModuleDef_HEAD_INIT, .m_name = "zerooffload._native",
-    .m_doc = "Native async I/O (io_uring and a pthread pool); see native/aio.h.", .m_size = -1,
+    .m_doc = "Native async I/O (io_uring and a pthread pool; native/aio.h) and the fused CPU "
+             "Adam pass (native/cpu_adam.h).",
+    .m_size = -1,
     .m_methods = module_methods,
 };
 
@@ -277,6 +325,10 @@ PyMODINIT_FUNC PyInit__native(void)
     if (PyModule_AddIntConstant(m, "READ", ZO_READ) < 0 ||
         PyModule_AddIntConstant(m, "WRITE", ZO_WRITE) < 0 ||
         PyModule_AddIntConstant(m, "EEOF", ZO_EEOF) < 0 ||
+        PyModule_AddIntConstant(m, "DTYPE_NONE", ZO_DTYPE_NONE) < 0 ||
+        PyModule_AddIntConstant(m, "DTYPE_FP32", ZO_DTYPE_FP32) < 0 ||
+        PyModule_AddIntConstant(m, "DTYPE_BF16", ZO_DTYPE_BF16) < 0 ||
+        PyModule_AddIntConstant(m, "DTYPE_FP16", ZO_DTYPE_FP16) < 0 ||
         PyModule_AddObjectRef(m, "Engine", (PyObject *)&EngineType) < 0) {
         Py_DECREF(m);
         return NULL;

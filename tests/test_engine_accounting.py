@@ -150,5 +150,6 @@ def test_offloaded_states_are_accounted_on_their_tiers(rank_pools):
         assert held["nvme"]["optimizer"] == 12 * shard  # fp32 master, m, v: 12Ψ/Nd
         assert held["device"]["param"] == held["device"]["optimizer"] == held["device"]["gathered"] == 0
         assert held["device"]["grad"] == 2 * shard  # gradient shards stay on the device
-        assert held["host"]["buffer"] == 0 and result["peaks"]["host"] > 0  # staging comes and goes
+        # after the step only the next pass's first shards are staged in host memory (read ahead)
+        assert 0 < held["host"]["buffer"] <= 2 * shard < result["peaks"]["host"]
         assert result["swap_files"] and not result["swap_files_left"]  # close() removes the swap files

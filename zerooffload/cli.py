@@ -60,8 +60,14 @@ def _cmd_bench_io(args: argparse.Namespace) -> int:
     return run_io_bench(args, _load_config(args))
 
 
+def _cmd_bench_adam(args: argparse.Namespace) -> int:
+    from .bench_adam import run_adam_bench
+
+    return run_adam_bench(args)
+
+
 def _add_bench(commands) -> None:
-    bench = commands.add_parser("bench", help="measure swap throughput against the disk's limits")
+    bench = commands.add_parser("bench", help="measure swap throughput and the optimizer pass against their limits")
     kinds = bench.add_subparsers(dest="bench", required=True, metavar="WHAT")
     io = kinds.add_parser("io", help="write then read --size through the I/O backends; verify every byte")
     io.add_argument("--path", metavar="DIR", help="directory for the test file (default: nvme.path)")
@@ -76,6 +82,16 @@ def _add_bench(commands) -> None:
     io.add_argument("--plot", metavar="FILE", help="save a PNG bar chart (needs matplotlib: pip install '.[plot]')")
     _add_config_arguments(io)
     io.set_defaults(run=_cmd_bench_io)
+    adam = kinds.add_parser("adam", help="time the CPU optimizer phase (AdamW + low-precision copy): ours vs peers")
+    adam.add_argument("--params", type=float, default=100e6, metavar="N",
+                      help="parameters, as tensors of 10M (default 1e8)")
+    adam.add_argument("--pairs", type=int, default=5, metavar="N",
+                      help="rounds, each running every side once (default 5)")
+    adam.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16", help="dtype of the copies (default bf16)")
+    adam.add_argument("--threads", type=int, default=0, metavar="N", help="threads of our pass (default 0: all CPUs)")
+    adam.add_argument("--deepspeed-python", metavar="PATH",
+                      help="python of a DeepSpeed venv (e.g. /tmp/anchors/dsvenv/bin/python): adds DeepSpeedCPUAdam")
+    adam.set_defaults(run=_cmd_bench_adam)
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -39,7 +39,7 @@ from .reduction import GradReducer, Mode
 from .scheduler import ParamScheduler, check_live_bound
 from .telemetry import MemoryReport, StepStats, memory_report
 from .optim.state import UnitOptimizerState
-from .tiers import Kind, NvmeTier, check_plan, make_tiers, stream_blocks, write_block
+from .tiers import BlockWriter, Kind, NvmeTier, check_plan, make_tiers, stream_blocks, write_block
 
 __all__ = ["Engine", "initialize"]
 
@@ -322,6 +322,7 @@ class Engine:
         """Unit by unit: torch's update on the pieces with a gradient somewhere, then the unit's new
         masters published, so one unit's all-gather runs while the next unit updates."""
         pending = []
+        writer = BlockWriter(self.tiers["host"])
         for state, grad, flags in zip(self._visit_optimizer_states(write=True), grads, had_grad):
             unit, pieces = state.unit, state.pieces
             for piece, tensor in pieces:
@@ -330,17 +331,20 @@ class Engine:
                 self.optimizer.step()
             for _, tensor in pieces:
                 tensor.grad = None
-            pending.append(self._publish(unit))
+            pending.append(self._publish(unit, writer))
+        writer.finish()
         for source, work in filter(None, pending):
             work.wait()
             self.tiers["device"].free(Kind.BUFFER, source)
+        self.param_scheduler.stage_first_units()
 
-    def _publish(self, unit: FlatUnit) -> tuple[torch.Tensor, Any] | None:
+    def _publish(self, unit: FlatUnit, writer: BlockWriter) -> tuple[torch.Tensor, Any] | None:
         """A unit's new masters into its compute weights: a partitioned unit keeps just its shard
-        (gathered at its next use); a sharded one is all-gathered (returns the input and the handle)."""
+        (gathered at its next use; ``writer`` stores it home); a sharded one is all-gathered (returns
+        the input and the handle)."""
         if unit.partitioned:
             if not unit.master_is_param:
-                write_block(unit.param_block, unit.master, self.tiers["host"])
+                writer.write(unit.param_block, unit.master)
             return None
         if unit.layout.shards > 1 and self.comm.world_size > 1:
             # The all-gather writes this rank's shard too, so the master goes straight into its input

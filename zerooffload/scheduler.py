@@ -151,6 +151,20 @@ class ParamScheduler:
         if self._active[index] == 0 and index not in self._window():
             self._free(index)
 
+    def stage_first_units(self) -> None:
+        """After the step: start reading the shards the next pass uses first, while nothing else runs.
+
+        Only reads, which need no agreement between ranks; the all-gathers stay at their uses.
+        """
+        if self.trace is None:
+            return
+        self._training, self._position = True, 0  # _window reads the trace from its start
+        try:
+            for index in self._window(scale=2):
+                self._stage(index)
+        finally:
+            self._training = False
+
     def gather_all(self) -> None:
         """Every unit gathered at once, outside any pass (``engine.gathered``): not bounded by max_live_size."""
         for index, unit in enumerate(self.units):

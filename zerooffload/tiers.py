@@ -34,7 +34,7 @@ from .io.buffers import aligned_empty
 from .io.swapfile import SwapStore
 
 __all__ = ["Kind", "Tier", "DeviceTier", "HostTier", "NvmeTier", "Block", "BudgetError", "make_tiers", "check_plan",
-           "Plan", "stream_blocks", "write_block", "STREAM_BUFFERS"]
+           "Plan", "stream_blocks", "BlockWriter", "write_block", "STREAM_BUFFERS"]
 
 
 class Kind(enum.Enum):
@@ -293,10 +293,52 @@ def stream_blocks(blocks: list[Block], buffer_tier: Tier, *, read: bool = True, 
             buffer_tier.free(Kind.BUFFER, buffer)
 
 
+class BlockWriter:
+    """Overwrites blocks with new values and stores them in the background, through at most
+    ``STREAM_BUFFERS`` host buffers (``Kind.BUFFER`` of ``buffer_tier``); ``finish`` waits for all."""
+
+    def __init__(self, buffer_tier: Tier):
+        self.buffer_tier = buffer_tier
+        self._pending: deque[tuple[Block, Any]] = deque()
+
+    def write(self, block: Block, values: torch.Tensor) -> None:
+        if block.resident:
+            block.data.copy_(values)
+            return
+        while len(self._pending) >= STREAM_BUFFERS:
+            self._finish_oldest()
+        block.load(self.buffer_tier.empty(Kind.BUFFER, block.nbytes, torch.uint8), read=False)
+        try:
+            block.data.copy_(values)
+            self._pending.append((block, block.store()))
+        except BaseException:
+            self.buffer_tier.free(Kind.BUFFER, block.unload())
+            raise
+
+    def _finish_oldest(self) -> None:
+        block, handle = self._pending.popleft()
+        try:
+            handle.wait()
+        finally:
+            self.buffer_tier.free(Kind.BUFFER, block.unload())
+
+    def finish(self) -> None:
+        """Wait for every store (the first failure raises after the rest are waited for)."""
+        error = None
+        while self._pending:
+            try:
+                self._finish_oldest()
+            except Exception as exc:  # keep waiting: no buffer may be freed under a transfer
+                error = error or exc
+        if error is not None:
+            raise error
+
+
 def write_block(block: Block, values: torch.Tensor, buffer_tier: Tier) -> None:
     """Overwrite ``block`` with ``values`` (cast to its dtype) and store it home, now."""
-    for _ in stream_blocks([block], buffer_tier, read=False):
-        block.data.copy_(values)
+    writer = BlockWriter(buffer_tier)
+    writer.write(block, values)
+    writer.finish()
 
 
 def _swap_paths(config: Config) -> list[str]:

@@ -1,0 +1,465 @@
+/*
+ * cpu_adam.c - the fused Adam/AdamW pass of cpu_adam.h: per-call constants, one range function
+ * per instruction-set level, and the split of a pass over threads.
+ *
+ * Vocabulary
+ *   consts   the floats the element arithmetic uses, derived once per call in double as torch
+ *            derives them, then rounded to float.
+ *   range    elements [begin, end) that one thread updates. A level's range function runs whole
+ *            vectors (16 or 8 elements) and leaves the last few (its tail) to the scalar code,
+ *            which does the same arithmetic (ADAM_UPDATE) and the same rounding, so results do
+ *            not depend on the level, the thread count or where a range starts.
+ *   chunk    one thread's range: a multiple of 64 elements (whole cache lines of every array)
+ *            except the last.
+ *
+ * Threads are started per call and joined before it returns: no pool outlives a call, so there is
+ * nothing to shut down, nothing to leak and nothing that a fork() could inherit half-alive. Passes
+ * large enough to be split (>= 2 x ZO_ADAM_MIN_PER_THREAD elements) take milliseconds, against tens
+ * of microseconds to start a thread.
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <immintrin.h>
+#include <math.h>
+#include <pthread.h>
+#include <sched.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "cpu_adam.h"
+
+/* GCC contracts a * b + c into one fused multiply-add wherever the target has FMA (its default
+ * for GNU C is -ffp-contract=fast, and it applies to vector intrinsics too), so which products
+ * are fused would depend on the level and on the optimizer's whims. Off: the fused multiply-adds
+ * that torch's binary has are written out (ADAM_UPDATE), every other product is rounded. */
+#pragma GCC optimize("fp-contract=off")
+
+#define ALWAYS_INLINE inline __attribute__((always_inline))
+#define AVX2 __attribute__((target("avx2,fma,f16c")))
+#define AVX512 __attribute__((target("avx512f,avx2,fma,f16c")))
+
+enum decay_kind {
+    DECAY_NONE,   /* weight_decay == 0: torch skips both forms (adding p * 0 is not a no-op for inf) */
+    DECAY_ADAMW,  /* param *= 1 - lr * weight_decay, before the update */
+    DECAY_L2,     /* grad += weight_decay * param */
+};
+
+struct consts {
+    float grad_scale;
+    int decay_kind;
+    float decay;                 /* DECAY_ADAMW: 1 - lr * weight_decay */
+    float weight_decay;          /* DECAY_L2 */
+    int lerp_small;              /* torch's lerp of m toward g by w = 1 - beta1: m + w (g - m) when */
+    float lerp_coeff;            /* |w| < 0.5, else g + (w - 1)(g - m); coeff is w or w - 1 */
+    float beta2, one_minus_beta2;
+    float bias_correction2_sqrt; /* sqrt(1 - beta2^step) */
+    float eps;
+    float neg_step_size;         /* -lr / (1 - beta1^step) */
+};
+
+struct pass {
+    float *param, *exp_avg, *exp_avg_sq;
+    const void *grad;
+    void *out;
+    int grad_dtype, out_dtype;
+    struct consts k;
+};
+
+typedef void range_fn(const struct pass *pass, size_t begin, size_t end);
+
+/* The update of p, m, v from g as torch's binary computes it, for a float or a vector of floats
+ * (GCC's vector types take the same operators, a float operand standing for every lane). torch
+ * writes one fused multiply-add (its lerp of m); GCC contracts two more of its products into the
+ * sum that follows in the same basic block (the L2 decay and v: found by matching torch 2.13's
+ * results bit for bit; AdamW's decay sits in a branch of its own and is not fused), so those are
+ * fused here too, explicitly, and nothing else is. k: struct consts; BCAST(x): x in every lane;
+ * FMA(a, b, c): a * b + c rounded once; SQRT: the IEEE square root. */
+#define ADAM_UPDATE(k, p, g, m, v, BCAST, FMA, SQRT)                                              \
+    do {                                                                                         \
+        (g) = (g) * (k).grad_scale;                                                              \
+        if ((k).decay_kind == DECAY_L2)                                                          \
+            (g) = FMA((p), BCAST((k).weight_decay), (g));                                        \
+        (m) = FMA(BCAST((k).lerp_coeff), (g) - (m), (k).lerp_small ? (m) : (g));                 \
+        (v) = FMA((k).one_minus_beta2 * (g), (g), (v) * (k).beta2);                              \
+        __typeof__(p) update_ = (k).neg_step_size * (m) / (SQRT(v) / (k).bias_correction2_sqrt + \
+                                                           (k).eps);                             \
+        if ((k).decay_kind == DECAY_ADAMW)                                                       \
+            (p) = (p) * (k).decay;                                                               \
+        (p) = (p) + update_;                                                                     \
+    } while (0)
+
+#define SAME(x) (x)
+
+/* ---------------------------------------------------------------------------------------------
+ * Scalar: the reference level, and every vector level's tail */
+
+static ALWAYS_INLINE uint32_t bits_of(float f)
+{
+    uint32_t u;
+    memcpy(&u, &f, sizeof(u));
+    return u;
+}
+
+static ALWAYS_INLINE float float_of(uint32_t u)
+{
+    float f;
+    memcpy(&f, &u, sizeof(f));
+    return f;
+}
+
+/* As F16C's vcvtph2ps: exact, a NaN made quiet. */
+static ALWAYS_INLINE float fp16_to_fp32(uint16_t h)
+{
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1F, mant = h & 0x3FF;
+    if (exp == 0x1F)
+        return float_of(sign | 0x7F800000 | mant << 13 | (mant ? 0x400000 : 0));
+    if (exp == 0)  /* zero or subnormal: mant x 2^-24, exact in fp32 */
+        return float_of(sign | bits_of((float)mant * 0x1p-24f));
+    return float_of(sign | (exp + 112) << 23 | mant << 13);
+}
+
+/* |f| < 2^-14 (bits a) in units of 2^-24, the fp16 subnormal step, rounded to nearest even. */
+static ALWAYS_INLINE uint16_t fp16_subnormal(uint32_t a)
+{
+    uint32_t exp = a >> 23;
+    if (exp < 102)  /* below 2^-25, half a step */
+        return 0;
+    uint32_t mant = (a & 0x7FFFFF) | 0x800000, shift = 126 - exp;  /* 14 .. 24 */
+    uint32_t q = mant >> shift, rem = mant & ((1u << shift) - 1), half = 1u << (shift - 1);
+    return (uint16_t)(q + (rem > half || (rem == half && (q & 1))));
+}
+
+/* As F16C's vcvtps2ph with round to nearest even (what torch's .to(torch.float16) runs): a NaN
+ * stays NaN, made quiet, sign and top payload bits kept; 65520 and above become inf. */
+static ALWAYS_INLINE uint16_t fp32_to_fp16(float f)
+{
+    uint32_t u = bits_of(f), a = u & 0x7FFFFFFF;
+    uint16_t sign = (uint16_t)(u >> 16 & 0x8000);
+    if (a > 0x7F800000)
+        return sign | 0x7E00 | (uint16_t)(a >> 13 & 0x1FF);
+    if (a >= 0x477FF000)
+        return sign | 0x7C00;
+    if (a < 0x38800000)
+        return sign | fp16_subnormal(a);
+    uint32_t r = a - 0x38000000;  /* rebias the exponent from 127 to 15 */
+    return sign | (uint16_t)((r + 0xFFF + (r >> 13 & 1)) >> 13);
+}
+
+/* As torch's vectorized fp32 -> bf16 (ATen's cvtfp32_bf16): round to nearest even on the bit
+ * pattern, and every NaN becomes 0xFFFF. */
+static ALWAYS_INLINE uint16_t fp32_to_bf16(float f)
+{
+    uint32_t u = bits_of(f);
+    if (f != f)
+        return 0xFFFF;
+    return (uint16_t)((u + 0x7FFF + (u >> 16 & 1)) >> 16);
+}
+
+static ALWAYS_INLINE float scalar_grad(const struct pass *s, size_t i)
+{
+    switch (s->grad_dtype) {
+    case ZO_DTYPE_FP32: return ((const float *)s->grad)[i];
+    case ZO_DTYPE_BF16: return float_of((uint32_t)((const uint16_t *)s->grad)[i] << 16);
+    default: return fp16_to_fp32(((const uint16_t *)s->grad)[i]);
+    }
+}
+
+static ALWAYS_INLINE void scalar_out(const struct pass *s, size_t i, float p)
+{
+    switch (s->out_dtype) {
+    case ZO_DTYPE_FP32: ((float *)s->out)[i] = p; break;
+    case ZO_DTYPE_BF16: ((uint16_t *)s->out)[i] = fp32_to_bf16(p); break;
+    case ZO_DTYPE_FP16: ((uint16_t *)s->out)[i] = fp32_to_fp16(p); break;
+    default: break;
+    }
+}
+
+/* Inlined into each vector level, so its fmaf is that level's fused multiply-add instruction. */
+static ALWAYS_INLINE void scalar_range(const struct pass *s, size_t begin, size_t end)
+{
+    const struct consts k = s->k;  /* a local copy: the stores below cannot alias it */
+    for (size_t i = begin; i < end; i++) {
+        float p = s->param[i], g = scalar_grad(s, i), m = s->exp_avg[i], v = s->exp_avg_sq[i];
+        ADAM_UPDATE(k, p, g, m, v, SAME, fmaf, sqrtf);
+        s->param[i] = p;
+        s->exp_avg[i] = m;
+        s->exp_avg_sq[i] = v;
+        scalar_out(s, i, p);
+    }
+}
+
+static void scalar_run(const struct pass *s, size_t begin, size_t end)
+{
+    scalar_range(s, begin, end);
+}
+
+/* ---------------------------------------------------------------------------------------------
+ * AVX2 + FMA + F16C: 8 elements a vector */
+
+AVX2 static ALWAYS_INLINE __m256 avx2_grad(const struct pass *s, size_t i)
+{
+    if (s->grad_dtype == ZO_DTYPE_FP32)
+        return _mm256_loadu_ps((const float *)s->grad + i);
+    __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)s->grad + i));
+    if (s->grad_dtype == ZO_DTYPE_BF16)
+        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    return _mm256_cvtph_ps(h);
+}
+
+/* fp32_to_bf16 on 8 lanes. */
+AVX2 static ALWAYS_INLINE __m128i avx2_bf16(__m256 p)
+{
+    __m256i u = _mm256_castps_si256(p);
+    __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)), lsb), 16);
+    __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(p, p, _CMP_UNORD_Q));
+    r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0xFFFF), nan);
+    return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+}
+
+AVX2 static ALWAYS_INLINE void avx2_out(const struct pass *s, size_t i, __m256 p)
+{
+    uint16_t *half = (uint16_t *)s->out + i;
+    if (s->out_dtype == ZO_DTYPE_FP32)
+        _mm256_storeu_ps((float *)s->out + i, p);
+    else if (s->out_dtype == ZO_DTYPE_BF16)
+        _mm_storeu_si128((__m128i *)half, avx2_bf16(p));
+    else if (s->out_dtype == ZO_DTYPE_FP16)
+        _mm_storeu_si128((__m128i *)half, _mm256_cvtps_ph(p, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+
+AVX2 static void avx2_run(const struct pass *s, size_t begin, size_t end)
+{
+    const struct consts k = s->k;
+    size_t i = begin;
+    for (; i + 8 <= end; i += 8) {
+        __m256 p = _mm256_loadu_ps(s->param + i), g = avx2_grad(s, i);
+        __m256 m = _mm256_loadu_ps(s->exp_avg + i), v = _mm256_loadu_ps(s->exp_avg_sq + i);
+        ADAM_UPDATE(k, p, g, m, v, _mm256_set1_ps, _mm256_fmadd_ps, _mm256_sqrt_ps);
+        _mm256_storeu_ps(s->param + i, p);
+        _mm256_storeu_ps(s->exp_avg + i, m);
+        _mm256_storeu_ps(s->exp_avg_sq + i, v);
+        avx2_out(s, i, p);
+    }
+    scalar_range(s, i, end);
+}
+
+/* ---------------------------------------------------------------------------------------------
+ * AVX-512F: 16 elements a vector */
+
+AVX512 static ALWAYS_INLINE __m512 avx512_grad(const struct pass *s, size_t i)
+{
+    if (s->grad_dtype == ZO_DTYPE_FP32)
+        return _mm512_loadu_ps((const float *)s->grad + i);
+    __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)s->grad + i));
+    if (s->grad_dtype == ZO_DTYPE_BF16)
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    return _mm512_cvtph_ps(h);
+}
+
+/* fp32_to_bf16 on 16 lanes. */
+AVX512 static ALWAYS_INLINE __m256i avx512_bf16(__m512 p)
+{
+    __m512i u = _mm512_castps_si512(p);
+    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), lsb), 16);
+    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(p, p, _CMP_UNORD_Q), _mm512_set1_epi32(0xFFFF));
+    return _mm512_cvtepi32_epi16(r);
+}
+
+AVX512 static ALWAYS_INLINE void avx512_out(const struct pass *s, size_t i, __m512 p)
+{
+    __m256i *half = (__m256i *)((uint16_t *)s->out + i);
+    if (s->out_dtype == ZO_DTYPE_FP32)
+        _mm512_storeu_ps((float *)s->out + i, p);
+    else if (s->out_dtype == ZO_DTYPE_BF16)
+        _mm256_storeu_si256(half, avx512_bf16(p));
+    else if (s->out_dtype == ZO_DTYPE_FP16)
+        _mm256_storeu_si256(half, _mm512_cvtps_ph(p, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+
+AVX512 static void avx512_run(const struct pass *s, size_t begin, size_t end)
+{
+    const struct consts k = s->k;
+    size_t i = begin;
+    for (; i + 16 <= end; i += 16) {
+        __m512 p = _mm512_loadu_ps(s->param + i), g = avx512_grad(s, i);
+        __m512 m = _mm512_loadu_ps(s->exp_avg + i), v = _mm512_loadu_ps(s->exp_avg_sq + i);
+        ADAM_UPDATE(k, p, g, m, v, _mm512_set1_ps, _mm512_fmadd_ps, _mm512_sqrt_ps);
+        _mm512_storeu_ps(s->param + i, p);
+        _mm512_storeu_ps(s->exp_avg + i, m);
+        _mm512_storeu_ps(s->exp_avg_sq + i, v);
+        avx512_out(s, i, p);
+    }
+    scalar_range(s, i, end);
+}
+
+/* ---------------------------------------------------------------------------------------------
+ * Level: the CPU's best, or lower when ZO_ADAM_SIMD asks */
+
+static range_fn *const level_run[] = {
+    [ZO_SIMD_SCALAR] = scalar_run, [ZO_SIMD_AVX2] = avx2_run, [ZO_SIMD_AVX512] = avx512_run,
+};
+
+static pthread_once_t level_once = PTHREAD_ONCE_INIT;
+static int level_chosen;  /* enum zo_simd, or -EINVAL; written once under level_once */
+
+static int cpu_level(void)
+{
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx512f"))
+        return ZO_SIMD_AVX512;
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
+        return ZO_SIMD_AVX2;
+    return ZO_SIMD_SCALAR;
+}
+
+static void choose_level(void)
+{
+    int best = cpu_level();
+    const char *asked = getenv("ZO_ADAM_SIMD");
+    if (!asked || !*asked) {
+        level_chosen = best;
+        return;
+    }
+    level_chosen = -EINVAL;
+    for (int level = ZO_SIMD_SCALAR; level <= ZO_SIMD_AVX512; level++)
+        if (strcmp(asked, zo_adam_simd_name(level)) == 0)
+            level_chosen = level < best ? level : best;
+}
+
+int zo_adam_simd(void)
+{
+    int rc = pthread_once(&level_once, choose_level);
+    return rc ? -rc : level_chosen;
+}
+
+const char *zo_adam_simd_name(int level)
+{
+    switch (level) {
+    case ZO_SIMD_AVX512: return "avx512";
+    case ZO_SIMD_AVX2: return "avx2";
+    default: return "scalar";
+    }
+}
+
+/* ---------------------------------------------------------------------------------------------
+ * Constants and threads */
+
+/* torch's derivation (adam_fused_step_impl): the step read as a float, everything in double,
+ * each constant rounded to float where the kernel broadcasts it. */
+static struct consts derive_consts(const struct zo_adam_args *a)
+{
+    double step = (float)a->step;
+    double bias_correction1 = 1 - pow(a->beta1, step), bias_correction2 = 1 - pow(a->beta2, step);
+    float w = (float)(1 - a->beta1);
+    int small = fabsf(w) < 0.5f;
+    return (struct consts){
+        .grad_scale = a->grad_scale,
+        .decay_kind = a->weight_decay == 0 ? DECAY_NONE : a->adamw ? DECAY_ADAMW : DECAY_L2,
+        .decay = (float)(1 - a->lr * a->weight_decay),
+        .weight_decay = (float)a->weight_decay,
+        .lerp_small = small,
+        .lerp_coeff = small ? w : w - 1.0f,
+        .beta2 = (float)a->beta2,
+        .one_minus_beta2 = (float)(1 - a->beta2),
+        .bias_correction2_sqrt = (float)sqrt(bias_correction2),
+        .eps = (float)a->eps,
+        .neg_step_size = (float)-(a->lr / bias_correction1),
+    };
+}
+
+static unsigned usable_cpus(void)
+{
+    cpu_set_t set;
+    if (sched_getaffinity(0, sizeof(set), &set) == 0)
+        return (unsigned)CPU_COUNT(&set);
+    long online = sysconf(_SC_NPROCESSORS_ONLN);
+    return online > 0 ? (unsigned)online : 1;
+}
+
+/* Threads for n elements: as asked (0: every usable CPU), at most one per
+ * ZO_ADAM_MIN_PER_THREAD elements and at most ZO_ADAM_MAX_THREADS, at least one. */
+static unsigned thread_count(unsigned asked, size_t n)
+{
+    size_t count = asked ? asked : usable_cpus();
+    size_t useful = n / ZO_ADAM_MIN_PER_THREAD;
+    if (count > useful)
+        count = useful;
+    if (count > ZO_ADAM_MAX_THREADS)
+        count = ZO_ADAM_MAX_THREADS;
+    return count ? (unsigned)count : 1;
+}
+
+struct chunk {
+    const struct pass *pass;
+    range_fn *run;
+    size_t begin, end;
+    pthread_t thread;
+    int started;
+};
+
+static void *chunk_main(void *arg)
+{
+    struct chunk *c = arg;
+    c->run(c->pass, c->begin, c->end);
+    return NULL;
+}
+
+/* Chunk 0 runs on the calling thread, the others on threads started here; a chunk whose thread
+ * cannot start runs on the calling thread afterwards. Every chunk is non-empty: each holds at
+ * least ZO_ADAM_MIN_PER_THREAD elements before rounding up to 64, which cannot use up the rest. */
+static int run_split(const struct pass *pass, range_fn *run, size_t n, unsigned threads)
+{
+    struct chunk chunks[ZO_ADAM_MAX_THREADS];
+    size_t per = ((n + threads - 1) / threads + 63) & ~(size_t)63;
+    for (unsigned i = 0; i < threads; i++) {
+        size_t begin = i * per, end = begin + per < n ? begin + per : n;
+        chunks[i] = (struct chunk){.pass = pass, .run = run, .begin = begin, .end = end};
+        if (i > 0)
+            chunks[i].started = pthread_create(&chunks[i].thread, NULL, chunk_main, &chunks[i]) == 0;
+    }
+    chunk_main(&chunks[0]);
+    int rc = 0;
+    for (unsigned i = 1; i < threads; i++) {
+        if (!chunks[i].started) {
+            chunk_main(&chunks[i]);
+            continue;
+        }
+        int joined = pthread_join(chunks[i].thread, NULL);
+        if (joined && !rc)
+            rc = -joined;
+    }
+    return rc;
+}
+
+static int valid_args(const struct zo_adam_args *a)
+{
+    int grad_ok = a->grad_dtype == ZO_DTYPE_FP32 || a->grad_dtype == ZO_DTYPE_BF16 ||
+                  a->grad_dtype == ZO_DTYPE_FP16;
+    int out_ok = a->out_dtype == ZO_DTYPE_NONE || a->out_dtype == ZO_DTYPE_FP32 ||
+                 a->out_dtype == ZO_DTYPE_BF16 || a->out_dtype == ZO_DTYPE_FP16;
+    if (!grad_ok || !out_ok || a->step < 1)
+        return 0;
+    /* torch hands out a null data pointer for an empty tensor, so pointers matter only when n > 0 */
+    return a->n == 0 || (a->param && a->grad && a->exp_avg && a->exp_avg_sq &&
+                         (a->out_dtype == ZO_DTYPE_NONE || a->out));
+}
+
+int zo_adam_step(const struct zo_adam_args *args)
+{
+    int level = zo_adam_simd();
+    if (level < 0)
+        return level;
+    if (!valid_args(args))
+        return -EINVAL;
+    if (args->n == 0)
+        return 0;
+    struct pass pass = {
+        .param = args->param, .exp_avg = args->exp_avg, .exp_avg_sq = args->exp_avg_sq,
+        .grad = args->grad, .out = args->out, .grad_dtype = args->grad_dtype,
+        .out_dtype = args->out_dtype, .k = derive_consts(args),
+    };
+    return run_split(&pass, level_run[level], args->n, thread_count(args->threads, args->n));
+}

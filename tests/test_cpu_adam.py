@@ -1,0 +1,247 @@
+"""``fused_adam_step`` against independent references, at every SIMD level this machine has.
+
+References: ``torch.optim.AdamW/Adam(fused=True)`` for param, exp_avg and exp_avg_sq (stepped with
+``grad.float() * grad_scale``), and torch's own ``.to(dtype)`` of the new param for ``out``. Each level
+runs in a child interpreter with ZO_ADAM_SIMD set (the native module reads it once per process); the
+child returns our results and the parent computes the references, so no level is judged by itself.
+A child costs ~2 s (importing torch), hence one child per level running every case.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+from zerooffload.optim import cpu_adam, fused_adam_step, simd_level
+
+TESTS = Path(__file__).resolve().parent
+LEVELS = ("avx512", "avx2", "scalar")
+LR, BETAS, EPS, WEIGHT_DECAY = 1e-2, (0.9, 0.999), 1e-8, 0.01
+BITWISE_BUILD = torch.__version__.startswith("2.13.")
+"""The torch build whose kernel's rounding native/cpu_adam.c reproduces bit for bit (all but the last
+numel % 16 elements); elsewhere only the tolerance below is promised."""
+
+
+@dataclass(frozen=True, slots=True)
+class Case:
+    """One run of ``steps`` updates from seeded inputs; ``lr=0`` keeps param as it is, to test casts of
+    chosen values (``special``: ties, overflow, NaN, inf, subnormals)."""
+
+    name: str
+    n: int  # elements; a special case has special_values()'s
+    adamw: bool = True
+    grad_dtype: torch.dtype = torch.float32
+    out_dtype: torch.dtype | None = torch.bfloat16
+    grad_scale: float = 1.0
+    threads: int = 0
+    steps: int = 3
+    lr: float = LR
+    special: bool = False
+
+
+CASES = [
+    *(Case(f"adamw-{n}", n) for n in (1, 15, 1000, 300_001)),
+    *(Case(f"adam-{n}", n, adamw=False, out_dtype=torch.float16) for n in (1, 15, 1000, 300_001)),
+    Case("adamw-3-threads", 1_000_003, threads=3, out_dtype=torch.float16),
+    Case("bf16-grad", 1000, grad_dtype=torch.bfloat16),
+    Case("fp16-grad", 1000, adamw=False, grad_dtype=torch.float16, out_dtype=torch.float32),
+    Case("grad-scale", 1000, grad_scale=0.37, out_dtype=None),
+    Case("bf16-grad-scale", 1000, adamw=False, grad_dtype=torch.bfloat16, grad_scale=3.5),
+    Case("cast-bf16", 0, lr=0.0, steps=1, special=True),
+    Case("cast-fp16", 0, lr=0.0, steps=1, special=True, out_dtype=torch.float16),
+]
+
+
+def _from_bits(bits: list[int]) -> torch.Tensor:
+    return torch.tensor([b - (1 << 32) if b >= 1 << 31 else b for b in bits], dtype=torch.int32).view(torch.float32)
+
+
+def special_values() -> torch.Tensor:
+    """Values whose casts are easy to get wrong, then random bit patterns; 4121 in all, so the vector
+    levels convert most of them in their vector code and the last few in their scalar tail."""
+    chosen = _from_bits([
+        0x3F808000, 0x3F818000, 0xBF808000,  # bf16 ties: to even (down), to even (up), negative
+        0x3F801000, 0x3F803000,              # fp16 ties around 1.0: down, up
+        0x477FE000, 0x477FEFFF, 0x477FF000,  # 65504, just under 65520 (-> 65504), 65520 (-> inf)
+        0x49742400, 0xC9742400, 0x7F7FFFFF,  # +-1e6 (fp16 inf), float max (bf16 inf)
+        0x7FC00000, 0xFFC00000, 0x7F812345,  # NaN, -NaN, NaN with a payload
+        0x7F800000, 0xFF800000, 0x00000000, 0x80000000,  # +-inf, +-0
+        0x35800000, 0x33800000, 0x33000000, 0x33400000, 0x33C00000,  # fp16 subnormals: 2^-20, 2^-24,
+        0x387FE000, 0x387FF000, 0x387FFFFF,  # 2^-25 (tie -> 0), 1.5 x 2^-25, 1.5 x 2^-24 (tie -> 2);
+        0x00000001, 0x80000001, 0x007FFFFF,  # just under 2^-14 (-> normal); fp32 subnormals
+    ])
+    random_bits = torch.randint(-(1 << 31), 1 << 31, (4096,), generator=torch.Generator().manual_seed(7),
+                                dtype=torch.int32).view(torch.float32)
+    return torch.cat([chosen, random_bits])
+
+
+def inputs(case: Case) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Initial param and one gradient per step, the same in every process."""
+    gen = torch.Generator().manual_seed(case.n * 31 + case.steps)
+    if case.special:
+        param = special_values()
+        return param, [torch.zeros_like(param).to(case.grad_dtype)]
+    param = torch.randn(case.n, generator=gen)
+    return param, [torch.randn(case.n, generator=gen).to(case.grad_dtype) for _ in range(case.steps)]
+
+
+def ours(case: Case) -> dict:
+    """Our updates of the case: final param, moments, and each step's param and out."""
+    param, grads = inputs(case)
+    exp_avg, exp_avg_sq = torch.zeros_like(param), torch.zeros_like(param)
+    params, outs = [], []
+    for step, grad in enumerate(grads, 1):
+        out = None if case.out_dtype is None else torch.empty(param.shape, dtype=case.out_dtype)
+        fused_adam_step(param, grad, exp_avg, exp_avg_sq, out, lr=case.lr, betas=BETAS, eps=EPS,
+                        weight_decay=0.0 if case.special else WEIGHT_DECAY, step=step, adamw=case.adamw,
+                        grad_scale=case.grad_scale, threads=case.threads)
+        params.append(param.clone())
+        outs.append(out)
+    return {"param": param, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq, "params": params, "outs": outs}
+
+
+def run_all_cases() -> dict:
+    """What a child interpreter sends back: the level it ran on and ``ours`` of every case."""
+    return {"level": simd_level(), "results": {case.name: ours(case) for case in CASES}}
+
+
+def reference(case: Case) -> dict[str, torch.Tensor]:
+    """torch's fused optimizer over the same inputs, stepping with grad.float() * grad_scale."""
+    initial, grads = inputs(case)
+    param = initial.clone().requires_grad_()
+    kind = torch.optim.AdamW if case.adamw else torch.optim.Adam
+    optimizer = kind([param], lr=case.lr, betas=BETAS, eps=EPS,
+                     weight_decay=0.0 if case.special else WEIGHT_DECAY, fused=True)
+    for grad in grads:
+        param.grad = grad.float() * case.grad_scale
+        optimizer.step()
+    state = optimizer.state[param]
+    return {"param": param.detach(), "exp_avg": state["exp_avg"], "exp_avg_sq": state["exp_avg_sq"]}
+
+
+def assert_bits_equal(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
+    """Equal bit patterns (NaN payloads and the sign of zero included)."""
+    ints = {4: torch.int32, 2: torch.int16}[actual.element_size()]
+    actual, expected = actual.view(ints), expected.view(ints)
+    differ = (actual != expected).nonzero().flatten()
+    if differ.numel():
+        first, mask = int(differ[0]), (1 << 8 * actual.element_size()) - 1
+        raise AssertionError(f"{what}: {differ.numel()} elements differ, first at {first}: bits "
+                             f"{int(actual[first]) & mask:#x} vs {int(expected[first]) & mask:#x}")
+
+
+def check_case(case: Case, got: dict) -> None:
+    """Our results against torch's optimizer and torch's casts."""
+    want = reference(case)
+    body = len(want["param"]) - len(want["param"]) % 16  # where torch runs its vector code
+    for key in ("param", "exp_avg", "exp_avg_sq"):
+        torch.testing.assert_close(got[key], want[key], rtol=1e-6, atol=1e-7, equal_nan=True, msg=f"{case.name} {key}")
+        if BITWISE_BUILD:
+            assert_bits_equal(got[key][:body], want[key][:body], f"{case.name} {key}")
+    for step, (param, out) in enumerate(zip(got["params"], got["outs"]), 1):
+        if out is not None:
+            assert_bits_equal(out, param.to(case.out_dtype), f"{case.name} out at step {step}")
+
+
+# ------------------------------------------------------------------------------------------------
+# Every level against torch
+
+
+RUN_ALL = "import sys, torch; from test_cpu_adam import run_all_cases; torch.save(run_all_cases(), sys.argv[1])"
+
+
+def run_child(level: str, script: str, *args: str) -> subprocess.CompletedProcess:
+    """``script`` in a fresh interpreter with ZO_ADAM_SIMD=level that can import this file."""
+    env = dict(os.environ, ZO_ADAM_SIMD=level, PYTHONPATH=os.pathsep.join([str(TESTS.parent), str(TESTS)]))
+    return subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, env=env,
+                          timeout=120)
+
+
+@pytest.mark.skipif(simd_level() == "torch", reason="the native extension is not built")
+@pytest.mark.parametrize("level", LEVELS)
+def test_level_matches_torch(level, tmp_path):
+    done = run_child(level, RUN_ALL, str(tmp_path / "ours.pt"))
+    assert done.returncode == 0, done.stderr
+    got = torch.load(tmp_path / "ours.pt")
+    if got["level"] != level:
+        pytest.skip(f"this CPU has no {level} (ran {got['level']})")
+    for case in CASES:
+        check_case(case, got["results"][case.name])
+
+
+@pytest.mark.skipif(simd_level() == "torch", reason="the native extension is not built")
+def test_unknown_level_is_refused():
+    done = run_child("avx9000", "from zerooffload.optim import simd_level; simd_level()")
+    assert done.returncode != 0 and "ValueError: ZO_ADAM_SIMD='avx9000' names no level" in done.stderr
+
+
+def test_torch_fallback_matches_torch(monkeypatch):
+    monkeypatch.setattr(cpu_adam, "_native", None)
+    assert simd_level() == "torch"
+    for case in CASES:
+        if case.n <= 1000:
+            got = ours(case)
+            want = reference(case)
+            for key in ("param", "exp_avg", "exp_avg_sq"):
+                torch.testing.assert_close(got[key], want[key], rtol=1e-6, atol=1e-7, equal_nan=True)
+
+
+def test_empty_tensors():
+    empty = torch.empty(0)
+    fused_adam_step(empty, empty, empty, empty, torch.empty(0, dtype=torch.bfloat16), lr=LR, betas=BETAS,
+                    eps=EPS, weight_decay=WEIGHT_DECAY, step=1)
+
+
+def test_any_shape_of_equal_numel():
+    param = torch.randn(6, 5)
+    want = param.clone().flatten()
+    grad, moments = torch.randn(30), [torch.zeros(3, 10), torch.zeros(30)]
+    fused_adam_step(param, grad, *moments, lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY, step=1)
+    fused_adam_step(want, grad, torch.zeros(30), torch.zeros(30), lr=LR, betas=BETAS, eps=EPS,
+                    weight_decay=WEIGHT_DECAY, step=1)
+    assert torch.equal(param.flatten(), want)
+
+
+# ------------------------------------------------------------------------------------------------
+# Refusals
+
+
+def _arguments(n: int = 64) -> dict:
+    return {"param": torch.zeros(n), "grad": torch.zeros(n), "exp_avg": torch.zeros(n), "exp_avg_sq": torch.zeros(n),
+            "out": torch.empty(n, dtype=torch.bfloat16), "lr": LR, "betas": BETAS, "eps": EPS,
+            "weight_decay": WEIGHT_DECAY, "step": 1}
+
+
+BAD = {
+    "param": {"param": torch.zeros(64, dtype=torch.float64)},
+    "grad": {"grad": torch.zeros(64, dtype=torch.int32)},
+    "exp_avg": {"exp_avg": torch.zeros(128)[::2]},
+    "exp_avg_sq": {"exp_avg_sq": torch.zeros(63)},
+    "out": {"out": torch.empty(64, dtype=torch.float64)},
+    "lr": {"lr": -1.0},
+    "betas": {"betas": (1.0, 0.999)},
+    "eps": {"eps": -1e-8},
+    "weight_decay": {"weight_decay": -0.1},
+    "step": {"step": 0},
+    "threads": {"threads": -1},
+}
+
+
+@pytest.mark.parametrize("name", list(BAD))
+def test_bad_argument_is_named(name):
+    arguments = {**_arguments(), **BAD[name]}
+    before = arguments["param"].clone()
+    with pytest.raises(ValueError, match=rf"^{name}\b"):
+        fused_adam_step(**arguments)
+    if arguments["param"].dtype == torch.float32:
+        assert torch.equal(arguments["param"], before)  # refused before touching anything
+
+
+def test_tensor_on_another_device_is_named():
+    with pytest.raises(ValueError, match=r"^grad is on meta"):
+        fused_adam_step(**{**_arguments(), "grad": torch.empty(64, device="meta")})

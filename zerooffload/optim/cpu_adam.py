@@ -1,0 +1,149 @@
+"""``fused_adam_step``: one fused pass of Adam/AdamW over an fp32 master shard on the CPU.
+
+[Note: fused Adam tensors]
+- *param*: the fp32 master values, updated in place.
+- *grad*: the gradient, fp32, bf16 or fp16 (the engine's reduced gradient as it lies), read only;
+  multiplied by *grad_scale* first (the engine's unscale x clip coefficient), in fp32.
+- *exp_avg*, *exp_avg_sq*: the fp32 first and second moments (torch's state names), updated in place.
+- *out*: optional low-precision copy of the new param (bf16, fp16 or fp32), written in the same pass
+  and rounded exactly as torch's ``.to(dtype)`` rounds, NaN, inf and subnormals included.
+All are contiguous CPU tensors of one numel, in any shapes; they must not overlap.
+
+Why one pass: an offloaded step is bound by memory bandwidth. torch's fused step followed by a cast
+into the compute-dtype copy reads every parameter twice (~36 B/param); this pass moves 30 B/param
+(28 with a bf16 grad) once. The arithmetic is torch's fused CPU kernel's, operation for operation
+(native/cpu_adam.h), so the result equals ``torch.optim.AdamW/Adam(fused=True)`` stepping with
+``param.grad = grad.float() * grad_scale``: bit for bit on torch 2.13's CPU build except in the last
+``numel % 16`` elements, where torch's own kernel leaves its vector code and may differ from itself by
+an ulp; within an ulp or two on builds that fuse other products.
+
+Without the native extension the same math runs as torch ops (a few times slower); ``simd_level()``
+then says ``"torch"``.
+"""
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+
+try:
+    from .. import _native
+except ImportError:  # built optional (setup.py): the torch fallback below takes over
+    _native = None
+
+__all__ = ["fused_adam_step", "simd_level"]
+
+_DTYPE_NAMES = {torch.float32: "FP32", torch.bfloat16: "BF16", torch.float16: "FP16"}
+"""The grad and out dtypes the pass reads and writes, by their name in the native module (DTYPE_*)."""
+
+
+def simd_level() -> str:
+    """The instruction set ``fused_adam_step`` runs on: "avx512", "avx2", "scalar", or "torch" when the
+    native extension is missing. The environment variable ZO_ADAM_SIMD (avx512 | avx2 | scalar), read
+    once per process, forces a lower level than the CPU's best (tests use it to cover every path)."""
+    if _native is None:
+        return "torch"
+    try:
+        return _native.adam_simd()
+    except OSError:
+        raise ValueError(f"ZO_ADAM_SIMD={os.environ.get('ZO_ADAM_SIMD')!r} names no level: "
+                         "expected avx512, avx2 or scalar") from None
+
+
+def fused_adam_step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+                    out: torch.Tensor | None = None, *, lr: float, betas: tuple[float, float], eps: float,
+                    weight_decay: float, step: int, adamw: bool = True, grad_scale: float = 1.0,
+                    threads: int = 0) -> None:
+    """One Adam (``adamw=False``: L2 decay added to the gradient) or AdamW (decoupled decay) update in
+    place, with ``step`` counting from 1 as torch's state["step"] after its increment; see the module
+    note for the tensors. ``threads`` bounds the native pass's threads (0: every CPU this process may
+    use; passes under 256Ki elements run on the calling thread). Raises ValueError naming the argument
+    at fault."""
+    _check_tensors(param, grad, exp_avg, exp_avg_sq, out)
+    beta1, beta2 = _check_hyperparameters(lr, betas, eps, weight_decay, step, threads)
+    if _native is None:
+        _torch_step(param, grad, exp_avg, exp_avg_sq, out, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+                    weight_decay=weight_decay, step=step, adamw=adamw, grad_scale=grad_scale)
+        return
+    simd_level()  # a bad ZO_ADAM_SIMD surfaces here as a ValueError naming it, not as OSError(EINVAL)
+    _native.adam_step(param.data_ptr(), grad.data_ptr(), _dtype_code(grad), exp_avg.data_ptr(),
+                      exp_avg_sq.data_ptr(), 0 if out is None else out.data_ptr(), _dtype_code(out),
+                      param.numel(), float(lr), beta1, beta2, float(eps), float(weight_decay),
+                      float(grad_scale), step, bool(adamw), threads)
+
+
+def _dtype_code(tensor: torch.Tensor | None) -> int:
+    return _native.DTYPE_NONE if tensor is None else getattr(_native, f"DTYPE_{_DTYPE_NAMES[tensor.dtype]}")
+
+
+# ------------------------------------------------------------------------------------------------
+# Validation
+
+
+def _check_tensors(param, grad, exp_avg, exp_avg_sq, out) -> None:
+    _check_tensor("param", param, (torch.float32,), None)
+    numel = param.numel()
+    _check_tensor("grad", grad, tuple(_DTYPE_NAMES), numel)
+    _check_tensor("exp_avg", exp_avg, (torch.float32,), numel)
+    _check_tensor("exp_avg_sq", exp_avg_sq, (torch.float32,), numel)
+    if out is not None:
+        _check_tensor("out", out, tuple(_DTYPE_NAMES), numel)
+
+
+def _check_tensor(name: str, tensor, dtypes: tuple[torch.dtype, ...], numel: int | None) -> None:
+    """The native pass sees only an address and param's numel, so everything else is checked here."""
+    if not isinstance(tensor, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.device.type != "cpu":
+        raise ValueError(f"{name} is on {tensor.device}: the fused Adam pass runs on CPU tensors")
+    if tensor.dtype not in dtypes:
+        allowed = ", ".join(str(d).removeprefix("torch.") for d in dtypes)
+        raise ValueError(f"{name} has dtype {str(tensor.dtype).removeprefix('torch.')}: expected {allowed}")
+    if not tensor.is_contiguous():
+        raise ValueError(f"{name} is not contiguous (strides {tensor.stride()}): pass {name}.contiguous()")
+    if numel is not None and tensor.numel() != numel:
+        raise ValueError(f"{name} has {tensor.numel()} elements but param has {numel}")
+
+
+def _check_hyperparameters(lr, betas, eps, weight_decay, step, threads) -> tuple[float, float]:
+    """The ranges torch.optim.Adam accepts, plus what the native pass needs; returns (beta1, beta2)."""
+    if not lr >= 0:
+        raise ValueError(f"lr = {lr}: must be >= 0")
+    if not eps >= 0:
+        raise ValueError(f"eps = {eps}: must be >= 0")
+    if not weight_decay >= 0:
+        raise ValueError(f"weight_decay = {weight_decay}: must be >= 0")
+    beta1, beta2 = (float(b) for b in betas)
+    for i, beta in enumerate((beta1, beta2)):
+        if not 0 <= beta < 1:
+            raise ValueError(f"betas[{i}] = {beta}: must be in [0, 1)")
+    if isinstance(step, bool) or not isinstance(step, int) or step < 1:
+        raise ValueError(f"step = {step!r}: must be an int >= 1 (the count after this update)")
+    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 0:
+        raise ValueError(f"threads = {threads!r}: must be an int >= 0 (0: every CPU)")
+    return beta1, beta2
+
+
+# ------------------------------------------------------------------------------------------------
+# Fallback without the native extension
+
+
+@torch.no_grad()
+def _torch_step(param, grad, exp_avg, exp_avg_sq, out, *, lr, beta1, beta2, eps, weight_decay, step, adamw,
+                grad_scale) -> None:
+    """The native pass's math as torch ops, in the order torch's single-tensor Adam uses (which agrees
+    with its fused kernel within an ulp or two); torch's own threads do the work."""
+    p, m, v = param.view(-1), exp_avg.view(-1), exp_avg_sq.view(-1)
+    g = grad.reshape(-1).float() * grad_scale
+    if weight_decay != 0:
+        if adamw:
+            p.mul_(1 - lr * weight_decay)
+        else:
+            g = g.add(p, alpha=weight_decay)
+    m.lerp_(g, 1 - beta1)
+    v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+    denom = v.sqrt().div_(math.sqrt(1 - beta2 ** step)).add_(eps)
+    p.addcdiv_(m, denom, value=-lr / (1 - beta1 ** step))
+    if out is not None:
+        out.view(-1).copy_(p)
