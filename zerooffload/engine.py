@@ -79,6 +79,18 @@ def _cast_floats(value: Any, dtype: torch.dtype) -> Any:
     return value
 
 
+def _copy_unstepped(target: torch.Tensor, master: torch.Tensor, stepped: list[Piece]) -> None:
+    """Copy ``master`` into ``target`` outside the stepped pieces, which the update wrote already:
+    frozen and unused parameters' values and the padding."""
+    start = 0
+    for piece in sorted(stepped, key=lambda p: p.start):
+        if piece.start > start:
+            target[start:piece.start].copy_(master[start:piece.start])
+        start = max(start, piece.stop)
+    if start < target.numel():
+        target[start:].copy_(master[start:])
+
+
 def _checkpoint_forward(module: nn.Module) -> None:
     """Recompute ``module``'s activations in backward (``train.activation_checkpointing``).
 
@@ -319,40 +331,49 @@ class Engine:
                 grad.mul_(coefficient)
 
     def _update(self, grads: list[torch.Tensor], had_grad: list[torch.Tensor]) -> None:
-        """Unit by unit: torch's update on the pieces with a gradient somewhere, then the unit's new
-        masters published, so one unit's all-gather runs while the next unit updates."""
+        """Unit by unit: the update on the pieces with a gradient somewhere, writing the new compute
+        weights straight where they are published; one unit's all-gather runs while the next updates."""
         pending = []
         writer = BlockWriter(self.tiers["host"])
         for state, grad, flags in zip(self._visit_optimizer_states(write=True), grads, had_grad):
-            unit, pieces = state.unit, state.pieces
-            for piece, tensor in pieces:
-                tensor.grad = grad[piece.start:piece.stop] if flags[piece.slot_index] > 0 else None
-            if pieces:
-                self.optimizer.step()
-            for _, tensor in pieces:
+            unit = state.unit
+            target = self._publish_target(unit, writer)
+            stepped = [(piece, tensor) for piece, tensor in state.pieces if flags[piece.slot_index] > 0]
+            for piece, tensor in stepped:
+                tensor.grad = grad[piece.start:piece.stop]
+            if stepped:
+                self.optimizer.step(outs={} if target is None else {t: target[p.start:p.stop] for p, t in stepped})
+            for _, tensor in stepped:
                 tensor.grad = None
-            pending.append(self._publish(unit, writer))
+            if target is not None:
+                _copy_unstepped(target, unit.master, [piece for piece, _ in stepped])
+            pending.append(self._publish(unit, target, writer))
         writer.finish()
         for source, work in filter(None, pending):
             work.wait()
             self.tiers["device"].free(Kind.BUFFER, source)
         self.param_scheduler.stage_first_units()
 
-    def _publish(self, unit: FlatUnit, writer: BlockWriter) -> tuple[torch.Tensor, Any] | None:
-        """A unit's new masters into its compute weights: a partitioned unit keeps just its shard
-        (gathered at its next use; ``writer`` stores it home); a sharded one is all-gathered (returns
-        the input and the handle)."""
+    def _publish_target(self, unit: FlatUnit, writer: BlockWriter) -> torch.Tensor | None:
+        """Where this rank's new compute weights of ``unit`` go (None when the masters are the weights):
+        a partitioned unit's shard block, a sharded unit's all-gather input, else its own weights."""
         if unit.partitioned:
-            if not unit.master_is_param:
-                writer.write(unit.param_block, unit.master)
+            return None if unit.master_is_param else writer.begin(unit.param_block)
+        if unit.layout.shards > 1 and self.comm.world_size > 1:
+            # The all-gather writes this rank's shard too, so its input must not alias the output.
+            return self.tiers["device"].empty(Kind.BUFFER, unit.layout.shard_numel, unit.compute_dtype)
+        return None if unit.master_is_param else unit.flat_param[unit.shard_range]
+
+    def _publish(self, unit: FlatUnit, target: torch.Tensor | None, writer: BlockWriter
+                 ) -> tuple[torch.Tensor, Any] | None:
+        """Send the new weights on: a partitioned unit's shard home (``writer``; gathered at its next
+        use), a sharded unit's all-gather started (returns its input and handle)."""
+        if unit.partitioned:
+            if target is not None:
+                writer.commit(unit.param_block)
             return None
         if unit.layout.shards > 1 and self.comm.world_size > 1:
-            # The all-gather writes this rank's shard too, so the master goes straight into its input
-            # (cast once), which must not alias the output.
-            source = self.tiers["device"].empty(Kind.BUFFER, unit.layout.shard_numel, unit.compute_dtype)
-            source.copy_(unit.master)
-            return source, all_gather(self.comm, unit.flat_param, source, async_op=True)
-        unit.publish_master()
+            return target, all_gather(self.comm, unit.flat_param, target, async_op=True)
         return None
 
     def _release(self, grads: list[torch.Tensor]) -> None:

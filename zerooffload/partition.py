@@ -292,12 +292,6 @@ class FlatUnit:
         self._written = [False] * len(self.layout.slots)
 
     # ---------------------------------------------------------------- parameters
-    def publish_master(self) -> None:
-        """Copy the updated fp32 master into this rank's slice of ``flat_param`` (a unit that is neither
-        partitioned nor all-gathered after the step: world size 1)."""
-        if not self.master_is_param:
-            self.flat_param[self.shard_range].copy_(self.master)
-
     def attach_params(self) -> None:
         """Make the module's parameters views of ``flat_param`` (whose storage must be present)."""
         for slot in self.layout.slots:

@@ -301,19 +301,27 @@ class BlockWriter:
         self.buffer_tier = buffer_tier
         self._pending: deque[tuple[Block, Any]] = deque()
 
-    def write(self, block: Block, values: torch.Tensor) -> None:
+    def begin(self, block: Block) -> torch.Tensor:
+        """``block.data`` to overwrite (a host buffer unless resident); ``commit`` stores it."""
+        if not block.resident:
+            while len(self._pending) >= STREAM_BUFFERS:
+                self._finish_oldest()
+            block.load(self.buffer_tier.empty(Kind.BUFFER, block.nbytes, torch.uint8), read=False)
+        return block.data
+
+    def commit(self, block: Block) -> None:
+        """Start storing a block filled since ``begin``."""
         if block.resident:
-            block.data.copy_(values)
             return
-        while len(self._pending) >= STREAM_BUFFERS:
-            self._finish_oldest()
-        block.load(self.buffer_tier.empty(Kind.BUFFER, block.nbytes, torch.uint8), read=False)
         try:
-            block.data.copy_(values)
             self._pending.append((block, block.store()))
         except BaseException:
             self.buffer_tier.free(Kind.BUFFER, block.unload())
             raise
+
+    def write(self, block: Block, values: torch.Tensor) -> None:
+        self.begin(block).copy_(values)
+        self.commit(block)
 
     def _finish_oldest(self) -> None:
         block, handle = self._pending.popleft()

@@ -6,14 +6,17 @@ parameter part this rank owns (``partition.Piece``). Before a step the engine po
 ``.grad`` at its averaged fp32 gradient, or leaves it ``None`` when no rank produced a gradient for
 that parameter in the window, so torch skips it exactly as it skips an unused parameter. The update
 itself is torch's own (fused AdamW/Adam/SGD kernels where the device has them), sharing these group
-dicts, so LR schedulers and per-group settings behave as with any torch optimizer. Moments live in
-one buffer per unit shard on the optimizer's tier, accounted there, and pieces' state are views of it.
+dicts, so LR schedulers and per-group settings behave as with any torch optimizer; except that Adam
+and AdamW on CPU tensors run the native fused pass (``cpu_adam``: torch's arithmetic, in one pass
+that also writes the compute-dtype copy of each piece, ``outs``). Moments live in the unit's optimizer
+block (``optim.state``), accounted on its tier, and pieces' state are views of it.
 """
 from __future__ import annotations
 
 import torch
 
 from ..config import OptimizerConfig
+from .cpu_adam import fused_adam_step, simd_level
 
 __all__ = ["ZeroOptimizer", "moment_names"]
 
@@ -46,6 +49,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.kind = config.type
         self._update = _TORCH[config.type](self.param_groups, fused=_fusable(self.param_groups))
         self.state = self._update.state
+        self.native = config.type in ("adam", "adamw") and simd_level() != "torch" and all(
+            p.device.type == "cpu" for g in self.param_groups for p in g["params"])
 
     def attach_state(self, piece: torch.Tensor, moments: dict[str, torch.Tensor]) -> None:
         """Give a piece its moment tensors (views into tier-owned buffers) before the first step."""
@@ -56,6 +61,28 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.state[piece] = state
 
     @torch.no_grad()
-    def step(self, closure=None):
-        """torch's update over the pieces whose ``.grad`` the engine set."""
-        return self._update.step(closure)
+    def step(self, closure=None, *, outs: dict[torch.Tensor, torch.Tensor] | None = None):
+        """The update over the pieces whose ``.grad`` the engine set; each piece in ``outs`` also gets its
+        new value written (cast) into ``outs[piece]``."""
+        outs = outs or {}
+        if not self.native:
+            loss = self._update.step(closure)
+            for piece, out in outs.items():
+                if piece.grad is not None:
+                    out.copy_(piece)
+            return loss
+        for group in self.param_groups:
+            for piece in group["params"]:
+                if piece.grad is not None:
+                    self._native_step(group, piece, outs.get(piece))
+        return None
+
+    def _native_step(self, group: dict, piece: torch.Tensor, out: torch.Tensor | None) -> None:
+        state = self.state[piece]
+        state["step"] += 1
+        fused_out = out if out is not None and out.device.type == "cpu" else None  # the pass writes CPU memory
+        fused_adam_step(piece, piece.grad, state["exp_avg"], state["exp_avg_sq"], fused_out, lr=group["lr"],
+                        betas=group["betas"], eps=group["eps"], weight_decay=group["weight_decay"],
+                        step=int(state["step"].item()), adamw=self.kind == "adamw")
+        if out is not None and fused_out is None:
+            out.copy_(piece)
