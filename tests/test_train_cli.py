@@ -42,3 +42,12 @@ def test_presets_span_1m_to_2b_and_the_largest_outgrows_this_machine():
     assert min(sizes.values()) < 1.5e6 and max(sizes.values()) > 1.9e9
     assert max(sizes.values()) * 16 > 24 * 2**30  # bf16 model states of the largest exceed 24 GiB
     assert sum(p.numel() for p in GPT(PRESETS["small"]).parameters()) == PRESETS["small"].num_params
+
+
+def test_train_resumes_from_its_checkpoint_exactly(tmp_path):
+    """10 steps straight == 5 steps with --save-every 5, then --resume to 10 (a fresh process)."""
+    common = [sys.executable, "-m", "zerooffload", "train", "train.micro_batch_size=4", "scheduler.type=constant"]
+    straight = _run([*common, "--steps", "10"], tmp_path / "a")
+    _run([*common, "--steps", "5", "--save-every", "5"], tmp_path / "b")
+    resumed = _run([*common, "--steps", "10", "--resume"], tmp_path / "b")
+    assert resumed["steps"] == 5 and resumed["losses"] == straight["losses"][5:]

@@ -94,6 +94,28 @@ def _add_bench(commands) -> None:
     adam.set_defaults(run=_cmd_bench_adam)
 
 
+def _cmd_consolidate(args: argparse.Namespace) -> int:
+    import torch
+
+    from .checkpoint import consolidate
+
+    path = consolidate(args.checkpoint, args.out, {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype],
+                       args.tag)
+    print(f"wrote {path} ({path.stat().st_size / 1e6:.1f} MB)")
+    return 0
+
+
+def _add_checkpoint(commands) -> None:
+    checkpoint = commands.add_parser("checkpoint", help="work with saved checkpoints")
+    kinds = checkpoint.add_subparsers(dest="checkpoint_command", required=True, metavar="WHAT")
+    merge = kinds.add_parser("consolidate", help="write a checkpoint's model as one safetensors file")
+    merge.add_argument("checkpoint", metavar="CKPT", help="checkpoint directory (holding 'latest' and tags)")
+    merge.add_argument("out", metavar="OUT.safetensors")
+    merge.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="parameter dtype (default fp32)")
+    merge.add_argument("--tag", help="tag to read (default: the one 'latest' names)")
+    merge.set_defaults(run=_cmd_consolidate)
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="zerooffload", description=__doc__.splitlines()[0])
     parser.add_argument("--log-level", default="WARNING", help="logging level (DEBUG, INFO, WARNING)")
@@ -103,9 +125,13 @@ def _parser() -> argparse.ArgumentParser:
     train = commands.add_parser("train", help="train the built-in GPT on the offline byte corpus")
     train.add_argument("--steps", type=int, default=300, help="optimizer steps (default 300)")
     train.add_argument("--model", default="nano", choices=list(PRESETS), help="GPT preset (default nano)")
-    train.add_argument("--out", default="zerooffload-out", help="directory for summary.json")
+    train.add_argument("--out", default="zerooffload-out", help="directory for summary.json and checkpoints/")
+    train.add_argument("--save-every", type=int, default=0, metavar="N",
+                       help="save a checkpoint to OUT/checkpoints every N steps (and at the end)")
+    train.add_argument("--resume", action="store_true", help="continue from OUT/checkpoints/latest")
     _add_config_arguments(train)
     train.set_defaults(run=_cmd_train)
+    _add_checkpoint(commands)
     doctor = commands.add_parser("doctor", help="check the native backend, io_uring, O_DIRECT, CUDA, free space")
     _add_config_arguments(doctor)
     doctor.set_defaults(run=_cmd_doctor)

@@ -21,6 +21,8 @@ import contextlib
 import dataclasses
 import logging
 import math
+import os
+from pathlib import Path
 from functools import partial
 from typing import Any, Iterator
 
@@ -28,6 +30,7 @@ import torch
 import torch.utils.checkpoint
 from torch import nn
 
+from . import checkpoint
 from .comm import Comm, all_gather, broadcast, control_all_reduce, init_comm
 from .config import Config, ConfigError, dtype_bytes
 from .memory_plan import plan_memory
@@ -233,7 +236,7 @@ class Engine:
             if state.block.resident:
                 state.point(self.optimizer)
 
-    def _visit_optimizer_states(self, *, write: bool) -> Iterator[UnitOptimizerState]:
+    def visit_optimizer_states(self, *, write: bool) -> Iterator[UnitOptimizerState]:
         """Each unit's optimizer state loaded and pointed, in unit order (paged through host buffers
         when it lives on NVMe: read i+1 ‖ work on i ‖ write i−1); ``write`` stores changes back."""
         states = iter(self.opt_states)
@@ -335,7 +338,7 @@ class Engine:
         weights straight where they are published; one unit's all-gather runs while the next updates."""
         pending = []
         writer = BlockWriter(self.tiers["host"])
-        for state, grad, flags in zip(self._visit_optimizer_states(write=True), grads, had_grad):
+        for state, grad, flags in zip(self.visit_optimizer_states(write=True), grads, had_grad):
             unit = state.unit
             target = self._publish_target(unit, writer)
             stepped = [(piece, tensor) for piece, tensor in state.pieces if flags[piece.slot_index] > 0]
@@ -348,11 +351,26 @@ class Engine:
             if target is not None:
                 _copy_unstepped(target, unit.master, [piece for piece, _ in stepped])
             pending.append(self._publish(unit, target, writer))
+        self._finish_publishing(writer, pending)
+        self.param_scheduler.stage_first_units()
+
+    def publish_weights(self) -> None:
+        """Make every rank's compute weights equal the fp32 masters again, after the masters were set
+        from outside the step (a checkpoint load)."""
+        pending = []
+        writer = BlockWriter(self.tiers["host"])
+        for state in self.visit_optimizer_states(write=False):
+            target = self._publish_target(state.unit, writer)
+            if target is not None:
+                target.copy_(state.unit.master)
+            pending.append(self._publish(state.unit, target, writer))
+        self._finish_publishing(writer, pending)
+
+    def _finish_publishing(self, writer: BlockWriter, pending: list) -> None:
         writer.finish()
         for source, work in filter(None, pending):
             work.wait()
             self.tiers["device"].free(Kind.BUFFER, source)
-        self.param_scheduler.stage_first_units()
 
     def _publish_target(self, unit: FlatUnit, writer: BlockWriter) -> torch.Tensor | None:
         """Where this rank's new compute weights of ``unit`` go (None when the masters are the weights):
@@ -412,7 +430,7 @@ class Engine:
         gets the dict, the others ``{}``.
         """
         values: dict[int, torch.Tensor] = {}
-        for state in self._visit_optimizer_states(write=False):
+        for state in self.visit_optimizer_states(write=False):
             unit = state.unit
             flat = torch.empty(unit.layout.padded_numel, dtype=torch.float32, device=unit.master.device)
             if unit.layout.shards > 1:
@@ -438,7 +456,7 @@ class Engine:
         before = [u.flat_param[u.shard_range].clone() for u in self.units]  # only this rank's masters matter
         try:
             yield self.module
-            for state, old in zip(self._visit_optimizer_states(write=True), before):
+            for state, old in zip(self.visit_optimizer_states(write=True), before):
                 unit = state.unit
                 broadcast(self.comm, unit.flat_param, src=modifier_rank)
                 new = unit.flat_param[unit.shard_range]
@@ -449,6 +467,17 @@ class Engine:
                     unit.master[changed.to(unit.master.device)] = new[changed].float().to(unit.master.device)
         finally:
             self.param_scheduler.free_all()
+
+    def save_checkpoint(self, directory: str | os.PathLike, tag: str | None = None,
+                        client_state: dict | None = None) -> Path:
+        """Write the whole training state under ``directory/tag`` (default ``step00000042``) and point
+        ``directory/latest`` at it, atomically; collective. ``client_state``: JSON-serializable."""
+        return checkpoint.save_checkpoint(self, directory, tag, client_state)
+
+    def load_checkpoint(self, directory: str | os.PathLike, tag: str | None = None) -> dict | None:
+        """Restore from ``directory/tag`` (default: ``latest``), whatever world size, stage or tiers
+        saved it; returns the saved client state. Collective."""
+        return checkpoint.load_checkpoint(self, directory, tag)
 
     def train(self, mode: bool = True) -> "Engine":
         self.module.train(mode)

@@ -33,6 +33,15 @@ class LossScaler:
         self._clean_steps = 0
         self._hysteresis_left = config.hysteresis
 
+    def state(self) -> dict:
+        """What a checkpoint keeps to resume the scale sequence exactly."""
+        return {"scale": self.scale, "clean_steps": self._clean_steps, "hysteresis_left": self._hysteresis_left}
+
+    def load_state(self, state: dict) -> None:
+        self.scale = state["scale"]
+        self._clean_steps = state["clean_steps"]
+        self._hysteresis_left = state["hysteresis_left"]
+
     def update(self, overflow: bool) -> None:
         """Adjust the scale after a step that did (``overflow``) or did not see inf/NaN gradients."""
         if not self.dynamic:

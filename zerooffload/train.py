@@ -49,12 +49,15 @@ def run_training(args: argparse.Namespace) -> int:
     torch.manual_seed(config.train.seed)
     model_config = PRESETS[args.model]
     engine = initialize(GPT(model_config), config)
+    checkpoints = Path(args.out) / "checkpoints"
+    first_step = engine.load_checkpoint(checkpoints)["next_step"] if args.resume else 0
     corpus = ByteCorpus()
     rank, world = engine.comm.rank, engine.comm.world_size
     micro, accum, seq = config.train.micro_batch_size, config.train.grad_accum_steps, model_config.block_size
     tokens_per_step = micro * accum * world * seq
     losses, started = [], time.perf_counter()
-    progress = tqdm(range(args.steps), desc=f"train {args.model}", disable=rank != 0, unit="step", mininterval=1.0)
+    progress = tqdm(range(first_step, args.steps), desc=f"train {args.model}", disable=rank != 0, unit="step",
+                    mininterval=1.0, initial=first_step, total=args.steps)
     for step in progress:
         step_start, window_loss = time.perf_counter(), 0.0
         for micro_step in range(accum):
@@ -68,6 +71,8 @@ def run_training(args: argparse.Namespace) -> int:
         elapsed = time.perf_counter() - step_start
         progress.set_postfix(loss=f"{window_loss:.3f}", tok_s=f"{tokens_per_step / elapsed:,.0f}",
                              step_s=f"{elapsed:.3f}")
+        if args.save_every and ((step + 1) % args.save_every == 0 or step + 1 == args.steps):
+            engine.save_checkpoint(checkpoints, client_state={"next_step": step + 1})
     summary = _summary(args, engine, losses, time.perf_counter() - started, tokens_per_step, model_config)
     engine.close()
     if rank == 0:

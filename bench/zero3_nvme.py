@@ -1,0 +1,130 @@
+#!/usr/bin/env python3
+"""ZeRO-3 with parameters and optimizer states on NVMe: zerooffload against DeepSpeed, same workload.
+
+The workload is ``../shared/anchors/zero3_nvme.py``'s: a ~50M-parameter MLP of two blocks
+(d=2048, ffn=6144), batch 64, MSE loss, Adam (lr 1e-4, no weight decay), fp32, one process, every
+parameter shard and all optimizer state in swap files under --nvme. Each side runs in its own
+process (3 warm-up steps, then --steps timed steps; its median step time), the two sides
+interleaved in --pairs pairs with alternating order (DESIGN §4 rule: judged on the median of the
+per-pair ratios, min/median/max reported). Target: ours ≤ 0.8x DeepSpeed's step time.
+
+Usage:
+  python bench/zero3_nvme.py [--pairs 5] [--steps 6] [--nvme DIR]
+         [--deepspeed-python /tmp/anchors/dsvenv/bin/python] [--anchor ../shared/anchors/zero3_nvme.py]
+  python bench/zero3_nvme.py --side ours      (one side alone; prints its RESULT line)
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+RESULT = re.compile(r"RESULT .*step ms min/med/max = (\d+) / (\d+) / (\d+)")
+HERE = Path(__file__).resolve().parent
+
+
+def run_ours(args) -> None:
+    """One side: our engine on the anchor's workload; prints the anchor's RESULT line format."""
+    import torch
+
+    import zerooffload as zo
+
+    d, f = 2048, 6144
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(d, f), torch.nn.GELU(), torch.nn.Linear(f, d),
+                                torch.nn.Linear(d, f), torch.nn.GELU(), torch.nn.Linear(f, d))
+    x, y = torch.randn(args.batch, d), torch.randn(args.batch, d)
+    engine = zo.initialize(model, {
+        "zero": {"stage": 3}, "optimizer": {"type": "adam", "lr": 1e-4, "weight_decay": 0.0},
+        "offload": {"param": {"tier": "nvme"}, "optimizer": {"tier": "nvme"}}, "nvme": {"path": args.nvme}})
+    times = []
+    for step in range(3 + args.steps):
+        start = time.perf_counter()
+        loss = torch.nn.functional.mse_loss(engine(x), y)
+        engine.backward(loss)
+        engine.step()
+        if step >= 3:
+            times.append(time.perf_counter() - start)
+    stats = engine.stats.prefetch
+    print(f"ours: read wait {stats.read_wait_seconds * 1e3:.0f} ms, gather wait {stats.wait_seconds * 1e3:.0f} ms "
+          f"in the last step; peak RSS {_peak_rss_mb():.0f} MB")
+    engine.close()
+    ms = [t * 1e3 for t in times]
+    print(f"RESULT mode=ours dtype=fp32 step ms min/med/max = {min(ms):.0f} / {statistics.median(ms):.0f} / "
+          f"{max(ms):.0f} (n={len(ms)})")
+
+
+def _peak_rss_mb() -> float:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _side(command: list[str], env: dict) -> float:
+    """Run one side in a fresh process; its median step time in ms."""
+    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=900)
+    match = RESULT.search(done.stdout)
+    if done.returncode != 0 or match is None:
+        raise SystemExit(f"{command[:3]} failed ({done.returncode}):\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}")
+    return float(match.group(2))
+
+
+def compare(args) -> None:
+    nvme = Path(args.nvme)
+    ours = [sys.executable, str(Path(__file__).resolve()), "--side", "ours", "--steps", str(args.steps),
+            "--nvme", str(nvme / "ours")]
+    theirs = [args.deepspeed_python, args.anchor, "--mode", "ds", "--dtype", "fp32", "--steps", str(args.steps),
+              "--nvme", str(nvme / "ds")]
+    env = {**os.environ, "DS_ACCELERATOR": "cpu"}
+    print(f"machine: {os.cpu_count()} CPUs; swap under {nvme}; {args.pairs} pairs of {args.steps} timed steps")
+    results = []
+    try:
+        for pair in range(args.pairs):
+            order = [("ours", ours), ("deepspeed", theirs)]
+            if pair % 2:
+                order.reverse()
+            times = {name: _side(command, env) for name, command in order}
+            results.append((times["ours"], times["deepspeed"]))
+            print(f"  pair {pair}: ours {times['ours']:.0f} ms, DeepSpeed {times['deepspeed']:.0f} ms, "
+                  f"ratio {times['ours'] / times['deepspeed']:.3f}", flush=True)
+    finally:
+        shutil.rmtree(nvme, ignore_errors=True)
+    _report(results)
+
+
+def _report(results: list[tuple[float, float]]) -> None:
+    ratios = [o / d for o, d in results]
+    ours, theirs = zip(*results)
+    print("\n| side | ms/step min / median / max |\n|---|---|")
+    print(f"| zerooffload | {min(ours):.0f} / {statistics.median(ours):.0f} / {max(ours):.0f} |")
+    print(f"| DeepSpeed ZeRO-3 | {min(theirs):.0f} / {statistics.median(theirs):.0f} / {max(theirs):.0f} |")
+    median = statistics.median(ratios)
+    print(f"ratio ours/DeepSpeed per pair: min {min(ratios):.3f} / median {median:.3f} / max {max(ratios):.3f} "
+          f"(target ≤ 0.80: {'met' if median <= 0.8 else 'NOT met'})")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--side", choices=["ours"], help="run one side alone (used by the comparison)")
+    parser.add_argument("--pairs", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--nvme", default="/tmp/zerooffload-bench-nvme")
+    parser.add_argument("--deepspeed-python", default="/tmp/anchors/dsvenv/bin/python")
+    parser.add_argument("--anchor", default=str(HERE.parent.parent / "shared" / "anchors" / "zero3_nvme.py"))
+    args = parser.parse_args()
+    if args.side:
+        Path(args.nvme).mkdir(parents=True, exist_ok=True)
+        run_ours(args)
+    else:
+        compare(args)
+
+
+if __name__ == "__main__":
+    main()

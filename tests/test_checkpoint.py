@@ -1,0 +1,179 @@
+"""Checkpoints: exact resume in fresh processes, resharding across layouts, atomicity under SIGKILL, and
+corrupt, truncated or missing files refused by name."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import zerooffload as zo
+from harness import RankPool
+from reference import make_batches, make_model, update_errors
+from zerooffload.checkpoint import CheckpointError
+
+GLOBAL_BATCH = 4  # split evenly over 1, 2 or 4 ranks, so every layout trains on the same global batch
+STEPS = 4
+NVME = {"param": {"tier": "nvme"}, "optimizer": {"tier": "nvme"}}
+
+
+def _config(stage: int, offload: dict | None = None, precision: str = "fp32") -> dict:
+    return {"zero": {"stage": stage}, "train": {"precision": precision, "grad_clip": 0.05},
+            "optimizer": {"lr": 1e-2, "weight_decay": 0.1},
+            "scheduler": {"type": "warmup_cosine", "warmup_steps": 2, "total_steps": 10},
+            "offload": offload or {}}
+
+
+def _train(engine, first: int, last: int) -> None:
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    batches, micro = make_batches(STEPS + 2, 1, GLOBAL_BATCH), GLOBAL_BATCH // world
+    for (idx, targets), in batches[first:last]:
+        rows = slice(rank * micro, (rank + 1) * micro)
+        engine.backward(engine(idx[rows], targets[rows]))
+        engine.step()
+
+
+def run_case(stage: int, offload: dict | None, first: int, last: int, save: str | None = None,
+             load: str | None = None, precision: str = "fp32") -> dict | None:
+    """Every rank: build (a different init when loading, so a load that did nothing shows), optionally
+    load, train steps [first, last), optionally save; rank 0 returns the full state and client state."""
+    engine = zo.initialize(make_model(seed=1 if load else 0), _config(stage, offload, precision))
+    client = engine.load_checkpoint(load) if load else None
+    loaded = engine.full_state_dict()
+    _train(engine, first, last)
+    if save:
+        engine.save_checkpoint(save, client_state={"next_step": last})
+    full = engine.full_state_dict()
+    lr = engine.optimizer.param_groups[0]["lr"]
+    engine.close()
+    if (dist.get_rank() if dist.is_initialized() else 0) != 0:
+        return None
+    return {"full": full, "loaded": loaded, "client": client, "lr": lr}
+
+
+def _equal(a: dict, b: dict) -> bool:
+    return list(a) == list(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.fixture(scope="module")
+def straight_and_saved(tmp_path_factory, rank_pools):
+    """Stage 3, parameters and optimizer on NVMe, world size 2: STEPS straight, and STEPS/2 then a save."""
+    directory = str(tmp_path_factory.mktemp("ckpt"))
+    straight = rank_pools(2).run(run_case, 3, NVME, 0, STEPS)[0]
+    rank_pools(2).run(run_case, 3, NVME, 0, STEPS // 2, save=directory)
+    return straight, directory
+
+
+def test_resume_in_fresh_processes_is_bitwise_exact(straight_and_saved):
+    straight, directory = straight_and_saved
+    fresh = RankPool(2)  # new processes: nothing survives in memory from the saving run
+    try:
+        resumed = fresh.run(run_case, 3, NVME, STEPS // 2, STEPS, load=directory)[0]
+    finally:
+        fresh.close()
+    assert resumed["client"] == {"next_step": STEPS // 2}
+    assert _equal(resumed["full"], straight["full"])
+    assert resumed["lr"] == straight["lr"]  # the LR schedule resumed where it was
+
+
+@pytest.mark.parametrize("world, stage, offload", [(1, 1, {"optimizer": {"tier": "host"}}), (4, 2, None),
+                                                   (2, 0, None)])
+def test_reshard_to_other_world_sizes_stages_and_tiers(straight_and_saved, rank_pools, world, stage, offload):
+    """Saved at world 2 (stage 3 on NVMe): the full state is bitwise equal right after loading elsewhere,
+    and the next steps match continuing at the original layout."""
+    straight, directory = straight_and_saved
+    half = rank_pools(2).run(run_case, 3, NVME, 0, STEPS // 2)[0]
+    pool = rank_pools(world) if world > 1 else None
+    args = (run_case, stage, offload, STEPS // 2, STEPS)
+    resumed = pool.run(*args, load=directory)[0] if pool else run_case(*args[1:], load=directory)
+    assert _equal(resumed["loaded"], half["full"])
+    errors = update_errors(half["full"], resumed["full"], straight["full"])
+    assert max(errors.values()) < 1e-5, max(errors.items(), key=lambda kv: kv[1])
+
+
+@pytest.mark.parametrize("how, message", [("flip", "CRC-32 .* the file is corrupt"), ("truncate", "truncated"),
+                                          ("missing", "missing")])
+def test_damaged_files_are_refused_by_name(tmp_path, how, message):
+    engine = zo.initialize(make_model(), _config(2))
+    _train(engine, 0, 1)
+    engine.save_checkpoint(tmp_path)
+    tag = (tmp_path / "latest").read_text().strip()
+    path = tmp_path / tag / "rank00000.bin"
+    if how == "flip":
+        data = bytearray(path.read_bytes())
+        data[1000] ^= 1
+        path.write_bytes(bytes(data))
+    elif how == "truncate":
+        os.truncate(path, path.stat().st_size - 4096)
+    else:
+        path.unlink()
+    with pytest.raises(CheckpointError, match=rf"{path}: .*{message}"):
+        engine.load_checkpoint(tmp_path)
+    engine.close()
+
+
+def test_another_model_is_refused_with_the_parameters_named(tmp_path):
+    engine = zo.initialize(make_model(), _config(1))
+    engine.save_checkpoint(tmp_path, tag="a")
+    engine.close()
+    torch.manual_seed(0)
+    other = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    with pytest.raises(CheckpointError, match=r"another model; not in the checkpoint: \['0.bias', '0.weight'\]"):
+        zo.initialize(other, _config(1)).load_checkpoint(tmp_path, "a")
+
+
+KILL_SCRIPT = textwrap.dedent("""
+    import os, signal, sys
+    sys.path.insert(0, {tests!r})
+    import zerooffload as zo, zerooffload.checkpoint as ckpt
+    from reference import make_model
+    engine = zo.initialize(make_model(), {{"zero": {{"stage": 2}}}})
+    engine.save_checkpoint({directory!r}, tag="good")
+    where = {where!r}
+    if where == "manifest":  # every rank file written, the manifest not yet
+        ckpt._write_json = lambda *a: os.kill(os.getpid(), signal.SIGKILL)
+    else:  # halfway through the rank file
+        original = ckpt._ChecksummedWriter.write
+        def write(self, tensor):
+            original(self, tensor)
+            if self.bytes > 8192:
+                os.kill(os.getpid(), signal.SIGKILL)
+        ckpt._ChecksummedWriter.write = write
+    engine.save_checkpoint({directory!r}, tag="doomed")
+""")
+
+
+@pytest.mark.parametrize("where", ["rank file", "manifest"])
+def test_sigkill_during_save_leaves_the_previous_checkpoint(tmp_path, where):
+    script = KILL_SCRIPT.format(tests=os.path.dirname(__file__), directory=str(tmp_path), where=where)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == -signal.SIGKILL, done.stderr[-2000:]
+    assert (tmp_path / "latest").read_text().strip() == "good"
+    assert not (tmp_path / "doomed").exists() and (tmp_path / "doomed.partial").exists()
+    engine = zo.initialize(make_model(seed=1), {"zero": {"stage": 2}})
+    engine.load_checkpoint(tmp_path)
+    assert _equal(engine.full_state_dict(), make_model().state_dict())
+    engine.close()
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_consolidated_safetensors_load_strictly_into_a_plain_model(straight_and_saved, rank_pools, tmp_path, dtype):
+    safetensors = pytest.importorskip("safetensors.torch")
+    _, directory = straight_and_saved
+    saved = rank_pools(2).run(run_case, 3, NVME, 0, STEPS // 2)[0]["full"]  # what the checkpoint holds
+    out = tmp_path / "model.safetensors"
+    done = subprocess.run([sys.executable, "-m", "zerooffload", "checkpoint", "consolidate", directory, str(out),
+                           "--dtype", dtype], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    tensors = safetensors.load_file(str(out))
+    assert set(tensors) == set(saved)  # every state_dict key, tied names included
+    model = make_model(seed=1)
+    model.load_state_dict(tensors, strict=True)
+    for name, value in saved.items():
+        expected = value if dtype == "fp32" else value.to(torch.bfloat16)
+        assert torch.equal(tensors[name], expected), name
