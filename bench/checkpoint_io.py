@@ -1,0 +1,132 @@
+#!/usr/bin/env python3
+"""Saving NVMe-resident state against the disk's bound, and the peak memory of consolidation.
+
+Workload: an MLP of --layers Linear(--width, --width) layers (default 6 × 4096² ≈ 100M parameters),
+ZeRO stage 3, fp32, parameters and optimizer states on NVMe (swap files under --dir), world size 1.
+A save reads every unit's fp32 master and Adam moments from the swap files (R bytes, 12 per
+parameter) and writes them to the checkpoint's rank file (W bytes, the same 12, plus small files).
+The bound for one save is R/read_bw + W/write_bw, with fio's sequential O_DIRECT read and write
+bandwidth (1 MiB blocks, queue depth 32, 1 GiB) measured in the same round. Rounds alternate fio and
+the save (order reversed every other round); judged on the median per-round ratio save/bound
+(DESIGN §4 rule; target ≤ 1.25), min/median/max reported.
+
+Then ``zerooffload checkpoint consolidate`` runs in a child process on the last checkpoint: its peak
+RSS is reported next to the largest tensor and the checkpoint's size (tensor by tensor: the peak
+should sit near the interpreter plus one tensor, not near the checkpoint).
+
+Usage:  python bench/checkpoint_io.py [--rounds 5] [--dir /tmp/zo-ckpt-bench] [--width 4096] [--layers 6]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+import zerooffload as zo
+from io_vs_fio import FioSide, ensure_fio, make_file
+
+FIO_SIZE = 1 << 30
+
+
+def _engine(args, swap: Path):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(torch.nn.Linear(args.width, args.width) for _ in range(args.layers)))
+    return zo.initialize(model, {"zero": {"stage": 3}, "optimizer": {"type": "adam"}, "nvme": {"path": str(swap)},
+                                 "offload": {"param": {"tier": "nvme"}, "optimizer": {"tier": "nvme"}}})
+
+
+def _fio_bandwidths(fio: FioSide, path: str) -> tuple[float, float]:
+    """(read, write) bytes per second."""
+    return FIO_SIZE / fio.read(path), FIO_SIZE / fio.write(path)
+
+
+def _save_rounds(args, engine, work: Path) -> tuple[list[float], list[float], int, int]:
+    fio = FioSide(argparse.Namespace(size=FIO_SIZE, block_size="1M", queue_depth=32), str(work))
+    fio_file = str(work / "fio.dat")
+    make_file(fio_file, FIO_SIZE)
+    stored = sum(state.block.nbytes for state in engine.opt_states)
+    times, bounds, written = [], [], 0
+    try:
+        for number in range(args.rounds):
+            steps = ["fio", "save"] if number % 2 == 0 else ["save", "fio"]
+            for what in steps:
+                if what == "fio":
+                    read_bw, write_bw = _fio_bandwidths(fio, fio_file)
+                else:
+                    shutil.rmtree(work / "ckpt", ignore_errors=True)
+                    start = time.perf_counter()
+                    path = engine.save_checkpoint(work / "ckpt", tag="bench")
+                    times.append(time.perf_counter() - start)
+                    written = sum(f.stat().st_size for f in path.iterdir())
+            bounds.append(stored / read_bw + written / write_bw)
+            print(f"  round {number}: save {times[-1]:.2f} s, bound {bounds[-1]:.2f} s (fio read "
+                  f"{read_bw / 1e9:.2f} GB/s, write {write_bw / 1e9:.2f} GB/s), ratio {times[-1] / bounds[-1]:.3f}",
+                  flush=True)
+    finally:
+        fio.close()
+        os.unlink(fio_file)
+    return times, bounds, stored, written
+
+
+PEAK_RSS = "print(next(int(l.split()[1]) for l in open('/proc/self/status') if l.startswith('VmHWM')))"
+"""A child's own peak RSS in kB (VmHWM starts afresh at exec; getrusage's maxrss would carry the parent's)."""
+
+
+def _child_peak_rss(code: str) -> float:
+    done = subprocess.run([sys.executable, "-c", f"{code}; {PEAK_RSS}"], capture_output=True, text=True, check=True)
+    return int(done.stdout.split()[-1]) / 1024
+
+
+def _consolidate_peak_rss(checkpoint: Path, out: Path) -> float:
+    """Peak RSS in MB of a child process that consolidates ``checkpoint`` into ``out``."""
+    return _child_peak_rss(f"from zerooffload.checkpoint import consolidate; consolidate({str(checkpoint)!r}, "
+                           f"{str(out)!r})")
+
+
+def _baseline_rss() -> float:
+    """Peak RSS in MB of a child that only imports what consolidation imports."""
+    return _child_peak_rss("import zerooffload.checkpoint")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--dir", default=tempfile.gettempdir())
+    parser.add_argument("--width", type=int, default=4096)
+    parser.add_argument("--layers", type=int, default=6)
+    args = parser.parse_args()
+    ensure_fio()
+    work = Path(tempfile.mkdtemp(prefix="zo-ckpt-bench-", dir=args.dir))
+    try:
+        engine = _engine(args, work / "swap")
+        params = sum(p.numel() for p in engine.module.parameters())
+        print(f"machine: {os.cpu_count()} CPUs; {params / 1e6:.0f}M parameters, stage 3, fp32, state on NVMe "
+              f"under {work}")
+        times, bounds, stored, written = _save_rounds(args, engine, work)
+        engine.close()
+        ratios = [t / b for t, b in zip(times, bounds)]
+        print(f"\nsave: reads {stored / 2**30:.2f} GiB from swap, writes {written / 2**30:.2f} GiB")
+        print(f"save s min/median/max {min(times):.2f} / {statistics.median(times):.2f} / {max(times):.2f}; "
+              f"ratio to the fio bound min {min(ratios):.3f} / median {statistics.median(ratios):.3f} / "
+              f"max {max(ratios):.3f} (target ≤ 1.25: {'met' if statistics.median(ratios) <= 1.25 else 'NOT met'})")
+        peak = _consolidate_peak_rss(work / "ckpt", work / "model.safetensors")
+        base = _baseline_rss()
+        largest = args.width * args.width * 4 / 2**20
+        print(f"consolidate: peak RSS {peak:.0f} MB (imports alone {base:.0f} MB; largest tensor {largest:.0f} MB; "
+              f"checkpoint {written / 2**20:.0f} MB, output {(work / 'model.safetensors').stat().st_size / 2**20:.0f} MB)")
+        print(f"this process's peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MB")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
