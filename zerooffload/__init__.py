@@ -2,9 +2,12 @@
 
 The public names are listed in ``__all__``; DESIGN §2 and README.md describe their contract.
 """
+from . import checkpoint
+from .checkpoint import CheckpointError
 from .config import Config, ConfigError
 from .deepspeed_config import DeepSpeedConfigWarning
 from .engine import Engine, initialize
 
 __version__ = "0.1.0"
-__all__ = ["Config", "ConfigError", "DeepSpeedConfigWarning", "Engine", "initialize", "__version__"]
+__all__ = ["CheckpointError", "Config", "ConfigError", "DeepSpeedConfigWarning", "Engine", "checkpoint", "initialize",
+           "__version__"]
