@@ -7,7 +7,8 @@ from .checkpoint import CheckpointError
 from .config import Config, ConfigError
 from .deepspeed_config import DeepSpeedConfigWarning
 from .engine import Engine, initialize
+from .lazy_init import init_context
 
 __version__ = "0.1.0"
-__all__ = ["CheckpointError", "Config", "ConfigError", "DeepSpeedConfigWarning", "Engine", "checkpoint", "initialize",
+__all__ = ["CheckpointError", "Config", "ConfigError", "DeepSpeedConfigWarning", "Engine", "checkpoint", "init_context", "initialize",
            "__version__"]

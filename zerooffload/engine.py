@@ -33,6 +33,7 @@ from torch import nn
 from . import checkpoint
 from .comm import Comm, all_gather, broadcast, control_all_reduce, init_comm
 from .config import Config, ConfigError, dtype_bytes
+from .lazy_init import initial_values, is_lazy, swap_in_placeholders
 from .memory_plan import plan_memory
 from .optim import ZeroOptimizer, build_scheduler, moment_names
 from .param_hooks import register_param_hooks
@@ -40,13 +41,16 @@ from .partition import FlatUnit, Piece, UnitLayout, find_units, masters_alias_pa
 from .precision import COMPUTE_DTYPES, LossScaler
 from .reduction import GradReducer, Mode
 from .scheduler import ParamScheduler, check_live_bound
-from .telemetry import MemoryReport, StepStats, memory_report
 from .optim.state import UnitOptimizerState
+from .telemetry import MemoryReport, StepStats, memory_report
 from .tiers import BlockWriter, Kind, NvmeTier, check_plan, make_tiers, stream_blocks, write_block
 
 __all__ = ["Engine", "initialize"]
 
 logger = logging.getLogger(__name__)
+
+_EAGER = object()
+"""``lazy_init_fn`` of a model built eagerly: its parameters already hold their values."""
 
 
 def initialize(model: nn.Module, config: Config | dict | str | None = None, param_groups: list[dict] | None = None,
@@ -55,14 +59,19 @@ def initialize(model: nn.Module, config: Config | dict | str | None = None, para
 
     ``param_groups`` are torch-style groups over ``model``'s parameters (lr, weight_decay, ... per
     group); by default one group of every trainable parameter. ``init_fn(model)``, when given, runs
-    once under ``torch.no_grad()`` before the parameters are flattened.
+    once under ``torch.no_grad()`` before the parameters are flattened; for a model built under
+    ``init_context`` it runs as ``init_fn(module)`` for each module instead of ``reset_parameters()``
+    (``lazy_init``'s note), one unit's worth of memory at a time.
     """
     config = Config.load(config if config is not None else {})
     _check_supported(config)
-    if init_fn is not None:
+    lazy = is_lazy(model)
+    if lazy:
+        swap_in_placeholders(model)
+    elif init_fn is not None:
         with torch.no_grad():
             init_fn(model)
-    return Engine(model, config, init_comm(), param_groups)
+    return Engine(model, config, init_comm(), param_groups, lazy_init_fn=init_fn if lazy else _EAGER)
 
 
 def _check_supported(config: Config) -> None:
@@ -113,7 +122,8 @@ def _checkpoint_forward(module: nn.Module) -> None:
 class Engine:
     """Trains one module with ZeRO stages 0–3; see [Note: a step]."""
 
-    def __init__(self, module: nn.Module, config: Config, comm: Comm, param_groups: list[dict] | None):
+    def __init__(self, module: nn.Module, config: Config, comm: Comm, param_groups: list[dict] | None,
+                 lazy_init_fn: Any = None):
         self.module = module
         self.config = config
         self.comm = comm
@@ -135,7 +145,7 @@ class Engine:
         self._optimizer_tier = self.tiers[config.offload.optimizer.tier]
         self._param_tier = self.tiers[config.offload.param.tier]
         self._update_tier = self._optimizer_tier if self._optimizer_tier.resident else self.tiers["host"]
-        self.opt_states = self._materialize()
+        self.opt_states = self._materialize(lazy_init_fn)
         self.param_scheduler = ParamScheduler(comm, partitioned, self.tiers["device"], self.tiers["host"],
                                               prefetch_bytes=config.zero.prefetch_size,
                                               max_live_bytes=config.zero.max_live_size)
@@ -200,13 +210,17 @@ class Engine:
                            max_live_bytes=self.config.zero.max_live_size,
                            prefetch_bytes=self.config.zero.prefetch_size)
 
-    def _materialize(self) -> list[UnitOptimizerState]:
+    def _materialize(self, lazy_init_fn: Any) -> list[UnitOptimizerState]:
         """Unit by unit: rank 0's values broadcast (as DDP does), flattened onto their tiers, and the
-        unit's optimizer block written; returns the optimizer states in unit order."""
-        states = []
+        unit's optimizer block written; returns the optimizer states in unit order. A lazily built
+        model's values are made here, unit by unit (``lazy_init``), unless ``lazy_init_fn`` is _EAGER."""
+        states: dict[int, UnitOptimizerState] = {}
         names = moment_names(self.config.optimizer)
-        for index, unit in enumerate(self.units):
-            full = unit.full_fp32().to(self.comm.device)
+        values = (((u, u.full_fp32()) for u in self.units) if lazy_init_fn is _EAGER
+                  else initial_values(self.module, self.units, lazy_init_fn))
+        for unit, full in values:
+            index = self.units.index(unit)
+            full = full.to(self.comm.device)
             broadcast(self.comm, full)
             param_block = None
             if unit.partitioned:
@@ -218,13 +232,13 @@ class Engine:
             state = UnitOptimizerState(unit, self._optimizer_tier, names, key=f"optimizer.{index}")
             for _ in stream_blocks([state.block], self.tiers["host"], read=False):
                 state.initialize(full.to(self._update_tier.device))
-            states.append(state)
+            states[index] = state
         for module in self.module.modules():
             for name, buffer in module.named_buffers(recurse=False):
                 moved = buffer.to(self.comm.device)
                 broadcast(self.comm, moved)
                 setattr(module, name, moved)
-        return states
+        return [states[index] for index in range(len(self.units))]
 
     def _attach_optimizer_state(self) -> None:
         """Give every piece its (empty) moment tensors, then point resident blocks' pieces once for good."""

@@ -1,0 +1,67 @@
+"""init_context: a model built on the meta device gets an eager build's exact values, unit by unit."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import zerooffload as zo
+from reference import TinyLM, make_batches, make_model
+
+
+def _train_two_steps(engine) -> dict:
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    for (idx, targets), in make_batches(2, 1, 2 * world):
+        rows = slice(rank * 2, (rank + 1) * 2)
+        engine.backward(engine(idx[rows], targets[rows]))
+        engine.step()
+    return engine.full_state_dict()
+
+
+def lazy_case(stage: int, offload: dict) -> bool:
+    """Every rank builds TinyLM twice, eagerly and under init_context: same values, same training."""
+    config = {"zero": {"stage": stage}, "offload": offload}
+    eager = zo.initialize(make_model(seed=0), config)
+    initial_eager, trained_eager = eager.full_state_dict(), _train_two_steps(eager)
+    eager.close()
+    torch.manual_seed(0)
+    with zo.init_context():
+        model = TinyLM()
+    assert all(p.is_meta for p in model.parameters())
+    lazy = zo.initialize(model, config)
+    same_initial = _equal(lazy.full_state_dict(), initial_eager)
+    same_trained = _equal(_train_two_steps(lazy), trained_eager)
+    tied = model.head.weight is model.embed.weight and not model.frozen.weight.requires_grad
+    lazy.close()
+    return (dist.get_rank() != 0 if dist.is_initialized() else False) or (same_initial and same_trained and tied)
+
+
+def _equal(a: dict, b: dict) -> bool:
+    return list(a) == list(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("stage, offload", [(1, {}), (3, {"param": {"tier": "nvme"}, "optimizer": {"tier": "nvme"}})])
+def test_lazy_build_equals_eager_build_at_world_size_2(rank_pools, stage, offload):
+    assert rank_pools(2).run(lazy_case, stage, offload) == [True, True]
+
+
+def test_lazy_build_at_world_size_1_stage_0():
+    assert lazy_case(0, {})
+
+
+class RawParameter(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(3))
+
+
+def test_a_module_without_reset_parameters_needs_init_fn():
+    with zo.init_context():
+        model = nn.Sequential(nn.Linear(3, 3), RawParameter())
+    with pytest.raises(ValueError, match=r"RawParameter has parameters \(scale\) but no reset_parameters"):
+        zo.initialize(model)
+    with zo.init_context():
+        model = nn.Sequential(nn.Linear(3, 3), RawParameter())
+    engine = zo.initialize(model, init_fn=lambda m: [nn.init.constant_(p, 0.5) for p in m.parameters(recurse=False)])
+    assert all(bool((v == 0.5).all()) for v in engine.full_state_dict().values())
