@@ -8,7 +8,8 @@ from .config import Config, ConfigError
 from .deepspeed_config import DeepSpeedConfigWarning
 from .engine import Engine, initialize
 from .lazy_init import init_context
+from .pretrained import load_safetensors
 
 __version__ = "0.1.0"
-__all__ = ["CheckpointError", "Config", "ConfigError", "DeepSpeedConfigWarning", "Engine", "checkpoint", "init_context", "initialize",
+__all__ = ["CheckpointError", "Config", "ConfigError", "DeepSpeedConfigWarning", "Engine", "checkpoint", "init_context", "initialize", "load_safetensors",
            "__version__"]
