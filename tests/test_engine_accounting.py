@@ -153,3 +153,14 @@ def test_offloaded_states_are_accounted_on_their_tiers(rank_pools):
         # after the step only the next pass's first shards are staged in host memory (read ahead)
         assert 0 < held["host"]["buffer"] <= 2 * shard < result["peaks"]["host"]
         assert result["swap_files"] and not result["swap_files_left"]  # close() removes the swap files
+
+
+def test_nvme_traffic_per_step_is_every_optimizer_block_once_each_way():
+    engine = zo.initialize(_mlp(), {"zero": {"stage": 2}, "offload": {"optimizer": {"tier": "nvme"}}})
+    blocks = engine.memory_report().bytes("nvme", "optimizer")
+    for _ in range(2):
+        _one_step(engine)
+        io = engine.stats.io
+        assert io.read_bytes == io.write_bytes == blocks  # read i+1 | update i | write i-1, nothing twice
+        assert engine.stats.seconds > 0 and engine.stats.io_gbps > 0
+    engine.close()

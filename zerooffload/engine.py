@@ -22,6 +22,7 @@ import dataclasses
 import logging
 import math
 import os
+import time
 from pathlib import Path
 from functools import partial
 from typing import Any, Iterator
@@ -43,7 +44,7 @@ from .reduction import GradReducer, Mode
 from .scheduler import ParamScheduler, check_live_bound
 from .optim.state import UnitOptimizerState
 from .telemetry import MemoryReport, StepStats, memory_report
-from .tiers import BlockWriter, Kind, NvmeTier, check_plan, make_tiers, stream_blocks, write_block
+from .tiers import BlockWriter, IOStats, Kind, NvmeTier, check_plan, make_tiers, stream_blocks, write_block
 
 __all__ = ["Engine", "initialize"]
 
@@ -142,6 +143,7 @@ class Engine:
         check_plan(plan, self.tiers)  # memory budgets first: they are cheap to check, swap space is not
         if "nvme" in plan:
             self.tiers["nvme"] = NvmeTier(config, comm.rank, reserve=sum(plan["nvme"].values()))
+        self._io = self.tiers["nvme"].io if "nvme" in self.tiers else IOStats()
         self._optimizer_tier = self.tiers[config.offload.optimizer.tier]
         self._param_tier = self.tiers[config.offload.param.tier]
         self._update_tier = self._optimizer_tier if self._optimizer_tier.resident else self.tiers["host"]
@@ -418,6 +420,8 @@ class Engine:
         """Counters cover one accumulation window: everything between two optimizer steps."""
         self.comm.counters.reset()
         self.param_scheduler.stats.reset(self.param_scheduler.live_bytes)
+        self._io.reset()
+        self._window_started = time.perf_counter()
 
     def _record(self, updated: bool, norm_sq: float) -> None:
         counters = self.comm.counters
@@ -426,7 +430,8 @@ class Engine:
             grad_norm=math.sqrt(norm_sq) if math.isfinite(norm_sq) else float("inf"), loss_scale=self.scaler.scale,
             lr=self.optimizer.param_groups[0]["lr"], data_elements=counters.data_elements,
             data_bytes=counters.data_bytes, control_elements=counters.control_elements, memory=self.memory_report(),
-            prefetch=dataclasses.replace(self.param_scheduler.stats))
+            prefetch=dataclasses.replace(self.param_scheduler.stats), io=dataclasses.replace(self._io),
+            seconds=time.perf_counter() - self._window_started)
 
     # ------------------------------------------------------------------ inspection
     @property

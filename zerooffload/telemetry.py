@@ -6,7 +6,7 @@ from types import MappingProxyType
 from typing import Mapping
 
 from .scheduler import PrefetchStats
-from .tiers import Kind, Tier
+from .tiers import IOStats, Kind, Tier
 
 __all__ = ["MemoryReport", "StepStats", "memory_report"]
 
@@ -63,3 +63,16 @@ class StepStats:
     memory: MemoryReport
     prefetch: PrefetchStats
     """Stage 3: all-gathers served ahead of need, stalls and peak gathered bytes in the window."""
+    io: IOStats
+    """NVMe tier: bytes read and written in the window and the time waited for them (zeros without it)."""
+    seconds: float
+    """Wall time of the window (previous step's end to this step's end): divide bytes by it for GB/s."""
+
+    @property
+    def prefetch_hit_rate(self) -> float | None:
+        uses = self.prefetch.hits + self.prefetch.misses
+        return self.prefetch.hits / uses if uses else None
+
+    @property
+    def io_gbps(self) -> float:
+        return (self.io.read_bytes + self.io.write_bytes) / self.seconds / 1e9 if self.seconds > 0 else 0.0

@@ -23,7 +23,9 @@ from __future__ import annotations
 import abc
 import contextlib
 import enum
+import time
 from collections import deque
+from dataclasses import dataclass
 from typing import Any, Iterator
 
 import torch
@@ -33,7 +35,7 @@ from .io.aio import AsyncIO
 from .io.buffers import aligned_empty
 from .io.swapfile import SwapStore
 
-__all__ = ["Kind", "Tier", "DeviceTier", "HostTier", "NvmeTier", "Block", "BudgetError", "make_tiers", "check_plan",
+__all__ = ["Kind", "Tier", "DeviceTier", "HostTier", "NvmeTier", "Block", "IOStats", "BudgetError", "make_tiers", "check_plan",
            "Plan", "stream_blocks", "BlockWriter", "write_block", "STREAM_BUFFERS"]
 
 
@@ -175,13 +177,43 @@ class Block:
         return None
 
 
+@dataclass(slots=True)
+class IOStats:
+    """What the NVMe tier moved since the last ``reset``: bytes each way and time callers were blocked."""
+
+    read_bytes: int = 0
+    """NVMe -> host."""
+    write_bytes: int = 0
+    """host -> NVMe."""
+    wait_seconds: float = 0.0
+    """Time spent waiting for reads and writes to finish (I/O not hidden behind compute)."""
+
+    def reset(self) -> None:
+        self.read_bytes = self.write_bytes = 0
+        self.wait_seconds = 0.0
+
+
+class _TimedHandle:
+    """A swap transfer whose ``wait`` counts the time it blocks toward the tier's ``IOStats``."""
+
+    def __init__(self, handle: Any, stats: IOStats):
+        self.handle, self.stats = handle, stats
+
+    def wait(self) -> int:
+        start = time.perf_counter()
+        try:
+            return self.handle.wait()
+        finally:
+            self.stats.wait_seconds += time.perf_counter() - start
+
+
 class _SwappedBlock(Block):
     """A block in the NVMe tier's swap store, paged through a caller's host buffer."""
 
     resident = False
 
-    def __init__(self, store: SwapStore, key: str, numel: int, dtype: torch.dtype):
-        self.store_, self.key = store, key
+    def __init__(self, store: SwapStore, key: str, numel: int, dtype: torch.dtype, stats: IOStats):
+        self.store_, self.key, self.stats = store, key, stats
         self.numel, self.dtype = numel, dtype
         self.data = None
 
@@ -189,10 +221,14 @@ class _SwappedBlock(Block):
         if buffer is None or buffer.numel() * buffer.element_size() < self.nbytes:
             raise ValueError(f"block {self.key!r} needs a host buffer of at least {self.nbytes} bytes")
         self.data = buffer.view(torch.uint8)[:self.nbytes].view(self.dtype)
-        return self.store_.read(self.key, self.data) if read else _Done()
+        if not read:
+            return _Done()
+        self.stats.read_bytes += self.nbytes
+        return _TimedHandle(self.store_.read(self.key, self.data), self.stats)
 
     def store(self) -> Any:
-        return self.store_.write(self.key, self.data)
+        self.stats.write_bytes += self.nbytes
+        return _TimedHandle(self.store_.write(self.key, self.data), self.stats)
 
     def unload(self) -> torch.Tensor | None:
         data, self.data = self.data, None
@@ -211,6 +247,7 @@ class NvmeTier(Tier):
 
     def __init__(self, config: Config, rank: int, reserve: int):
         super().__init__("nvme", torch.device("cpu"), None)
+        self.io = IOStats()
         self._aio = AsyncIO(config.aio)
         try:
             self.swap = SwapStore(_swap_paths(config), self._aio, rank=rank, reserve=reserve,
@@ -228,7 +265,7 @@ class NvmeTier(Tier):
 
     def block(self, kind: Kind, key: str, numel: int, dtype: torch.dtype) -> Block:
         self._account(kind, numel * dtype.itemsize)
-        return _SwappedBlock(self.swap, key, numel, dtype)
+        return _SwappedBlock(self.swap, key, numel, dtype, self.io)
 
 
 STREAM_BUFFERS = 3

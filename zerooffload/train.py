@@ -70,7 +70,7 @@ def run_training(args: argparse.Namespace) -> int:
         losses.append(window_loss)
         elapsed = time.perf_counter() - step_start
         progress.set_postfix(loss=f"{window_loss:.3f}", tok_s=f"{tokens_per_step / elapsed:,.0f}",
-                             step_s=f"{elapsed:.3f}")
+                             step_s=f"{elapsed:.3f}", **_offload_postfix(engine.stats))
         if args.save_every and ((step + 1) % args.save_every == 0 or step + 1 == args.steps):
             engine.save_checkpoint(checkpoints, client_state={"next_step": step + 1})
     summary = _summary(args, engine, losses, time.perf_counter() - started, tokens_per_step, model_config)
@@ -81,6 +81,17 @@ def run_training(args: argparse.Namespace) -> int:
         out.mkdir(parents=True, exist_ok=True)
         (out / "summary.json").write_text(json.dumps(summary, indent=2))
     return 0
+
+
+def _offload_postfix(stats) -> dict[str, str]:
+    """Stage 3 and NVMe figures for the progress bar, when the run has them."""
+    postfix = {}
+    if stats.prefetch_hit_rate is not None:
+        postfix["prefetch"] = f"{stats.prefetch_hit_rate:.0%}"
+    if stats.io.read_bytes or stats.io.write_bytes:
+        postfix["nvme"] = f"{stats.io_gbps:.2f}GB/s"
+        postfix["io_wait_s"] = f"{stats.io.wait_seconds:.2f}"
+    return postfix
 
 
 def _summary(args, engine, losses: list[float], seconds: float, tokens_per_step: int, model_config) -> dict:
