@@ -303,15 +303,16 @@ class Engine:
         self._stepped_at = self.micro_steps
         if self.stage <= 1:
             self.reducer.flush()
-        grads = [self._fp32_grad(unit) for unit in self.units]
+        grads = [unit.local_grad() for unit in self.units]
         norm_sq, had_grad = self._global_norm_and_flags(grads)
+        norm_sq /= self.scaler.scale ** 2
         overflow = self.scaler.enabled and not math.isfinite(norm_sq)
         if overflow:
             self.skipped_steps += 1
         else:
-            self._clip(grads, norm_sq)
-            self._update(grads, had_grad)
-        self._release(grads)
+            self._update(grads, had_grad, self._grad_scale(norm_sq))
+        for unit in self.units:
+            unit.clear_grads(self.tiers["device"])
         self.scaler.update(overflow)
         self.global_steps += 1
         if self.scheduler is not None and not overflow:
@@ -320,22 +321,10 @@ class Engine:
         self._start_window()
         return not overflow
 
-    def _fp32_grad(self, unit: FlatUnit) -> torch.Tensor:
-        """This rank's averaged gradient of ``unit`` in fp32 on the optimizer's device, unscaled."""
-        local = unit.local_grad()
-        if local.dtype == torch.float32 and local.device == self._update_tier.device:
-            grad = local
-        else:
-            grad = self._update_tier.empty(Kind.BUFFER, local.numel(), torch.float32)
-            grad.copy_(local)
-        if self.scaler.enabled:
-            grad.mul_(1.0 / self.scaler.scale)
-        return grad
-
     def _global_norm_and_flags(self, grads: list[torch.Tensor]) -> tuple[float, list[torch.Tensor]]:
         """One control all-reduce: the squared gradient norm and each slot's "had a gradient" count."""
         flags = [torch.tensor(u.has_grad, dtype=torch.float64) for u in self.units]
-        norms = torch.stack([torch.linalg.vector_norm(g) for g in grads]).double()  # one pass, no fp64 copy
+        norms = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads]).double()
         local_sq = norms.square().sum().cpu().reshape(1)
         if self.stage == 0 and self.comm.rank != 0:
             local_sq.zero_()  # stage 0 gradients are whole on every rank: count them once
@@ -343,13 +332,15 @@ class Engine:
         sizes = [len(f) for f in flags]
         return float(control[0]), list(torch.split(control[1:], sizes))
 
-    def _clip(self, grads: list[torch.Tensor], norm_sq: float) -> None:
+    def _grad_scale(self, norm_sq: float) -> float:
+        """What the reduced gradients are multiplied by in the update: 1 / loss scale, times the clip
+        coefficient of ``train.grad_clip`` against the global norm (``norm_sq`` already unscaled)."""
+        coefficient = 1.0
         if self.config.train.grad_clip > 0:
             coefficient = min(1.0, self.config.train.grad_clip / (math.sqrt(norm_sq) + 1e-6))
-            for grad in grads:
-                grad.mul_(coefficient)
+        return coefficient / self.scaler.scale
 
-    def _update(self, grads: list[torch.Tensor], had_grad: list[torch.Tensor]) -> None:
+    def _update(self, grads: list[torch.Tensor], had_grad: list[torch.Tensor], grad_scale: float) -> None:
         """Unit by unit: the update on the pieces with a gradient somewhere, writing the new compute
         weights straight where they are published; one unit's all-gather runs while the next updates."""
         pending = []
@@ -358,12 +349,8 @@ class Engine:
             unit = state.unit
             target = self._publish_target(unit, writer)
             stepped = [(piece, tensor) for piece, tensor in state.pieces if flags[piece.slot_index] > 0]
-            for piece, tensor in stepped:
-                tensor.grad = grad[piece.start:piece.stop]
             if stepped:
-                self.optimizer.step(outs={} if target is None else {t: target[p.start:p.stop] for p, t in stepped})
-            for _, tensor in stepped:
-                tensor.grad = None
+                self._step_unit(stepped, grad, grad_scale, target)
             if target is not None:
                 _copy_unstepped(target, unit.master, [piece for piece, _ in stepped])
             pending.append(self._publish(unit, target, writer))
@@ -388,6 +375,22 @@ class Engine:
             work.wait()
             self.tiers["device"].free(Kind.BUFFER, source)
 
+    def _step_unit(self, stepped: list[tuple[Piece, torch.Tensor]], grad: torch.Tensor, grad_scale: float,
+                   target: torch.Tensor | None) -> None:
+        """The optimizer on one unit's stepped pieces. The native pass reads the reduced gradient as it
+        lies (any dtype) and scales it itself; torch's update gets an fp32 copy, scaled, for the unit."""
+        update_device = stepped[0][1].device
+        scaled = None
+        if not self.optimizer.native or grad.device != update_device:
+            scaled = self._update_tier.empty(Kind.BUFFER, grad.numel(), torch.float32)
+            grad = scaled.copy_(grad).mul_(grad_scale)
+            grad_scale = 1.0
+        try:
+            self.optimizer.step(grads={t: grad[p.start:p.stop] for p, t in stepped}, grad_scale=grad_scale,
+                                outs={} if target is None else {t: target[p.start:p.stop] for p, t in stepped})
+        finally:
+            self._update_tier.free(Kind.BUFFER, scaled)
+
     def _publish_target(self, unit: FlatUnit, writer: BlockWriter) -> torch.Tensor | None:
         """Where this rank's new compute weights of ``unit`` go (None when the masters are the weights):
         a partitioned unit's shard block, a sharded unit's all-gather input, else its own weights."""
@@ -409,12 +412,6 @@ class Engine:
         if unit.layout.shards > 1 and self.comm.world_size > 1:
             return target, all_gather(self.comm, unit.flat_param, target, async_op=True)
         return None
-
-    def _release(self, grads: list[torch.Tensor]) -> None:
-        for unit, grad in zip(self.units, grads):
-            if grad is not unit.local_grad():
-                self._update_tier.free(Kind.BUFFER, grad)
-            unit.clear_grads(self.tiers["device"])
 
     def _start_window(self) -> None:
         """Counters cover one accumulation window: everything between two optimizer steps."""

@@ -61,28 +61,40 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.state[piece] = state
 
     @torch.no_grad()
-    def step(self, closure=None, *, outs: dict[torch.Tensor, torch.Tensor] | None = None):
-        """The update over the pieces whose ``.grad`` the engine set; each piece in ``outs`` also gets its
-        new value written (cast) into ``outs[piece]``."""
+    def step(self, closure=None, *, grads: dict[torch.Tensor, torch.Tensor] | None = None, grad_scale: float = 1.0,
+             outs: dict[torch.Tensor, torch.Tensor] | None = None):
+        """The update over the pieces in ``grads`` (piece -> its gradient; without ``grads``, the pieces
+        whose ``.grad`` is set); each piece in ``outs`` also gets its new value written (cast) into
+        ``outs[piece]``. ``grad_scale`` multiplies the gradients first: the native pass takes any dtype,
+        torch's update fp32 gradients with ``grad_scale`` 1."""
         outs = outs or {}
         if not self.native:
-            loss = self._update.step(closure)
+            if grad_scale != 1.0:
+                raise ValueError("torch's update takes gradients already scaled: pass grad_scale = 1.0")
+            for piece, grad in (grads or {}).items():
+                piece.grad = grad
+            try:
+                loss = self._update.step(closure)
+            finally:
+                for piece in grads or {}:
+                    piece.grad = None
             for piece, out in outs.items():
-                if piece.grad is not None:
-                    out.copy_(piece)
+                out.copy_(piece)
             return loss
         for group in self.param_groups:
             for piece in group["params"]:
-                if piece.grad is not None:
-                    self._native_step(group, piece, outs.get(piece))
+                grad = piece.grad if grads is None else grads.get(piece)
+                if grad is not None:
+                    self._native_step(group, piece, grad, grad_scale, outs.get(piece))
         return None
 
-    def _native_step(self, group: dict, piece: torch.Tensor, out: torch.Tensor | None) -> None:
+    def _native_step(self, group: dict, piece: torch.Tensor, grad: torch.Tensor, grad_scale: float,
+                     out: torch.Tensor | None) -> None:
         state = self.state[piece]
         state["step"] += 1
         fused_out = out if out is not None and out.device.type == "cpu" else None  # the pass writes CPU memory
-        fused_adam_step(piece, piece.grad, state["exp_avg"], state["exp_avg_sq"], fused_out, lr=group["lr"],
+        fused_adam_step(piece, grad, state["exp_avg"], state["exp_avg_sq"], fused_out, lr=group["lr"],
                         betas=group["betas"], eps=group["eps"], weight_decay=group["weight_decay"],
-                        step=int(state["step"].item()), adamw=self.kind == "adamw")
+                        step=int(state["step"].item()), adamw=self.kind == "adamw", grad_scale=grad_scale)
         if out is not None and fused_out is None:
             out.copy_(piece)
