@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -86,6 +87,16 @@ class Block(nn.Module):
         return x + self.mlp(self.ln_2(x))
 
 
+def _gpt2_init(name: str, param: torch.Tensor, config: GPTConfig) -> None:
+    if name.endswith("bias"):
+        nn.init.zeros_(param)
+    elif param.dim() >= 2:
+        std = 0.02 / math.sqrt(2 * config.n_layer) if name.endswith("proj.weight") else 0.02
+        nn.init.normal_(param, mean=0.0, std=std)
+    else:
+        nn.init.ones_(param)
+
+
 class GPT(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
@@ -101,13 +112,18 @@ class GPT(nn.Module):
     def reset_parameters(self) -> None:
         """GPT-2's init: N(0, 0.02), residual projections scaled by 1/sqrt(2·layers), zero biases."""
         for name, param in self.named_parameters():
-            if name.endswith("bias"):
-                nn.init.zeros_(param)
-            elif param.dim() >= 2:
-                std = 0.02 / math.sqrt(2 * self.config.n_layer) if name.endswith("proj.weight") else 0.02
-                nn.init.normal_(param, mean=0.0, std=std)
-            else:
-                nn.init.ones_(param)
+            _gpt2_init(name, param, self.config)
+
+    def init_fn(self) -> Callable[[nn.Module], None]:
+        """GPT-2's init one module at a time, for ``zo.initialize(..., init_fn=model.init_fn())`` of a model
+        built under ``zo.init_context`` (the same rules as ``reset_parameters``)."""
+        names = {id(module): name for name, module in self.named_modules()}
+
+        def init(module: nn.Module) -> None:
+            prefix = names[id(module)]
+            for name, param in module.named_parameters(recurse=False):
+                _gpt2_init(f"{prefix}.{name}" if prefix else name, param, self.config)
+        return init
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         positions = torch.arange(idx.shape[1], device=idx.device)
