@@ -1,0 +1,79 @@
+#!/usr/bin/env python3
+"""An optimizer step with its states on NVMe against the disk's bound: R/read_bw + W/write_bw.
+
+Workload: an MLP of --layers Linear(--width, --width) (default 18 × 4096² ≈ 302M parameters), ZeRO
+stage 2, fp32, world size 1, optimizer states (fp32 master, Adam m and v: 12 B/param) in swap files
+under --dir. Each round times ``engine.step()`` after a backward: it reads every unit's block (R =
+12 B/param) and writes it back (W = the same), updating in between with the native pass. The bound
+uses fio's sequential O_DIRECT read and write bandwidth (1 MiB blocks, queue depth 32, 1 GiB)
+measured in the same round. Rounds alternate fio and the step (order reversed every other round);
+judged on the median per-round ratio step/bound (DESIGN §4 rule; target ≤ 1.15), min/median/max.
+
+Usage:  python bench/nvme_step.py [--rounds 5] [--dir /tmp] [--width 4096] [--layers 18]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+import zerooffload as zo
+from checkpoint_io import FIO_SIZE, _fio_bandwidths
+from io_vs_fio import FioSide, ensure_fio, make_file
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--dir", default=tempfile.gettempdir())
+    parser.add_argument("--width", type=int, default=4096)
+    parser.add_argument("--layers", type=int, default=18)
+    args = parser.parse_args()
+    ensure_fio()
+    work = Path(tempfile.mkdtemp(prefix="zo-step-bench-", dir=args.dir))
+    fio = FioSide(argparse.Namespace(size=FIO_SIZE, block_size="1M", queue_depth=32), str(work))
+    fio_file = str(work / "fio.dat")
+    try:
+        make_file(fio_file, FIO_SIZE)
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(*(torch.nn.Linear(args.width, args.width) for _ in range(args.layers)))
+        engine = zo.initialize(model, {"zero": {"stage": 2}, "optimizer": {"type": "adamw"},
+                                       "offload": {"optimizer": {"tier": "nvme"}}, "nvme": {"path": str(work)}})
+        params = sum(p.numel() for p in model.parameters())
+        blocks = engine.memory_report().bytes("nvme", "optimizer")
+        print(f"machine: {os.cpu_count()} CPUs; {params / 1e6:.0f}M parameters, optimizer states on NVMe: "
+              f"{blocks / 2**30:.2f} GiB read and written per step")
+        x = torch.randn(4, args.width)
+        ratios, times = [], []
+        for number in range(args.rounds):
+            for what in (["fio", "step"] if number % 2 == 0 else ["step", "fio"]):
+                if what == "fio":
+                    read_bw, write_bw = _fio_bandwidths(fio, fio_file)
+                else:
+                    engine.backward(engine(x).square().mean())
+                    start = time.perf_counter()
+                    engine.step()
+                    times.append(time.perf_counter() - start)
+            bound = blocks / read_bw + blocks / write_bw
+            ratios.append(times[-1] / bound)
+            print(f"  round {number}: step {times[-1]:.2f} s, bound {bound:.2f} s (fio read {read_bw / 1e9:.2f}, "
+                  f"write {write_bw / 1e9:.2f} GB/s), ratio {ratios[-1]:.3f}; waited on NVMe "
+                  f"{engine.stats.io.wait_seconds:.2f} s", flush=True)
+        engine.close()
+        median = statistics.median(ratios)
+        print(f"\nstep s min/median/max {min(times):.2f} / {statistics.median(times):.2f} / {max(times):.2f}; ratio to "
+              f"the fio bound min {min(ratios):.3f} / median {median:.3f} / max {max(ratios):.3f} "
+              f"(target ≤ 1.15: {'met' if median <= 1.15 else 'NOT met'})")
+    finally:
+        fio.close()
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
