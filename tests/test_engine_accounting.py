@@ -164,3 +164,16 @@ def test_nvme_traffic_per_step_is_every_optimizer_block_once_each_way():
         assert io.read_bytes == io.write_bytes == blocks  # read i+1 | update i | write i-1, nothing twice
         assert engine.stats.seconds > 0 and engine.stats.io_gbps > 0
     engine.close()
+
+
+def test_fraction_splits_optimizer_state_between_the_tier_and_the_device():
+    """Whole units in order, at most the fraction: here the first two of four equal-ish units."""
+    model = torch.nn.Sequential(*(torch.nn.Linear(64, 64) for _ in range(4)))
+    engine = zo.initialize(model, {"zero": {"stage": 1}, "train": {"precision": "bf16"},
+                                   "offload": {"optimizer": {"tier": "host", "fraction": 0.6}}})
+    shards = [u.layout.shard_numel for u in engine.units]
+    report = engine.memory_report()
+    assert report.bytes("host", "optimizer") == 12 * sum(shards[:2])
+    assert report.bytes("device", "optimizer") == 12 * sum(shards[2:])
+    _one_step(engine)
+    engine.close()

@@ -145,3 +145,13 @@ def test_stage_3_offloaded_parameters_equal_the_device_run(rank_pools, param_tie
         result = rank_pools(2).run(train_case, 3, "fp32", eval_between=True, offload=offload)[0]
         _check(result, "fp32")
         assert result["errors"] == device["errors"], optimizer_tier
+
+
+@pytest.mark.parametrize("tier", ["host", "nvme"])
+def test_a_fraction_of_the_optimizer_offloaded_equals_the_device_run(rank_pools, tier):
+    """offload.optimizer.fraction = 0.5: the first units' states on the tier, the rest on the device."""
+    for stage in (2, 3):
+        device = rank_pools(2).run(train_case, stage, "bf16")[0]
+        half = rank_pools(2).run(train_case, stage, "bf16", offload={"optimizer": {"tier": tier, "fraction": 0.5}})[0]
+        _check(half, "bf16")
+        assert half["errors"] == device["errors"]

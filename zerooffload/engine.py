@@ -33,7 +33,7 @@ from torch import nn
 
 from . import checkpoint
 from .comm import Comm, all_gather, broadcast, control_all_reduce, init_comm
-from .config import Config, ConfigError, dtype_bytes
+from .config import Config, dtype_bytes
 from .lazy_init import initial_values, is_lazy, swap_in_placeholders
 from .memory_plan import plan_memory
 from .optim import ZeroOptimizer, build_scheduler, moment_names
@@ -42,9 +42,9 @@ from .partition import FlatUnit, Piece, UnitLayout, find_units, masters_alias_pa
 from .precision import COMPUTE_DTYPES, LossScaler
 from .reduction import GradReducer, Mode
 from .scheduler import ParamScheduler, check_live_bound
-from .optim.state import UnitOptimizerState
+from .optim.state import UnitOptimizerState, units_to_offload
 from .telemetry import MemoryReport, StepStats, memory_report
-from .tiers import BlockWriter, IOStats, Kind, NvmeTier, check_plan, make_tiers, stream_blocks, write_block
+from .tiers import BlockWriter, IOStats, Kind, Tier, NvmeTier, check_plan, make_tiers, stream_blocks, write_block
 
 __all__ = ["Engine", "initialize"]
 
@@ -65,7 +65,6 @@ def initialize(model: nn.Module, config: Config | dict | str | None = None, para
     (``lazy_init``'s note), one unit's worth of memory at a time.
     """
     config = Config.load(config if config is not None else {})
-    _check_supported(config)
     lazy = is_lazy(model)
     if lazy:
         swap_in_placeholders(model)
@@ -73,12 +72,6 @@ def initialize(model: nn.Module, config: Config | dict | str | None = None, para
         with torch.no_grad():
             init_fn(model)
     return Engine(model, config, init_comm(), param_groups, lazy_init_fn=init_fn if lazy else _EAGER)
-
-
-def _check_supported(config: Config) -> None:
-    """Settings the config accepts that this engine cannot run yet, refused by name."""
-    if config.offload.optimizer.fraction != 1.0:
-        raise ConfigError("offload.optimizer.fraction < 1 is not in this version yet; use 1.0")
 
 
 def _cast_floats(value: Any, dtype: torch.dtype) -> Any:
@@ -138,15 +131,14 @@ class Engine:
                                keep_grad_shard=self.stage >= 2, partitioned=self._partitioned(layout))
                       for layout in layouts]
         partitioned = [u for u in self.units if u.partitioned]
+        self._offloaded = units_to_offload(layouts, config.offload.optimizer.fraction)
         check_live_bound(partitioned, config.zero.max_live_size)
         plan = self._plan(layouts)
         check_plan(plan, self.tiers)  # memory budgets first: they are cheap to check, swap space is not
         if "nvme" in plan:
             self.tiers["nvme"] = NvmeTier(config, comm.rank, reserve=sum(plan["nvme"].values()))
         self._io = self.tiers["nvme"].io if "nvme" in self.tiers else IOStats()
-        self._optimizer_tier = self.tiers[config.offload.optimizer.tier]
         self._param_tier = self.tiers[config.offload.param.tier]
-        self._update_tier = self._optimizer_tier if self._optimizer_tier.resident else self.tiers["host"]
         self.opt_states = self._materialize(lazy_init_fn)
         self.param_scheduler = ParamScheduler(comm, partitioned, self.tiers["device"], self.tiers["host"],
                                               prefetch_bytes=config.zero.prefetch_size,
@@ -197,15 +189,23 @@ class Engine:
         """Stage 3 partitions every unit except those under ``zero.persist_threshold`` parameters."""
         return self.stage == 3 and layout.numel >= self.config.zero.persist_threshold
 
-    def _master_is_param(self) -> bool:
-        offload = self.config.offload
-        return offload.param.tier == "device" and masters_alias_params(
-            self.compute_dtype, self.tiers["device"], self.tiers.get(offload.optimizer.tier))
+    def _optimizer_tier_name(self, index: int) -> str:
+        """``offload.optimizer.tier`` for the units ``offload.optimizer.fraction`` sends there, else device."""
+        return self.config.offload.optimizer.tier if self._offloaded[index] else "device"
+
+    def _master_is_param(self, tier_name: str) -> bool:
+        return self.config.offload.param.tier == "device" and masters_alias_params(
+            self.compute_dtype, self.tiers["device"], self.tiers.get(tier_name))
+
+    def _update_tier(self, state: UnitOptimizerState) -> Tier:
+        """Where a unit's update runs: its optimizer tier's memory, or host memory for NVMe blocks."""
+        return state.tier if state.tier.resident else self.tiers["host"]
 
     def _plan(self, layouts) -> dict:
         return plan_memory(layouts, stage=self.stage, compute_bytes=dtype_bytes(self.config.train.precision),
                            optimizer_tier=self.config.offload.optimizer.tier, param_tier=self.config.offload.param.tier,
-                           master_is_param=self._master_is_param(),
+                           offloaded=[layout for layout, moved in zip(layouts, self._offloaded) if moved],
+                           master_is_param=self._master_is_param("device"),
                            moments=len(moment_names(self.config.optimizer)), bucket_bytes=self.config.zero.bucket_size,
                            world_size=self.comm.world_size,
                            partitioned=[u.layout for u in self.units if u.partitioned],
@@ -228,12 +228,13 @@ class Engine:
             if unit.partitioned:
                 param_block = self._param_tier.block(Kind.PARAM, f"param.{index}", unit.layout.shard_numel,
                                                      self.compute_dtype)
-            unit.materialize(full, self.tiers["device"], self._master_is_param(), param_block)
+            tier_name = self._optimizer_tier_name(index)
+            unit.materialize(full, self.tiers["device"], self._master_is_param(tier_name), param_block)
             if param_block is not None:
                 write_block(param_block, full[unit.shard_range], self.tiers["host"])
-            state = UnitOptimizerState(unit, self._optimizer_tier, names, key=f"optimizer.{index}")
+            state = UnitOptimizerState(unit, self.tiers[tier_name], names, key=f"optimizer.{index}")
             for _ in stream_blocks([state.block], self.tiers["host"], read=False):
-                state.initialize(full.to(self._update_tier.device))
+                state.initialize(full.to(self._update_tier(state).device))
             states[index] = state
         for module in self.module.modules():
             for name, buffer in module.named_buffers(recurse=False):
@@ -350,7 +351,7 @@ class Engine:
             target = self._publish_target(unit, writer)
             stepped = [(piece, tensor) for piece, tensor in state.pieces if flags[piece.slot_index] > 0]
             if stepped:
-                self._step_unit(stepped, grad, grad_scale, target)
+                self._step_unit(stepped, grad, grad_scale, target, self._update_tier(state))
             if target is not None:
                 _copy_unstepped(target, unit.master, [piece for piece, _ in stepped])
             pending.append(self._publish(unit, target, writer))
@@ -376,20 +377,20 @@ class Engine:
             self.tiers["device"].free(Kind.BUFFER, source)
 
     def _step_unit(self, stepped: list[tuple[Piece, torch.Tensor]], grad: torch.Tensor, grad_scale: float,
-                   target: torch.Tensor | None) -> None:
+                   target: torch.Tensor | None, update_tier: Tier) -> None:
         """The optimizer on one unit's stepped pieces. The native pass reads the reduced gradient as it
         lies (any dtype) and scales it itself; torch's update gets an fp32 copy, scaled, for the unit."""
         update_device = stepped[0][1].device
         scaled = None
         if not self.optimizer.native or grad.device != update_device:
-            scaled = self._update_tier.empty(Kind.BUFFER, grad.numel(), torch.float32)
+            scaled = update_tier.empty(Kind.BUFFER, grad.numel(), torch.float32)
             grad = scaled.copy_(grad).mul_(grad_scale)
             grad_scale = 1.0
         try:
             self.optimizer.step(grads={t: grad[p.start:p.stop] for p, t in stepped}, grad_scale=grad_scale,
                                 outs={} if target is None else {t: target[p.start:p.stop] for p, t in stepped})
         finally:
-            self._update_tier.free(Kind.BUFFER, scaled)
+            update_tier.free(Kind.BUFFER, scaled)
 
     def _publish_target(self, unit: FlatUnit, writer: BlockWriter) -> torch.Tensor | None:
         """Where this rank's new compute weights of ``unit`` go (None when the masters are the weights):

@@ -15,19 +15,22 @@ __all__ = ["plan_memory"]
 
 
 def plan_memory(layouts: list[UnitLayout], *, stage: int, compute_bytes: int, optimizer_tier: str, param_tier: str,
-                master_is_param: bool, moments: int, bucket_bytes: int, world_size: int,
+                offloaded: list[UnitLayout], master_is_param: bool, moments: int, bucket_bytes: int, world_size: int,
                 partitioned: list[UnitLayout], max_live_bytes: int, prefetch_bytes: int) -> Plan:
     """Bytes by tier and kind: parameters full on the device, except the ``partitioned`` units of stage
-    3 (a shard each on ``param_tier``, plus at most ``max_live_bytes`` gathered on the device); the
-    other states by stage."""
+    3 (a shard each on ``param_tier``, plus at most ``max_live_bytes`` gathered on the device);
+    optimizer states of the ``offloaded`` units on ``optimizer_tier``, the others' on the device (whose
+    fp32 masters are the weights themselves when ``master_is_param``); gradients by stage."""
     full = sum(u.padded_numel for u in layouts) * compute_bytes
     shard = sum(u.shard_numel for u in layouts)
     largest = max(u.padded_numel for u in layouts) * compute_bytes
     partitioned_full = sum(u.padded_numel for u in partitioned) * compute_bytes
+    moved_ids = {id(u) for u in offloaded} if optimizer_tier != "device" else set()
+    moved = sum(u.shard_numel for u in layouts if id(u) in moved_ids)
     plan: Plan = {"device": {k: 0 for k in Kind}}
     for tier in (optimizer_tier, param_tier, "host"):
         plan.setdefault(tier, {k: 0 for k in Kind})
-    device, optimizer = plan["device"], plan[optimizer_tier]
+    device = plan["device"]
     device[Kind.PARAM] = full - partitioned_full
     plan[param_tier][Kind.PARAM] += sum(u.shard_numel for u in partitioned) * compute_bytes
     device[Kind.GATHERED] = min(max_live_bytes, partitioned_full)
@@ -36,7 +39,8 @@ def plan_memory(layouts: list[UnitLayout], *, stage: int, compute_bytes: int, op
         staged = (2 * prefetch_bytes + max_live_bytes) // world_size + largest_shard
         plan["host"][Kind.BUFFER] += min(staged, partitioned_full // world_size + largest_shard)
     device[Kind.GRAD] = shard * compute_bytes if stage >= 2 else full
-    optimizer[Kind.OPTIMIZER] += shard * 4 * (moments + (0 if master_is_param else 1))
+    device[Kind.OPTIMIZER] += (shard - moved) * 4 * (moments + (0 if master_is_param else 1))
+    plan[optimizer_tier][Kind.OPTIMIZER] += moved * 4 * (moments + 1)
     reduce_bytes = REDUCE_DTYPE.itemsize
     in_flight = (MAX_BUCKETS_IN_FLIGHT + 1) * (bucket_bytes + largest // compute_bytes * reduce_bytes)
     full_reduce = full // compute_bytes * reduce_bytes
@@ -49,19 +53,15 @@ def plan_memory(layouts: list[UnitLayout], *, stage: int, compute_bytes: int, op
     if stage == 1:
         reduce_phase += shard * compute_bytes  # the reduced shards, held until the step
     step_device = shard * compute_bytes if stage == 1 else 0
-    step_fp32 = 0 if (compute_bytes == 4 and optimizer_tier == "device") else shard * 4
+    step_fp32 = 0 if compute_bytes == 4 else (shard - moved) * 4  # scaled fp32 gradients of one unit at most
     kept = {id(u) for u in partitioned}
     gathered_after_step = [u for u in layouts if id(u) not in kept] if stage >= 1 and world_size > 1 else []
     gather = sum(u.shard_numel for u in gathered_after_step) * compute_bytes  # all-gather inputs, all at once
-    if optimizer_tier == "device":
-        device[Kind.BUFFER] = max(reduce_phase, step_device + step_fp32 + gather)
-        return _drop_empty(plan)
-    device[Kind.BUFFER] = max(reduce_phase, step_device + gather)
-    update = plan.setdefault("host", {k: 0 for k in Kind})  # the CPU update runs in host memory
-    update[Kind.BUFFER] += step_fp32
-    if optimizer_tier == "nvme":  # blocks stream through host buffers (tiers.stream_blocks)
-        segments = max(1, moments + (0 if master_is_param else 1))
-        update[Kind.BUFFER] += STREAM_BUFFERS * max(u.shard_numel for u in layouts) * 4 * segments
+    device[Kind.BUFFER] = max(reduce_phase, step_device + step_fp32 + gather)
+    plan["host"][Kind.BUFFER] += moved * 4  # the update of offloaded units runs in host memory
+    if optimizer_tier == "nvme" and moved:  # blocks stream through host buffers (tiers.stream_blocks)
+        largest_moved = max(u.shard_numel for u in layouts if id(u) in moved_ids)
+        plan["host"][Kind.BUFFER] += STREAM_BUFFERS * largest_moved * 4 * (moments + 1)
     return _drop_empty(plan)
 
 

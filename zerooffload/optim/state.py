@@ -17,7 +17,19 @@ import torch
 from ..partition import FlatUnit, Piece
 from ..tiers import Kind, Tier
 
-__all__ = ["UnitOptimizerState"]
+__all__ = ["UnitOptimizerState", "units_to_offload"]
+
+
+def units_to_offload(layouts: list, fraction: float) -> list[bool]:
+    """Which units' optimizer states go to ``offload.optimizer.tier`` for ``offload.optimizer.fraction``:
+    units in order while their shards stay within ``fraction`` of all (whole units: the share is at
+    most ``fraction``, short of it by less than one unit)."""
+    total = sum(layout.shard_numel for layout in layouts)
+    chosen, taken = [], 0
+    for layout in layouts:
+        taken += layout.shard_numel
+        chosen.append(taken <= fraction * total + 1e-9 * total)
+    return chosen
 
 
 def _point(tensor: torch.Tensor, source: torch.Tensor | None, start: int = 0, stop: int = 0) -> None:
@@ -33,6 +45,7 @@ class UnitOptimizerState:
 
     def __init__(self, unit: FlatUnit, tier: Tier, moment_names: tuple[str, ...], key: str):
         self.unit = unit
+        self.tier = tier
         self.moment_names = moment_names
         self.has_master = not unit.master_is_param
         segments = len(moment_names) + self.has_master
