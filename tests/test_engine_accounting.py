@@ -149,19 +149,24 @@ def test_offloaded_states_are_accounted_on_their_tiers(rank_pools):
         assert held["nvme"]["param"] == 2 * shard  # bf16 shards: 2Ψ/Nd (padded)
         assert held["nvme"]["optimizer"] == 12 * shard  # fp32 master, m, v: 12Ψ/Nd
         assert held["device"]["param"] == held["device"]["optimizer"] == held["device"]["gathered"] == 0
-        assert held["device"]["grad"] == 2 * shard  # gradient shards stay on the device
+        assert held["device"]["grad"] == 0 and held["nvme"]["grad"] == 2 * shard  # reduced shards go to NVMe
         # after the step only the next pass's first shards are staged in host memory (read ahead)
         assert 0 < held["host"]["buffer"] <= 2 * shard < result["peaks"]["host"]
         assert result["swap_files"] and not result["swap_files_left"]  # close() removes the swap files
 
 
 def test_nvme_traffic_per_step_is_every_optimizer_block_once_each_way():
+    """Optimizer blocks: read and written once. Gradient shards: written once when reduced (their norm
+    taken then), read once by the update."""
     engine = zo.initialize(_mlp(), {"zero": {"stage": 2}, "offload": {"optimizer": {"tier": "nvme"}}})
     blocks = engine.memory_report().bytes("nvme", "optimizer")
+    grads = engine.memory_report().bytes("nvme", "grad")
+    assert grads == 4 * sum(u.layout.shard_numel for u in engine.units) and engine.memory_report().bytes(
+        "device", "grad") == 0
     for _ in range(2):
         _one_step(engine)
         io = engine.stats.io
-        assert io.read_bytes == io.write_bytes == blocks  # read i+1 | update i | write i-1, nothing twice
+        assert (io.read_bytes, io.write_bytes) == (blocks + grads, blocks + grads)
         assert engine.stats.seconds > 0 and engine.stats.io_gbps > 0
     engine.close()
 

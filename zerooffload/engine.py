@@ -42,6 +42,7 @@ from .partition import FlatUnit, Piece, UnitLayout, find_units, masters_alias_pa
 from .precision import COMPUTE_DTYPES, LossScaler
 from .reduction import GradReducer, Mode
 from .scheduler import ParamScheduler, check_live_bound
+from .offloaded_grads import OffloadedGrad
 from .optim.state import UnitOptimizerState, units_to_offload
 from .telemetry import MemoryReport, StepStats, memory_report
 from .tiers import BlockWriter, IOStats, Kind, Tier, NvmeTier, check_plan, make_tiers, stream_blocks, write_block
@@ -139,6 +140,7 @@ class Engine:
             self.tiers["nvme"] = NvmeTier(config, comm.rank, reserve=sum(plan["nvme"].values()))
         self._io = self.tiers["nvme"].io if "nvme" in self.tiers else IOStats()
         self._param_tier = self.tiers[config.offload.param.tier]
+        self._grad_writer = BlockWriter(self.tiers["host"])  # offloaded gradient shards on their way home
         self.opt_states = self._materialize(lazy_init_fn)
         self.param_scheduler = ParamScheduler(comm, partitioned, self.tiers["device"], self.tiers["host"],
                                               prefetch_bytes=config.zero.prefetch_size,
@@ -229,6 +231,10 @@ class Engine:
                 param_block = self._param_tier.block(Kind.PARAM, f"param.{index}", unit.layout.shard_numel,
                                                      self.compute_dtype)
             tier_name = self._optimizer_tier_name(index)
+            if unit.keep_grad_shard and not self.tiers[tier_name] is self.tiers["device"]:
+                block = self.tiers[tier_name].block(Kind.GRAD, f"grad.{index}", unit.layout.shard_numel,
+                                                    self.compute_dtype)
+                unit.offloaded_grad = OffloadedGrad(block, self._grad_writer, self.tiers["host"])
             unit.materialize(full, self.tiers["device"], self._master_is_param(tier_name), param_block)
             if param_block is not None:
                 write_block(param_block, full[unit.shard_range], self.tiers["host"])
@@ -288,6 +294,7 @@ class Engine:
         (loss * (self.scaler.scale / self.config.train.grad_accum_steps)).backward()
         if self.stage >= 2:
             self.reducer.flush()
+            self._grad_writer.finish()
         self.param_scheduler.end_pass()
         self.micro_steps += 1
 
@@ -304,14 +311,15 @@ class Engine:
         self._stepped_at = self.micro_steps
         if self.stage <= 1:
             self.reducer.flush()
-        grads = [unit.local_grad() for unit in self.units]
-        norm_sq, had_grad = self._global_norm_and_flags(grads)
+        norms = [torch.linalg.vector_norm(unit.local_grad(), dtype=torch.float32) if unit.offloaded_grad is None
+                 else unit.offloaded_grad.norm for unit in self.units]
+        norm_sq, had_grad = self._global_norm_and_flags(norms)
         norm_sq /= self.scaler.scale ** 2
         overflow = self.scaler.enabled and not math.isfinite(norm_sq)
         if overflow:
             self.skipped_steps += 1
         else:
-            self._update(grads, had_grad, self._grad_scale(norm_sq))
+            self._update(had_grad, self._grad_scale(norm_sq))
         for unit in self.units:
             unit.clear_grads(self.tiers["device"])
         self.scaler.update(overflow)
@@ -322,11 +330,20 @@ class Engine:
         self._start_window()
         return not overflow
 
-    def _global_norm_and_flags(self, grads: list[torch.Tensor]) -> tuple[float, list[torch.Tensor]]:
+    @contextlib.contextmanager
+    def _reduced_grad(self, unit: FlatUnit) -> Iterator[torch.Tensor]:
+        """This rank's reduced gradient of ``unit`` for the window, in memory for the duration (read
+        from the optimizer's tier when it was offloaded)."""
+        if unit.offloaded_grad is None:
+            yield unit.local_grad()
+        else:
+            with unit.offloaded_grad.loaded() as grad:
+                yield grad
+
+    def _global_norm_and_flags(self, norms: list[torch.Tensor]) -> tuple[float, list[torch.Tensor]]:
         """One control all-reduce: the squared gradient norm and each slot's "had a gradient" count."""
         flags = [torch.tensor(u.has_grad, dtype=torch.float64) for u in self.units]
-        norms = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads]).double()
-        local_sq = norms.square().sum().cpu().reshape(1)
+        local_sq = torch.stack(norms).double().square().sum().cpu().reshape(1)
         if self.stage == 0 and self.comm.rank != 0:
             local_sq.zero_()  # stage 0 gradients are whole on every rank: count them once
         control = control_all_reduce(self.comm, torch.cat([local_sq, *flags]).to(self.comm.device)).cpu()
@@ -341,17 +358,18 @@ class Engine:
             coefficient = min(1.0, self.config.train.grad_clip / (math.sqrt(norm_sq) + 1e-6))
         return coefficient / self.scaler.scale
 
-    def _update(self, grads: list[torch.Tensor], had_grad: list[torch.Tensor], grad_scale: float) -> None:
+    def _update(self, had_grad: list[torch.Tensor], grad_scale: float) -> None:
         """Unit by unit: the update on the pieces with a gradient somewhere, writing the new compute
         weights straight where they are published; one unit's all-gather runs while the next updates."""
         pending = []
         writer = BlockWriter(self.tiers["host"])
-        for state, grad, flags in zip(self.visit_optimizer_states(write=True), grads, had_grad):
+        for state, flags in zip(self.visit_optimizer_states(write=True), had_grad):
             unit = state.unit
             target = self._publish_target(unit, writer)
             stepped = [(piece, tensor) for piece, tensor in state.pieces if flags[piece.slot_index] > 0]
             if stepped:
-                self._step_unit(stepped, grad, grad_scale, target, self._update_tier(state))
+                with self._reduced_grad(unit) as grad:
+                    self._step_unit(stepped, grad, grad_scale, target, self._update_tier(state))
             if target is not None:
                 _copy_unstepped(target, unit.master, [piece for piece, _ in stepped])
             pending.append(self._publish(unit, target, writer))

@@ -38,7 +38,11 @@ def plan_memory(layouts: list[UnitLayout], *, stage: int, compute_bytes: int, op
         largest_shard = max(u.shard_numel for u in partitioned) * compute_bytes
         staged = (2 * prefetch_bytes + max_live_bytes) // world_size + largest_shard
         plan["host"][Kind.BUFFER] += min(staged, partitioned_full // world_size + largest_shard)
-    device[Kind.GRAD] = shard * compute_bytes if stage >= 2 else full
+    device[Kind.GRAD] = (shard - moved) * compute_bytes if stage >= 2 else full
+    if stage >= 2 and moved:  # reduced shards go to the optimizer's tier (offloaded_grads), written and read
+        plan[optimizer_tier][Kind.GRAD] += moved * compute_bytes  # through host buffers
+        largest_moved_grad = max(u.shard_numel for u in layouts if id(u) in moved_ids) * compute_bytes
+        plan["host"][Kind.BUFFER] += (STREAM_BUFFERS + 1) * largest_moved_grad
     device[Kind.OPTIMIZER] += (shard - moved) * 4 * (moments + (0 if master_is_param else 1))
     plan[optimizer_tier][Kind.OPTIMIZER] += moved * 4 * (moments + 1)
     reduce_bytes = REDUCE_DTYPE.itemsize

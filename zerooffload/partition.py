@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from .offloaded_grads import OffloadedGrad
 from .tiers import Block, Kind, Tier
 
 __all__ = ["ALIGN_ELEMENTS", "Slot", "Piece", "UnitLayout", "FlatUnit", "find_units", "masters_alias_params"]
@@ -173,6 +174,8 @@ class FlatUnit:
         self.pieces = layout.pieces(self.rank)
         self.flat_param: torch.Tensor | None = None
         self.param_block: Block | None = None
+        self.offloaded_grad: OffloadedGrad | None = None
+        """Set when the reduced shard lives on the optimizer's tier (``offloaded_grads``)."""
         self._placeholder: torch.Tensor | None = None
         self.flat_grad: torch.Tensor | None = None
         self.grad_shard: torch.Tensor | None = None
@@ -215,7 +218,7 @@ class FlatUnit:
         self.master = weights if master_is_param else None
         if self.keep_full_grad:
             self.flat_grad = device_tier.zeros(Kind.GRAD, layout.padded_numel, self.compute_dtype)
-        if self.keep_grad_shard:
+        if self.keep_grad_shard and self.offloaded_grad is None:
             self.grad_shard = device_tier.zeros(Kind.GRAD, layout.shard_numel, self.compute_dtype)
         if self.partitioned:
             self.reshard(device_tier)
@@ -267,7 +270,11 @@ class FlatUnit:
             self.flat_grad = None
 
     def add_grad_shard(self, reduced: torch.Tensor, tier: Tier) -> None:
-        """Accumulate a reduced gradient shard (stage 2 adds one per micro-batch)."""
+        """Accumulate a reduced gradient shard (stage 2 adds one per micro-batch), on the device or,
+        offloaded, on the optimizer's tier."""
+        if self.offloaded_grad is not None:
+            self.offloaded_grad.add(reduced)
+            return
         if self.grad_shard is None:
             self.grad_shard = tier.zeros(Kind.BUFFER, self.layout.shard_numel, self.compute_dtype)
         self.grad_shard.add_(reduced)
@@ -284,10 +291,13 @@ class FlatUnit:
         for name, keep in (("flat_grad", self.keep_full_grad), ("grad_shard", self.keep_grad_shard)):
             tensor = getattr(self, name)
             if keep and name == "grad_shard":
-                tensor.zero_()
+                if tensor is not None:  # None when the shard lives on the optimizer's tier
+                    tensor.zero_()
             elif not keep and tensor is not None:
                 tier.free(Kind.BUFFER, tensor)
                 setattr(self, name, None)
+        if self.offloaded_grad is not None:
+            self.offloaded_grad.clear()
         self.has_grad = [False] * len(self.layout.slots)
         self._written = [False] * len(self.layout.slots)
 

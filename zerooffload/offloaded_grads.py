@@ -1,0 +1,64 @@
+"""Gradient shards kept on the optimizer's tier, from their reduction to the optimizer step.
+
+[Note: offloaded gradients]
+At stages 2–3 with ``offload.optimizer.tier`` host or NVMe, a unit's reduced gradient shard leaves the
+device as soon as it is reduced: it is a block (``tiers.Block``) on the optimizer's tier, in the
+compute dtype. The first reduced part of an accumulation window is written home in the background
+(``tiers.BlockWriter``: at most three host buffers); a later part (gradient accumulation) is added to
+what is home, synchronously: read, add, write. The norm of what is home is taken each time it is
+written, so the step's global norm reads nothing; the update reads each block once. That is one
+write and one read of the gradient per step (2 × 2 B/param in bf16) beside the 24 B/param the
+optimizer blocks move, and it frees the device of Ψ/Nd gradient elements.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+import torch
+
+from .tiers import Block, BlockWriter, Kind, Tier
+
+__all__ = ["OffloadedGrad"]
+
+
+class OffloadedGrad:
+    """One unit's reduced gradient shard on the optimizer's tier (see the note)."""
+
+    def __init__(self, block: Block, writer: BlockWriter, host: Tier):
+        self.block, self.writer, self.host = block, writer, host
+        self.written = False
+        self.norm = torch.zeros((), dtype=torch.float32)
+        """The fp32 norm of the gradient home now, taken as it was written."""
+
+    def add(self, reduced: torch.Tensor) -> None:
+        """Accumulate one micro-batch's reduced shard into the window's gradient."""
+        if not self.written:
+            data = self.writer.begin(self.block)
+            data.copy_(reduced)
+            self.norm = torch.linalg.vector_norm(data, dtype=torch.float32)
+            self.writer.commit(self.block)
+            self.written = True
+            return
+        self.writer.finish()  # the earlier part must be home before it is read back
+        with self.loaded(write=True) as grad:
+            grad.add_(reduced)
+            self.norm = torch.linalg.vector_norm(grad, dtype=torch.float32)
+
+    @contextlib.contextmanager
+    def loaded(self, write: bool = False) -> Iterator[torch.Tensor]:
+        """The window's gradient in memory (a host buffer when it lives on NVMe); stored back on exit
+        when ``write``."""
+        buffer = None if self.block.resident else self.host.empty(Kind.BUFFER, self.block.nbytes, torch.uint8)
+        try:
+            self.block.load(buffer).wait()
+            yield self.block.data
+            if write:
+                self.block.store().wait()
+        finally:
+            self.block.unload()
+            self.host.free(Kind.BUFFER, buffer)
+
+    def clear(self) -> None:
+        """The window is over: the next reduced part overwrites the block."""
+        self.written = False
