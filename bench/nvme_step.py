@@ -3,8 +3,9 @@
 
 Workload: an MLP of --layers Linear(--width, --width) (default 18 × 4096² ≈ 302M parameters), ZeRO
 stage 2, fp32, world size 1, optimizer states (fp32 master, Adam m and v: 12 B/param) in swap files
-under --dir. Each round times ``engine.step()`` after a backward: it reads every unit's block (R =
-12 B/param) and writes it back (W = the same), updating in between with the native pass. The bound
+under --dir. Each round times ``engine.step()`` after a backward: it reads every unit's block and its
+reduced gradient shard (R = 12 + 4 B/param; the gradients were written during backward) and writes
+the blocks back (W = 12 B/param), updating in between with the native pass. The bound
 uses fio's sequential O_DIRECT read and write bandwidth (1 MiB blocks, queue depth 32, 1 GiB)
 measured in the same round. Rounds alternate fio and the step (order reversed every other round);
 judged on the median per-round ratio step/bound (DESIGN §4 rule; target ≤ 1.15), min/median/max.
@@ -47,8 +48,9 @@ def main() -> None:
                                        "offload": {"optimizer": {"tier": "nvme"}}, "nvme": {"path": str(work)}})
         params = sum(p.numel() for p in model.parameters())
         blocks = engine.memory_report().bytes("nvme", "optimizer")
-        print(f"machine: {os.cpu_count()} CPUs; {params / 1e6:.0f}M parameters, optimizer states on NVMe: "
-              f"{blocks / 2**30:.2f} GiB read and written per step")
+        grads = engine.memory_report().bytes("nvme", "grad")
+        print(f"machine: {os.cpu_count()} CPUs; {params / 1e6:.0f}M parameters, optimizer states on NVMe: the step "
+              f"reads {(blocks + grads) / 2**30:.2f} GiB and writes {blocks / 2**30:.2f} GiB")
         x = torch.randn(4, args.width)
         ratios, times = [], []
         for number in range(args.rounds):
@@ -60,7 +62,7 @@ def main() -> None:
                     start = time.perf_counter()
                     engine.step()
                     times.append(time.perf_counter() - start)
-            bound = blocks / read_bw + blocks / write_bw
+            bound = (blocks + grads) / read_bw + blocks / write_bw
             ratios.append(times[-1] / bound)
             print(f"  round {number}: step {times[-1]:.2f} s, bound {bound:.2f} s (fio read {read_bw / 1e9:.2f}, "
                   f"write {write_bw / 1e9:.2f} GB/s), ratio {ratios[-1]:.3f}; waited on NVMe "
