@@ -4,16 +4,18 @@
 ``engine(batch)`` runs the module (floating inputs cast to the compute dtype). ``engine.backward``
 scales the loss by ``loss_scale / grad_accum_steps`` and runs autograd; a post-accumulate hook on
 every trainable parameter adds its gradient into its unit's flat gradient (and drops ``.grad``). At
-stage 2 a unit whose gradients are complete is handed to the reducer during backward; at stages 0–1
+stages 2–3 a unit whose gradients are complete is handed to the reducer during backward (and an
+offloaded unit's reduced shard leaves for the optimizer's tier, ``offloaded_grads``); at stages 0–1
 all units are reduced when the window closes. ``engine.step`` at the accumulation boundary then:
 1. averages the gradients over ranks (all-reduce at stage 0, reduce-scatter to shard owners above);
-2. makes fp32 shard gradients, unscales them (fp16), and in ONE small control all-reduce sums the
-   squared norms and the "had a gradient" flag of every parameter over ranks;
-3. skips the step everywhere if the fp16 gradients overflowed, else clips to ``train.grad_clip``;
-4. runs torch's update on the pieces whose parameters had a gradient somewhere (others skip, as torch
-   skips ``grad is None``), copies the masters into the compute weights and all-gathers them.
-At stage 3 gradients are reduced as at stage 2, and partitioned units keep only their updated shard:
-the hooks of ``param_hooks`` have the ``ParamScheduler`` gather them around each forward and backward.
+2. in ONE small control all-reduce sums the squared norms of the reduced gradients and the "had a
+   gradient" flag of every parameter over ranks;
+3. skips the step everywhere if fp16 gradients overflowed, else folds the unscale and the clip to
+   ``train.grad_clip`` into one gradient scale;
+4. unit by unit, its optimizer block loaded (``optim.state``; streamed when on NVMe): the update of the
+   pieces whose parameters had a gradient somewhere (others skip, as torch skips ``grad is None``),
+   writing the new compute weights where they are published: all-gathered at stages 1–2, a partitioned
+   unit's shard at stage 3, gathered again at its next use by the ``ParamScheduler`` (``param_hooks``).
 """
 from __future__ import annotations
 
@@ -363,12 +365,15 @@ class Engine:
         weights straight where they are published; one unit's all-gather runs while the next updates."""
         pending = []
         writer = BlockWriter(self.tiers["host"])
-        for state, flags in zip(self.visit_optimizer_states(write=True), had_grad):
+        for index, (state, flags) in enumerate(zip(self.visit_optimizer_states(write=True), had_grad)):
             unit = state.unit
+            upcoming = self.units[index + 1].offloaded_grad if index + 1 < len(self.units) else None
+            if upcoming is not None:
+                upcoming.prefetch()  # its read overlaps this unit's update
             target = self._publish_target(unit, writer)
             stepped = [(piece, tensor) for piece, tensor in state.pieces if flags[piece.slot_index] > 0]
-            if stepped:
-                with self._reduced_grad(unit) as grad:
+            with self._reduced_grad(unit) as grad:  # entered even when nothing steps: it may be prefetched
+                if stepped:
                     self._step_unit(stepped, grad, grad_scale, target, self._update_tier(state))
             if target is not None:
                 _copy_unstepped(target, unit.master, [piece for piece, _ in stepped])

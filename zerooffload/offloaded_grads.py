@@ -13,7 +13,7 @@ optimizer blocks move, and it frees the device of Ψ/Nd gradient elements.
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
 
@@ -30,6 +30,7 @@ class OffloadedGrad:
         self.written = False
         self.norm = torch.zeros((), dtype=torch.float32)
         """The fp32 norm of the gradient home now, taken as it was written."""
+        self._reading: tuple[torch.Tensor | None, Any] | None = None
 
     def add(self, reduced: torch.Tensor) -> None:
         """Accumulate one micro-batch's reduced shard into the window's gradient."""
@@ -45,13 +46,21 @@ class OffloadedGrad:
             grad.add_(reduced)
             self.norm = torch.linalg.vector_norm(grad, dtype=torch.float32)
 
+    def prefetch(self) -> None:
+        """Start reading the gradient now, so that ``loaded`` later finds it (or finds it arriving)."""
+        if self._reading is None:
+            buffer = None if self.block.resident else self.host.empty(Kind.BUFFER, self.block.nbytes, torch.uint8)
+            self._reading = (buffer, self.block.load(buffer))
+
     @contextlib.contextmanager
     def loaded(self, write: bool = False) -> Iterator[torch.Tensor]:
         """The window's gradient in memory (a host buffer when it lives on NVMe); stored back on exit
         when ``write``."""
-        buffer = None if self.block.resident else self.host.empty(Kind.BUFFER, self.block.nbytes, torch.uint8)
+        self.prefetch()
+        buffer, reading = self._reading
+        self._reading = None
         try:
-            self.block.load(buffer).wait()
+            reading.wait()
             yield self.block.data
             if write:
                 self.block.store().wait()
