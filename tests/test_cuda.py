@@ -1,0 +1,50 @@
+"""The CUDA path (skipped without a GPU; bench/gpu_check.sh runs it on a lent machine): the engine on
+the GPU against plain PyTorch on the CPU, with every offload tier, and pinned host buffers."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import zerooffload as zo
+from reference import make_batches, make_model, reference_train, update_errors
+
+pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+OFFLOADS = {"device": {}, "host optimizer": {"optimizer": {"tier": "host"}},
+            "nvme everything": {"optimizer": {"tier": "nvme"}, "param": {"tier": "nvme"}}}
+
+
+@pytest.fixture(autouse=True)
+def exact_fp32_matmuls():
+    previous = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False  # TF32 rounds inputs to 10 bits: not an fp32 reference
+    yield
+    torch.backends.cuda.matmul.allow_tf32 = previous
+
+
+@pytest.mark.parametrize("offload", list(OFFLOADS))
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_engine_on_cuda_matches_plain_pytorch_on_the_cpu(stage, offload):
+    if stage < 3 and "param" in OFFLOADS[offload] or stage == 0 and OFFLOADS[offload]:
+        pytest.skip("parameter offload needs stage 3, optimizer offload stage >= 1")
+    batches = make_batches(3, 2, 2)
+    model = make_model()
+    initial = {k: v.clone() for k, v in model.state_dict().items()}
+    engine = zo.initialize(model, {"zero": {"stage": stage}, "offload": OFFLOADS[offload],
+                                   "train": {"grad_accum_steps": 2, "grad_clip": 0.05},
+                                   "optimizer": {"lr": 1e-2, "weight_decay": 0.1}})
+    assert engine.comm.device.type == "cuda"
+    for window in batches:
+        for idx, targets in window:
+            engine.backward(engine(idx.cuda(), targets.cuda()))
+            engine.step()
+    full = engine.full_state_dict()
+    engine.close()
+    errors = update_errors(initial, full, reference_train(make_model(), batches, clip=0.05))
+    assert max(errors.values()) < 1e-4, max(errors.items(), key=lambda kv: kv[1])
+
+
+def test_host_tier_buffers_are_pinned():
+    engine = zo.initialize(make_model(), {"zero": {"stage": 2}, "offload": {"optimizer": {"tier": "host"}}})
+    assert all(state.block.data.is_pinned() for state in engine.opt_states)
+    engine.close()
