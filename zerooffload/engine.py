@@ -384,6 +384,7 @@ class Engine:
     def publish_weights(self) -> None:
         """Make every rank's compute weights equal the fp32 masters again, after the masters were set
         from outside the step (a checkpoint load)."""
+        self.param_scheduler.free_all()  # shards read ahead hold the old weights
         pending = []
         writer = BlockWriter(self.tiers["host"])
         for state in self.visit_optimizer_states(write=False):
