@@ -7,7 +7,9 @@ With mixed-precision Adam a parameter costs 2 bytes (fp16/bf16 weights) + 2 (gra
   2 (P_os+g)   2 Ψ + (2 + K) Ψ / Nd
   3 (P_os+g+p) (2 + 2 + K) Ψ / Nd
 Offloading the optimizer states (``offload.optimizer``) moves the K Ψ / Nd term (stages 1–3) to host RAM
-or NVMe; offloading parameters at stage 3 (``offload.param``) moves 2 Ψ / Nd as well. The figures are
+or NVMe, and at stages 2–3 the gradient shards 2 Ψ / Nd with it (the engine sends them to the
+optimizer's tier as soon as they are reduced); offloading parameters at stage 3 (``offload.param``)
+moves 2 Ψ / Nd as well. The figures are
 model states only: activations, buffers and fragmentation come on top.
 """
 from __future__ import annotations
@@ -42,7 +44,7 @@ def estimate(params: float, dp: int, k: int = K_ADAM) -> list[StageEstimate]:
         weights = 2 * psi / (dp if stage == 3 else 1)
         grads = 2 * psi / (dp if stage >= 2 else 1)
         optimizer = k * psi / (dp if stage >= 1 else 1)
-        offloadable = optimizer if stage >= 1 else 0.0
+        offloadable = optimizer + (grads if stage >= 2 else 0.0) if stage >= 1 else 0.0
         params_offloadable = weights if stage == 3 else 0.0
         rows.append(StageEstimate(
             stage=stage, device=weights + grads + optimizer,
