@@ -216,10 +216,12 @@ class _SwappedBlock(Block):
         self.store_, self.key, self.stats = store, key, stats
         self.numel, self.dtype = numel, dtype
         self.data = None
+        self._buffer: torch.Tensor | None = None
 
     def load(self, buffer: torch.Tensor | None = None, *, read: bool = True) -> Any:
         if buffer is None or buffer.numel() * buffer.element_size() < self.nbytes:
             raise ValueError(f"block {self.key!r} needs a host buffer of at least {self.nbytes} bytes")
+        self._buffer = buffer
         self.data = buffer.view(torch.uint8)[:self.nbytes].view(self.dtype)
         if not read:
             return _Done()
@@ -231,8 +233,8 @@ class _SwappedBlock(Block):
         return _TimedHandle(self.store_.write(self.key, self.data), self.stats)
 
     def unload(self) -> torch.Tensor | None:
-        data, self.data = self.data, None
-        return data
+        buffer, self._buffer, self.data = self._buffer, None, None
+        return buffer
 
 
 class NvmeTier(Tier):
