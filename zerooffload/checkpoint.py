@@ -213,7 +213,7 @@ def _write_rank_files(engine: Any, partial: Path) -> dict[str, dict]:
     """This rank's unit shards (units it holds a shard of) and RNG states; name -> size and CRC."""
     rank = engine.comm.rank
     with AsyncIO(engine.config.aio) as aio:
-        size = sum(s.block.nbytes + (0 if s.has_master else s.unit.layout.shard_numel * 4)
+        size = sum(s.unit.layout.shard_numel * 4 * (1 + len(s.moment_names))  # master and moments, as written
                    for s in engine.opt_states if rank < s.unit.layout.shards)
         writer = _ChecksummedWriter(partial / rank_file(rank, "bin"), aio, size)
         try:
