@@ -28,7 +28,7 @@ import zlib
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO, Iterator
+from typing import Any, BinaryIO
 
 import torch
 import torch.distributed as dist
@@ -88,14 +88,13 @@ class _ChecksummedWriter:
         self._pending: deque[tuple[torch.Tensor, Any]] = deque()
 
     def write(self, tensor: torch.Tensor) -> None:
-        data = tensor.detach().reshape(-1).view(torch.uint8).cpu()
-        self.crc = zlib.crc32(memoryview(data.numpy()), self.crc)
         while len(self._pending) >= self.WRITES_IN_FLIGHT:
             self._pending.popleft()[1].wait()
-        staging = aligned_empty(data.numel())
-        staging.copy_(data)
+        staging = aligned_empty(tensor.numel() * tensor.element_size())
+        staging.copy_(tensor.detach().reshape(-1).view(torch.uint8))  # one copy, from wherever it lives
+        self.crc = zlib.crc32(memoryview(staging.numpy()), self.crc)
         self._pending.append((staging, self.aio.write(self.file, staging, self.bytes)))
-        self.bytes += data.numel()
+        self.bytes += staging.numel()
 
     def close(self) -> dict:
         try:
@@ -114,10 +113,7 @@ def _verify_file(path: Path, expected: dict) -> None:
     if size != expected["bytes"]:
         raise CheckpointError(f"{path}: {size} bytes but the manifest says {expected['bytes']}: truncated or "
                               "overwritten")
-    crc = 0
-    with open(path, "rb") as f:
-        while chunk := f.read(64 << 20):
-            crc = zlib.crc32(chunk, crc)
+    crc = _crc32(path)
     if crc != expected["crc32"]:
         raise CheckpointError(f"{path}: CRC-32 {crc:#010x} but the manifest says {expected['crc32']:#010x}: "
                               "the file is corrupt")
@@ -226,7 +222,7 @@ def _write_rank_files(engine: Any, partial: Path) -> dict[str, dict]:
             files = {rank_file(rank, "bin"): writer.close()}
         if rank == 0:
             buffers = _ChecksummedWriter(partial / "buffers.bin", aio)
-            for _, buffer in _buffers(engine.module):
+            for _, buffer in engine.module.named_buffers():
                 buffers.write(buffer)
             files["buffers.bin"] = buffers.close()
     rng_path = partial / rank_file(rank, "pt")
@@ -241,12 +237,15 @@ def _write_rank_files(engine: Any, partial: Path) -> dict[str, dict]:
 def _file_record(path: Path) -> dict:
     with open(path, "rb") as f:
         os.fsync(f.fileno())
-        data = f.read()
-    return {"bytes": len(data), "crc32": zlib.crc32(data)}
+    return {"bytes": path.stat().st_size, "crc32": _crc32(path)}
 
 
-def _buffers(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    yield from module.named_buffers()
+def _crc32(path: Path) -> int:
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(64 << 20):
+            crc = zlib.crc32(chunk, crc)
+    return crc
 
 
 def _optimizer_steps(engine: Any) -> dict[str, float]:
@@ -273,7 +272,7 @@ def _manifest(engine: Any, tag: str, files: dict, steps: dict[str, float], clien
         "counters": {"global_steps": engine.global_steps, "micro_steps": engine.micro_steps,
                      "skipped_steps": engine.skipped_steps},
         "buffers": [{"name": n, "dtype": str(b.dtype).removeprefix("torch."), "shape": list(b.shape)}
-                    for n, b in _buffers(engine.module)],
+                    for n, b in engine.module.named_buffers()],
         "client_state": client_state,
         "files": files,
     }
@@ -398,15 +397,11 @@ def _fill_state(state: Any, sources: dict[str, _Source], files: _RankFiles) -> N
     targets = [state.master()] + [state.moment(n) for n in state.moment_names]
     for target in targets:
         target.zero_()  # padding
-    lo = unit.shard_range.start
-    for slot in unit.layout.slots:
-        start, stop = max(slot.offset, lo), min(slot.offset + slot.numel, lo + unit.layout.shard_numel)
-        if start >= stop:
-            continue
-        source = sources[slot.names[0]]
+    for piece in unit.pieces:
+        source = sources[unit.layout.slots[piece.slot_index].names[0]]
+        start, stop = unit.param_range(piece)
         for segment, target in enumerate(targets):
-            _read_range(files, source, segment, start - slot.offset, stop - slot.offset,
-                        target[start - lo:stop - lo])
+            _read_range(files, source, segment, start, stop, target[piece.start:piece.stop])
 
 
 def _read_range(files: _RankFiles, source: _Source, segment: int, start: int, stop: int,

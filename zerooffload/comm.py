@@ -64,6 +64,11 @@ class Comm:
         """Whether reduce-scatter and all-gather run as point-to-point exchanges (gloo; see the note)."""
         return self.group is not None and dist.get_backend(self.group) == "gloo"
 
+    @property
+    def peers(self) -> list[int]:
+        """Every other rank, in rank order."""
+        return [r for r in range(self.world_size) if r != self.rank]
+
     def next_tag(self) -> int:
         self.sequence += 1
         return self.sequence % (1 << 30)
@@ -153,8 +158,7 @@ def reduce_scatter(comm: Comm, output: torch.Tensor, input: torch.Tensor, *, scr
     _count(comm, input.numel(), input)
     if not comm.direct_exchange:
         return _reduce_scatter_single(output, input, group=comm.group, async_op=async_op)
-    parts = input.view(comm.world_size, -1)
-    peers = [r for r in range(comm.world_size) if r != comm.rank]
+    parts, peers = input.view(comm.world_size, -1), comm.peers
     if scratch is None:
         scratch = torch.empty(len(peers) * output.numel(), dtype=input.dtype, device=input.device)
     received = dict(zip(peers, scratch.view(len(peers), -1)))
@@ -178,8 +182,7 @@ def all_gather(comm: Comm, output: torch.Tensor, input: torch.Tensor, *,
     if not comm.direct_exchange:
         return _all_gather_single(output, input, group=comm.group, async_op=async_op)
     rows = output.view(comm.world_size, -1)
-    peers = [r for r in range(comm.world_size) if r != comm.rank]
-    return _exchange(comm, {peer: input for peer in peers}, {peer: rows[peer] for peer in peers},
+    return _exchange(comm, {peer: input for peer in comm.peers}, {peer: rows[peer] for peer in comm.peers},
                      lambda: rows[comm.rank].copy_(input), async_op)
 
 

@@ -147,7 +147,6 @@ class Engine:
         self.param_scheduler = ParamScheduler(comm, partitioned, self.tiers["device"], self.tiers["host"],
                                               prefetch_bytes=config.zero.prefetch_size,
                                               max_live_bytes=config.zero.max_live_size)
-        self._pieces: list[tuple[FlatUnit, Piece, torch.Tensor]] = []
         self.optimizer = ZeroOptimizer(self._groups(param_groups), config.optimizer)
         self._attach_optimizer_state()
         default_schedule = config.scheduler.type == "constant" and config.scheduler.warmup_steps == 0
@@ -177,16 +176,14 @@ class Engine:
         groups = param_groups if param_groups is not None else [{"params": trainable}]
         group_of = {id(p): index for index, group in enumerate(groups) for p in group["params"]}
         out = [{**{k: v for k, v in g.items() if k != "params"}, "params": []} for g in groups]
-        for unit in self.units:
+        for unit, state in zip(self.units, self.opt_states):
             for piece in unit.pieces:
                 slot = unit.layout.slots[piece.slot_index]
                 if not slot.trainable:
                     continue
                 if id(slot.param) not in group_of:
                     raise ValueError(f"parameter {slot.names[0]!r} is trainable but in no param group")
-                tensor = self.opt_states[self.units.index(unit)].add_piece(piece)
-                out[group_of[id(slot.param)]]["params"].append(tensor)
-                self._pieces.append((unit, piece, tensor))
+                out[group_of[id(slot.param)]]["params"].append(state.add_piece(piece))
         return out
 
     def _partitioned(self, layout: UnitLayout) -> bool:
@@ -233,7 +230,7 @@ class Engine:
                 param_block = self._param_tier.block(Kind.PARAM, f"param.{index}", unit.layout.shard_numel,
                                                      self.compute_dtype)
             tier_name = self._optimizer_tier_name(index)
-            if unit.keep_grad_shard and not self.tiers[tier_name] is self.tiers["device"]:
+            if unit.keep_grad_shard and tier_name != "device":
                 block = self.tiers[tier_name].block(Kind.GRAD, f"grad.{index}", unit.layout.shard_numel,
                                                     self.compute_dtype)
                 unit.offloaded_grad = OffloadedGrad(block, self._grad_writer, self.tiers["host"])
@@ -263,13 +260,17 @@ class Engine:
 
     def visit_optimizer_states(self, *, write: bool) -> Iterator[UnitOptimizerState]:
         """Each unit's optimizer state loaded and pointed, in unit order (paged through host buffers
-        when it lives on NVMe: read i+1 ‖ work on i ‖ write i−1); ``write`` stores changes back."""
+        when it lives on NVMe: read i+1 ‖ work on i ‖ write i−1); ``write`` stores changes back.
+        Resident blocks were pointed once for good (``_attach_optimizer_state``)."""
         states = iter(self.opt_states)
         for _ in stream_blocks([state.block for state in self.opt_states], self.tiers["host"], write=write):
             state = next(states)  # the stream must be resumed after each yield: it stores the block then
-            state.point(self.optimizer)
+            paged = not state.block.resident
+            if paged:
+                state.point(self.optimizer)
             yield state
-            state.unpoint(self.optimizer)
+            if paged:
+                state.unpoint(self.optimizer)
 
     def _reduction_order(self) -> list[FlatUnit]:
         """Block units last to first, then the root unit: the order backward usually completes them."""
@@ -375,9 +376,7 @@ class Engine:
             with self._reduced_grad(unit) as grad:  # entered even when nothing steps: it may be prefetched
                 if stepped:
                     self._step_unit(stepped, grad, grad_scale, target, self._update_tier(state))
-            if target is not None:
-                _copy_unstepped(target, unit.master, [piece for piece, _ in stepped])
-            pending.append(self._publish(unit, target, writer))
+            pending.append(self._publish(unit, target, writer, [piece for piece, _ in stepped]))
         self._finish_publishing(writer, pending)
         self.param_scheduler.stage_first_units()
 
@@ -388,10 +387,7 @@ class Engine:
         pending = []
         writer = BlockWriter(self.tiers["host"])
         for state in self.visit_optimizer_states(write=False):
-            target = self._publish_target(state.unit, writer)
-            if target is not None:
-                target.copy_(state.unit.master)
-            pending.append(self._publish(state.unit, target, writer))
+            pending.append(self._publish(state.unit, self._publish_target(state.unit, writer), writer, stepped=[]))
         self._finish_publishing(writer, pending)
 
     def _finish_publishing(self, writer: BlockWriter, pending: list) -> None:
@@ -426,10 +422,13 @@ class Engine:
             return self.tiers["device"].empty(Kind.BUFFER, unit.layout.shard_numel, unit.compute_dtype)
         return None if unit.master_is_param else unit.flat_param[unit.shard_range]
 
-    def _publish(self, unit: FlatUnit, target: torch.Tensor | None, writer: BlockWriter
+    def _publish(self, unit: FlatUnit, target: torch.Tensor | None, writer: BlockWriter, stepped: list[Piece]
                  ) -> tuple[torch.Tensor, Any] | None:
-        """Send the new weights on: a partitioned unit's shard home (``writer``; gathered at its next
-        use), a sharded unit's all-gather started (returns its input and handle)."""
+        """Fill ``target`` from the masters where the update did not write it already (outside the
+        ``stepped`` pieces), then send the new weights on: a partitioned unit's shard home (``writer``;
+        gathered at its next use), a sharded unit's all-gather started (returns its input and handle)."""
+        if target is not None:
+            _copy_unstepped(target, unit.master, stepped)
         if unit.partitioned:
             if target is not None:
                 writer.commit(unit.param_block)

@@ -191,6 +191,11 @@ class FlatUnit:
         s = self.layout.shard_numel
         return slice(self.rank * s, (self.rank + 1) * s)
 
+    def param_range(self, piece: Piece) -> tuple[int, int]:
+        """Where ``piece`` lies inside its parameter, flattened: [start, stop)."""
+        start = self.shard_range.start + piece.start - self.layout.slots[piece.slot_index].offset
+        return start, start + piece.stop - piece.start
+
     def full_fp32(self) -> torch.Tensor:
         """The parameters' current fp32 values, flat and padded with zeros (for initialization)."""
         flat = torch.zeros(self.layout.padded_numel, dtype=torch.float32)
@@ -288,14 +293,14 @@ class FlatUnit:
 
         A persistent full gradient is not zero-filled: the next window's first gradients overwrite it.
         """
-        for name, keep in (("flat_grad", self.keep_full_grad), ("grad_shard", self.keep_grad_shard)):
-            tensor = getattr(self, name)
-            if keep and name == "grad_shard":
-                if tensor is not None:  # None when the shard lives on the optimizer's tier
-                    tensor.zero_()
-            elif not keep and tensor is not None:
-                tier.free(Kind.BUFFER, tensor)
-                setattr(self, name, None)
+        if not self.keep_full_grad and self.flat_grad is not None:
+            tier.free(Kind.BUFFER, self.flat_grad)
+            self.flat_grad = None
+        if self.keep_grad_shard and self.grad_shard is not None:  # None when offloaded
+            self.grad_shard.zero_()
+        elif self.grad_shard is not None:
+            tier.free(Kind.BUFFER, self.grad_shard)
+            self.grad_shard = None
         if self.offloaded_grad is not None:
             self.offloaded_grad.clear()
         self.has_grad = [False] * len(self.layout.slots)

@@ -105,9 +105,8 @@ def _match(engine: Any, files: SafetensorsSource, prefix: str, strict: bool) -> 
 
 
 def _fill_master(state: Any, files: SafetensorsSource, keys: dict[int, str]) -> None:
-    unit = state.unit
-    master, lo = state.master(), unit.shard_range.start
-    for slot in unit.layout.slots:
-        start, stop = max(slot.offset, lo), min(slot.offset + slot.numel, lo + unit.layout.shard_numel)
-        if start < stop and id(slot.param) in keys:
-            master[start - lo:stop - lo] = files.read(keys[id(slot.param)], start - slot.offset, stop - slot.offset)
+    unit, master = state.unit, state.master()
+    for piece in unit.pieces:
+        key = keys.get(id(unit.layout.slots[piece.slot_index].param))
+        if key is not None:
+            master[piece.start:piece.stop] = files.read(key, *unit.param_range(piece))

@@ -156,14 +156,8 @@ class ParamScheduler:
 
         Only reads, which need no agreement between ranks; the all-gathers stay at their uses.
         """
-        if self.trace is None:
-            return
-        self._training, self._position = True, 0  # _window reads the trace from its start
-        try:
-            for index in self._window(scale=2):
-                self._stage(index)
-        finally:
-            self._training = False
+        for index in self._ahead(0, scale=2):
+            self._stage(index)
 
     def gather_all(self) -> None:
         """Every unit gathered at once, outside any pass (``engine.gathered``): not bounded by max_live_size."""
@@ -204,12 +198,17 @@ class ParamScheduler:
         self.trace = None
 
     def _window(self, scale: int = 1) -> list[int]:
-        """Units used next along the trace, within ``scale × prefetch_size`` bytes (empty without a trace)."""
-        if not self._training or self.trace is None or self._recording is not None:
+        """Units this training pass uses next along the trace, within ``scale × prefetch_size`` bytes."""
+        if not self._training or self._recording is not None:
             return []
+        return self._ahead(self._position, scale)
+
+    def _ahead(self, position: int, scale: int) -> list[int]:
+        """Units used from ``position`` on along the trace, within ``scale × prefetch_size`` bytes (none
+        without a trace)."""
         window: list[int] = []
         budget = scale * self.prefetch_bytes
-        for index in self.trace[self._position:]:
+        for index in self.trace[position:] if self.trace is not None else []:
             if index in window:
                 continue
             budget -= gathered_bytes(self.units[index])

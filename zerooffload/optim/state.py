@@ -89,8 +89,6 @@ class UnitOptimizerState:
 
     def unpoint(self, optimizer: torch.optim.Optimizer) -> None:
         """Before a block that is not resident unloads: empty every view of it."""
-        if self.block.resident:
-            return
         self.unit.master = None
         for _, tensor in self.pieces:
             _point(tensor, None)
