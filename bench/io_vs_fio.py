@@ -45,6 +45,7 @@ import torch
 
 from zerooffload.config import AioConfig, format_size, parse_size
 from zerooffload.io import AsyncIO, aligned_empty, open_file
+from zerooffload.peer_process import PeerProcess
 
 OURS = ("uring", "pool", "python", "aiofiles")
 HERE = Path(__file__).resolve().parent
@@ -125,46 +126,17 @@ class DeepSpeedSide:
     name = "deepspeed"
 
     def __init__(self, args: argparse.Namespace):
-        env = {**os.environ, "DS_ACCELERATOR": "cpu"}
-        cmd = [args.ds_python, str(HERE / "ds_aio_side.py"), f"--bytes={args.size}",
-               f"--block-size={args.block_size}", f"--queue-depth={args.queue_depth}"]
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
-                                     cwd=tempfile.gettempdir())  # not the repo: its zerooffload is not DS's
-        ready = self._reply()
-        if "error" in ready:
-            self.close()
-            raise RuntimeError(ready["error"])
-
-    def _reply(self) -> dict:
-        """The next JSON line; DeepSpeed prints its own lines on stdout, which are skipped."""
-        for line in self.proc.stdout:
-            if line.startswith("{"):
-                return json.loads(line)
-        raise RuntimeError(f"the DeepSpeed helper exited ({self.proc.wait()})")
-
-    def _ask(self, op: str, path: str) -> float:
-        self.proc.stdin.write(f"{op} {path}\n")
-        self.proc.stdin.flush()
-        answer = self._reply()
-        if "error" in answer:
-            raise RuntimeError(f"deepspeed: {answer['error']}")
-        return answer["seconds"]
+        self.peer = PeerProcess([args.ds_python, str(HERE / "ds_aio_side.py"), f"--bytes={args.size}",
+                                 f"--block-size={args.block_size}", f"--queue-depth={args.queue_depth}"])
 
     def write(self, path: str) -> float:
-        return self._ask("write", path)
+        return self.peer.ask(f"write {path}")["seconds"]
 
     def read(self, path: str) -> float:
-        return self._ask("read", path)
+        return self.peer.ask(f"read {path}")["seconds"]
 
     def close(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                self.proc.stdin.write("quit\n")
-                self.proc.stdin.close()
-                self.proc.wait(timeout=30)
-            except (OSError, subprocess.TimeoutExpired):
-                self.proc.kill()
-                self.proc.wait()
+        self.peer.close()
 
 
 # ------------------------------------------------------------------------------------------------

@@ -23,14 +23,11 @@ times the public ``fused_adam_step`` and torch's optimizer and prints; no optimi
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import math
 import os
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -39,6 +36,7 @@ import torch
 
 from .bench import BenchError
 from .optim import fused_adam_step, simd_level
+from .peer_process import PeerError, PeerProcess
 
 __all__ = ["run_adam_bench"]
 
@@ -164,37 +162,17 @@ class DeepSpeedSide:
     def __init__(self, python: str, n: int, dtype_name: str):
         if not os.access(python, os.X_OK):
             raise BenchError(f"--deepspeed-python {python}: not an executable", code=2)
-        cmd = [python, str(DS_SIDE), f"--params={n}", f"--tensor-numel={TENSOR_NUMEL}", f"--dtype={dtype_name}",
-               f"--lr={LR}", f"--weight-decay={WEIGHT_DECAY}"]
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                                     env={**os.environ, "DS_ACCELERATOR": "cpu"},
-                                     cwd=tempfile.gettempdir())  # not the repository: DeepSpeed imports its own world
-        ready = self._reply()
-        if "error" in ready:
-            self.close()
-            raise BenchError(f"deepspeed: {ready['error']}")
-
-    def _reply(self) -> dict:
-        """The next JSON line; DeepSpeed prints lines of its own on stdout, which are skipped."""
-        for line in self.proc.stdout:
-            if line.startswith("{"):
-                return json.loads(line)
-        raise BenchError(f"the DeepSpeed helper exited with status {self.proc.wait()}")
+        try:
+            self.peer = PeerProcess([python, str(DS_SIDE), f"--params={n}", f"--tensor-numel={TENSOR_NUMEL}",
+                                     f"--dtype={dtype_name}", f"--lr={LR}", f"--weight-decay={WEIGHT_DECAY}"])
+        except PeerError as exc:
+            raise BenchError(f"deepspeed: {exc}") from None
 
     def phase(self) -> float:
-        self.proc.stdin.write("step\n")
-        self.proc.stdin.flush()
-        return self._reply()["ms"] / 1e3
+        return self.peer.ask("step")["ms"] / 1e3
 
     def close(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                self.proc.stdin.write("quit\n")
-                self.proc.stdin.close()
-                self.proc.wait(timeout=30)
-            except (OSError, subprocess.TimeoutExpired):
-                self.proc.kill()
-                self.proc.wait()
+        self.peer.close()
 
 
 def _open_sides(args: argparse.Namespace, n: int, dtype: torch.dtype) -> list:
