@@ -32,9 +32,7 @@ from pathlib import Path
 import torch
 
 import zerooffload as zo
-from io_vs_fio import FioSide, ensure_fio, make_file
-
-FIO_SIZE = 1 << 30
+from io_vs_fio import ensure_fio, rounds_against_fio
 
 
 def _engine(args, swap: Path):
@@ -44,36 +42,25 @@ def _engine(args, swap: Path):
                                  "offload": {"param": {"tier": "nvme"}, "optimizer": {"tier": "nvme"}}})
 
 
-def _fio_bandwidths(fio: FioSide, path: str) -> tuple[float, float]:
-    """(read, write) bytes per second."""
-    return FIO_SIZE / fio.read(path), FIO_SIZE / fio.write(path)
-
-
 def _save_rounds(args, engine, work: Path) -> tuple[list[float], list[float], int, int]:
-    fio = FioSide(argparse.Namespace(size=FIO_SIZE, block_size="1M", queue_depth=32), str(work))
-    fio_file = str(work / "fio.dat")
-    make_file(fio_file, FIO_SIZE)
     stored = sum(state.block.nbytes for state in engine.opt_states)
     times, bounds, written = [], [], 0
-    try:
-        for number in range(args.rounds):
-            steps = ["fio", "save"] if number % 2 == 0 else ["save", "fio"]
-            for what in steps:
-                if what == "fio":
-                    read_bw, write_bw = _fio_bandwidths(fio, fio_file)
-                else:
-                    shutil.rmtree(work / "ckpt", ignore_errors=True)
-                    start = time.perf_counter()
-                    path = engine.save_checkpoint(work / "ckpt", tag="bench")
-                    times.append(time.perf_counter() - start)
-                    written = sum(f.stat().st_size for f in path.iterdir())
-            bounds.append(stored / read_bw + written / write_bw)
-            print(f"  round {number}: save {times[-1]:.2f} s, bound {bounds[-1]:.2f} s (fio read "
-                  f"{read_bw / 1e9:.2f} GB/s, write {write_bw / 1e9:.2f} GB/s), ratio {times[-1] / bounds[-1]:.3f}",
-                  flush=True)
-    finally:
-        fio.close()
-        os.unlink(fio_file)
+
+    def save() -> float:
+        nonlocal written
+        shutil.rmtree(work / "ckpt", ignore_errors=True)
+        start = time.perf_counter()
+        path = engine.save_checkpoint(work / "ckpt", tag="bench")
+        seconds = time.perf_counter() - start
+        written = sum(f.stat().st_size for f in path.iterdir())
+        return seconds
+
+    for number, (seconds, read_bw, write_bw) in enumerate(rounds_against_fio(args.rounds, work, save)):
+        times.append(seconds)
+        bounds.append(stored / read_bw + written / write_bw)
+        print(f"  round {number}: save {seconds:.2f} s, bound {bounds[-1]:.2f} s (fio read "
+              f"{read_bw / 1e9:.2f} GB/s, write {write_bw / 1e9:.2f} GB/s), ratio {seconds / bounds[-1]:.3f}",
+              flush=True)
     return times, bounds, stored, written
 
 

@@ -40,6 +40,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Callable, Iterator
 
 import torch
 
@@ -184,6 +185,30 @@ def make_file(path: str, size: int) -> None:
             n = min(block.numel(), size - offset)
             os.pwritev(file.fd, [memoryview(block[:n].numpy())], offset)
         os.fsync(file.fd)
+
+
+FIO_SIZE = 1 << 30
+"""Bytes of fio's reference runs in benchmarks that compare against the disk's bound."""
+
+
+def rounds_against_fio(rounds: int, workdir: Path, measure: Callable[[], float]) -> Iterator[tuple[float, float, float]]:
+    """Per round: ``measure()``'s seconds and fio's read and write bandwidth (bytes/s) in the same round,
+    fio first in even rounds and second in odd ones (DESIGN §4); fio's 1 GiB file is removed after."""
+    fio = FioSide(argparse.Namespace(size=FIO_SIZE, block_size="1M", queue_depth=32), str(workdir))
+    path = str(workdir / "fio.dat")
+    make_file(path, FIO_SIZE)
+    try:
+        for number in range(rounds):
+            seconds = bandwidths = None
+            for what in ("fio", "work") if number % 2 == 0 else ("work", "fio"):
+                if what == "fio":
+                    bandwidths = (FIO_SIZE / fio.read(path), FIO_SIZE / fio.write(path))
+                else:
+                    seconds = measure()
+            yield seconds, *bandwidths
+    finally:
+        fio.close()
+        os.unlink(path)
 
 
 # ------------------------------------------------------------------------------------------------

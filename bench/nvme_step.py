@@ -25,8 +25,7 @@ from pathlib import Path
 import torch
 
 import zerooffload as zo
-from checkpoint_io import FIO_SIZE, _fio_bandwidths
-from io_vs_fio import FioSide, ensure_fio, make_file
+from io_vs_fio import ensure_fio, rounds_against_fio
 
 
 def main() -> None:
@@ -38,10 +37,7 @@ def main() -> None:
     args = parser.parse_args()
     ensure_fio()
     work = Path(tempfile.mkdtemp(prefix="zo-step-bench-", dir=args.dir))
-    fio = FioSide(argparse.Namespace(size=FIO_SIZE, block_size="1M", queue_depth=32), str(work))
-    fio_file = str(work / "fio.dat")
     try:
-        make_file(fio_file, FIO_SIZE)
         torch.manual_seed(0)
         model = torch.nn.Sequential(*(torch.nn.Linear(args.width, args.width) for _ in range(args.layers)))
         engine = zo.initialize(model, {"zero": {"stage": 2}, "optimizer": {"type": "adamw"},
@@ -52,16 +48,16 @@ def main() -> None:
         print(f"machine: {os.cpu_count()} CPUs; {params / 1e6:.0f}M parameters, optimizer states on NVMe: the step "
               f"reads {(blocks + grads) / 2**30:.2f} GiB and writes {blocks / 2**30:.2f} GiB")
         x = torch.randn(4, args.width)
+
+        def step() -> float:
+            engine.backward(engine(x).square().mean())
+            start = time.perf_counter()
+            engine.step()
+            return time.perf_counter() - start
+
         ratios, times = [], []
-        for number in range(args.rounds):
-            for what in (["fio", "step"] if number % 2 == 0 else ["step", "fio"]):
-                if what == "fio":
-                    read_bw, write_bw = _fio_bandwidths(fio, fio_file)
-                else:
-                    engine.backward(engine(x).square().mean())
-                    start = time.perf_counter()
-                    engine.step()
-                    times.append(time.perf_counter() - start)
+        for number, (seconds, read_bw, write_bw) in enumerate(rounds_against_fio(args.rounds, work, step)):
+            times.append(seconds)
             bound = (blocks + grads) / read_bw + blocks / write_bw
             ratios.append(times[-1] / bound)
             print(f"  round {number}: step {times[-1]:.2f} s, bound {bound:.2f} s (fio read {read_bw / 1e9:.2f}, "
@@ -73,7 +69,6 @@ def main() -> None:
               f"the fio bound min {min(ratios):.3f} / median {median:.3f} / max {max(ratios):.3f} "
               f"(target ≤ 1.15: {'met' if median <= 1.15 else 'NOT met'})")
     finally:
-        fio.close()
         shutil.rmtree(work, ignore_errors=True)
 
 
