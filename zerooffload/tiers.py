@@ -64,6 +64,8 @@ class Tier(abc.ABC):
     """A budgeted place for tensors; subclasses decide how memory is allocated."""
 
     budget_key = ""
+    resident = True
+    """Whether the tier's tensors are memory the compute can address (device, host) or not (nvme)."""
 
     def __init__(self, name: str, device: torch.device, budget: int | None):
         self.name = name
@@ -108,9 +110,6 @@ class Tier(abc.ABC):
         """
         tensor.untyped_storage().resize_(0)
         self.free(kind, tensor)
-
-    resident = True
-    """Whether the tier's tensors are memory the compute can address (device, host) or not (nvme)."""
 
     def close(self) -> None:
         """Release what the tier holds outside memory (the NVMe tier's swap files)."""
