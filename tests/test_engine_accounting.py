@@ -155,18 +155,22 @@ def test_offloaded_states_are_accounted_on_their_tiers(rank_pools):
         assert result["swap_files"] and not result["swap_files_left"]  # close() removes the swap files
 
 
-def test_nvme_traffic_per_step_is_every_optimizer_block_once_each_way():
-    """Optimizer blocks: read and written once. Gradient shards: written once when reduced (their norm
-    taken then), read once by the update."""
-    engine = zo.initialize(_mlp(), {"zero": {"stage": 2}, "offload": {"optimizer": {"tier": "nvme"}}})
+@pytest.mark.parametrize("clip", [1.0, 0.0])
+def test_nvme_traffic_per_step_is_every_optimizer_block_once_each_way(clip):
+    """Optimizer blocks: read and written once. Gradient shards, when the step needs their global norm
+    (clipping): written once when reduced (their norm taken then), read once by the update; without
+    it they are used as they are reduced and never stored (engine's [Note: updates in backward])."""
+    engine = zo.initialize(_mlp(), {"zero": {"stage": 2}, "train": {"grad_clip": clip},
+                                    "offload": {"optimizer": {"tier": "nvme"}}})
     blocks = engine.memory_report().bytes("nvme", "optimizer")
     grads = engine.memory_report().bytes("nvme", "grad")
     assert grads == 4 * sum(u.layout.shard_numel for u in engine.units) and engine.memory_report().bytes(
         "device", "grad") == 0
+    moved = blocks + (grads if clip else 0)
     for _ in range(2):
         _one_step(engine)
         io = engine.stats.io
-        assert (io.read_bytes, io.write_bytes) == (blocks + grads, blocks + grads)
+        assert (io.read_bytes, io.write_bytes) == (moved, moved)
         assert engine.stats.seconds > 0 and engine.stats.io_gbps > 0
     engine.close()
 

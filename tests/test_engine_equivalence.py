@@ -187,3 +187,49 @@ def test_nvme_streams_units_of_different_sizes():
     """The stream's host buffers come back whole: a large block after small ones still fits."""
     device, nvme = _large_root_run({}), _large_root_run({"optimizer": {"tier": "nvme"}})
     assert all(torch.equal(device[k], nvme[k]) for k in device)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_updates_in_backward_equal_the_updates_in_the_step(rank_pools, stage):
+    """No clipping, one micro-batch per step: offloaded units are updated inside backward (engine's
+    [Note: updates in backward]), bitwise what the device run does in its step; half offloaded mixes both."""
+    cases = [("host", 1.0, "device"), ("nvme", 1.0, "device"), ("nvme", 0.5, "device")]
+    if stage == 3:
+        cases.append(("nvme", 1.0, "nvme"))
+    for precision in ("fp32", "bf16"):
+        device = rank_pools(2).run(train_case, stage, precision, accum=1, clip=0.0)[0]
+        _check(device, precision, accum=1)
+        for tier, fraction, param_tier in cases:
+            offload = {"optimizer": {"tier": tier, "fraction": fraction}, "param": {"tier": param_tier}}
+            result = rank_pools(2).run(train_case, stage, precision, accum=1, clip=0.0, offload=offload)[0]
+            assert result["errors"] == device["errors"], (precision, tier, fraction, param_tier)
+
+
+def _backward_then_step(clip: float) -> dict:
+    """Stage 3, everything on NVMe, world 1: what one backward changes before its step, the NVMe bytes
+    per step, and the weights after two steps. A clip (even one that never binds) needs the global
+    norm, so it keeps the updates in the step."""
+    batches = make_batches(2, 1, MICRO)
+    model = make_model()
+    initial = {k: v.clone() for k, v in model.state_dict().items()}
+    offload = {"param": {"tier": "nvme"}, "optimizer": {"tier": "nvme"}}
+    engine = zo.initialize(model, _config(3, "fp32", 1, clip, offload=offload))
+    (idx, targets), = batches[0]
+    engine.backward(engine(idx, targets))
+    moved_in_backward = any(not torch.equal(v, initial[k]) for k, v in engine.full_state_dict().items())
+    engine.step()
+    (idx, targets), = batches[1]
+    engine.backward(engine(idx, targets))
+    engine.step()
+    io, full = engine.stats.io, engine.full_state_dict()
+    grad_bytes = sum(u.offloaded_grad.block.nbytes for u in engine.units)
+    engine.close()
+    return {"moved": moved_in_backward, "io": io, "full": full, "grad_bytes": grad_bytes}
+
+
+def test_updates_in_backward_skip_the_gradients_round_trip_through_nvme():
+    on, off = _backward_then_step(0.0), _backward_then_step(1e9)
+    assert on["moved"] and not off["moved"]
+    assert all(torch.equal(on["full"][k], off["full"][k]) for k in off["full"])
+    assert off["io"].write_bytes - on["io"].write_bytes == on["grad_bytes"]
+    assert off["io"].read_bytes - on["io"].read_bytes == on["grad_bytes"]

@@ -16,6 +16,22 @@ all units are reduced when the window closes. ``engine.step`` at the accumulatio
    pieces whose parameters had a gradient somewhere (others skip, as torch skips ``grad is None``),
    writing the new compute weights where they are published: all-gathered at stages 1–2, a partitioned
    unit's shard at stage 3, gathered again at its next use by the ``ParamScheduler`` (``param_hooks``).
+
+[Note: updates in backward]
+When the update needs nothing global (no ``train.grad_clip``, no fp16 loss scale that may skip the
+step, ``grad_accum_steps`` 1), a unit whose gradient would leave for the optimizer's tier is updated instead the moment its reduced shard arrives, still
+inside backward: its optimizer block was read ahead (the blocks stream in the reducer's fixed order,
+read i+1 ‖ update i ‖ write i−1, as in the step), the reduced shard is rounded to the compute dtype
+exactly as the tier would store it, and the new weights are published as the step would publish
+them. The gradient never makes the trip to the tier and back (2 × its bytes per step saved on NVMe),
+and the optimizer's I/O overlaps backward. The result is bitwise the step's: the same inputs, the
+same update. It is safe because a unit is reduced only once every use of its parameters in this
+backward is over (autograd accumulates a parameter's gradient after all its uses), and the "had a
+gradient somewhere" flags of its slots are summed over ranks right then, in the reducer's order.
+``engine.step`` then updates only the other units, and closes the window as always (counters, LR
+schedule, the gradient norm reported). So each such ``backward`` applies its update: call ``step``
+after every ``backward``, as always. (A ``grad_clip`` too large to bind turns this off and changes
+nothing else: the tests compare both ways.)
 """
 from __future__ import annotations
 
@@ -116,6 +132,18 @@ def _checkpoint_forward(module: nn.Module) -> None:
     module.forward = checkpointed
 
 
+@dataclasses.dataclass(slots=True)
+class _BackwardUpdates:
+    """One backward's updates in progress (see [Note: updates in backward])."""
+
+    states: Iterator[UnitOptimizerState]
+    """The units' optimizer states in arrival order, streamed: the next one loads during an update."""
+    writer: BlockWriter
+    """Stores new parameter shards."""
+    pending: list = dataclasses.field(default_factory=list)
+    """All-gathers of new weights in flight (stages 1–2)."""
+
+
 class Engine:
     """Trains one module with ZeRO stages 0–3; see [Note: a step]."""
 
@@ -153,7 +181,11 @@ class Engine:
         self.scheduler = None if default_schedule else build_scheduler(self.optimizer, config.scheduler)
         self.scaler = LossScaler(config.train)
         mode = Mode.ALL_REDUCE if self.stage == 0 else Mode.REDUCE_SCATTER
-        self.reducer = GradReducer(comm, self._reduction_order(), mode, config.zero.bucket_size, self.tiers["device"])
+        self.reducer = GradReducer(comm, self._reduction_order(), mode, config.zero.bucket_size, self.tiers["device"],
+                                   on_reduced=self._on_reduced)
+        self._backward_units = self._units_updated_in_backward()
+        self._in_backward: _BackwardUpdates | None = None
+        self._updated_in_backward: set[int] = set()
         self._hooks = [slot.param.register_post_accumulate_grad_hook(partial(self._on_grad, unit, index))
                        for unit in self.units for index, slot in enumerate(unit.layout.slots) if slot.trainable]
         if partitioned:
@@ -258,12 +290,15 @@ class Engine:
             if state.block.resident:
                 state.point(self.optimizer)
 
-    def visit_optimizer_states(self, *, write: bool) -> Iterator[UnitOptimizerState]:
-        """Each unit's optimizer state loaded and pointed, in unit order (paged through host buffers
-        when it lives on NVMe: read i+1 ‖ work on i ‖ write i−1); ``write`` stores changes back.
-        Resident blocks were pointed once for good (``_attach_optimizer_state``)."""
-        states = iter(self.opt_states)
-        for _ in stream_blocks([state.block for state in self.opt_states], self.tiers["host"], write=write):
+    def visit_optimizer_states(self, *, write: bool, states: list[UnitOptimizerState] | None = None
+                               ) -> Iterator[UnitOptimizerState]:
+        """Each unit's optimizer state (or each of ``states``) loaded and pointed, in unit order (paged
+        through host buffers when it lives on NVMe: read i+1 ‖ work on i ‖ write i−1); ``write`` stores
+        changes back. Resident blocks were pointed once for good (``_attach_optimizer_state``)."""
+        states = self.opt_states if states is None else states
+        blocks = [state.block for state in states]
+        states = iter(states)
+        for _ in stream_blocks(blocks, self.tiers["host"], write=write):
             state = next(states)  # the stream must be resumed after each yield: it stores the block then
             paged = not state.block.resident
             if paged:
@@ -294,10 +329,16 @@ class Engine:
         loss = output if isinstance(output, torch.Tensor) else output.loss
         for unit in self.units:
             unit.begin_backward()
-        (loss * (self.scaler.scale / self.config.train.grad_accum_steps)).backward()
-        if self.stage >= 2:
-            self.reducer.flush()
-            self._grad_writer.finish()
+        self._in_backward = self._start_backward_updates()
+        try:
+            (loss * (self.scaler.scale / self.config.train.grad_accum_steps)).backward()
+            if self.stage >= 2:
+                self.reducer.flush()
+                self._grad_writer.finish()
+        except BaseException:
+            self._abandon_backward_updates()
+            raise
+        self._finish_backward_updates()
         self.param_scheduler.end_pass()
         self.micro_steps += 1
 
@@ -325,6 +366,7 @@ class Engine:
             self._update(had_grad, self._grad_scale(norm_sq))
         for unit in self.units:
             unit.clear_grads(self.tiers["device"])
+        self._updated_in_backward.clear()
         self.scaler.update(overflow)
         self.global_steps += 1
         if self.scheduler is not None and not overflow:
@@ -362,23 +404,80 @@ class Engine:
         return coefficient / self.scaler.scale
 
     def _update(self, had_grad: list[torch.Tensor], grad_scale: float) -> None:
-        """Unit by unit: the update on the pieces with a gradient somewhere, writing the new compute
-        weights straight where they are published; one unit's all-gather runs while the next updates."""
+        """Unit by unit, those not updated in backward already: the update on the pieces with a gradient
+        somewhere, writing the new compute weights straight where they are published; one unit's
+        all-gather runs while the next updates."""
+        left = [i for i, unit in enumerate(self.units) if id(unit) not in self._updated_in_backward]
         pending = []
         writer = BlockWriter(self.tiers["host"])
-        for index, (state, flags) in enumerate(zip(self.visit_optimizer_states(write=True), had_grad)):
+        states = self.visit_optimizer_states(write=True, states=[self.opt_states[i] for i in left])
+        for position, state in enumerate(states):
             unit = state.unit
-            upcoming = self.units[index + 1].offloaded_grad if index + 1 < len(self.units) else None
+            upcoming = self.units[left[position + 1]].offloaded_grad if position + 1 < len(left) else None
             if upcoming is not None:
                 upcoming.prefetch()  # its read overlaps this unit's update
-            target = self._publish_target(unit, writer)
-            stepped = [(piece, tensor) for piece, tensor in state.pieces if flags[piece.slot_index] > 0]
             with self._reduced_grad(unit) as grad:  # entered even when nothing steps: it may be prefetched
-                if stepped:
-                    self._step_unit(stepped, grad, grad_scale, target, self._update_tier(state))
-            pending.append(self._publish(unit, target, writer, [piece for piece, _ in stepped]))
+                pending.append(self._update_unit(state, had_grad[left[position]], grad, grad_scale, writer))
         self._finish_publishing(writer, pending)
         self.param_scheduler.stage_first_units()
+
+    def _update_unit(self, state: UnitOptimizerState, flags: torch.Tensor, grad: torch.Tensor, grad_scale: float,
+                     writer: BlockWriter) -> tuple[torch.Tensor, Any] | None:
+        """One unit's update on the pieces whose parameters had a gradient somewhere (``flags``), then
+        its new weights published (``_publish``)."""
+        unit = state.unit
+        target = self._publish_target(unit, writer)
+        stepped = [(piece, tensor) for piece, tensor in state.pieces if flags[piece.slot_index] > 0]
+        if stepped:
+            self._step_unit(stepped, grad, grad_scale, target, self._update_tier(state))
+        return self._publish(unit, target, writer, [piece for piece, _ in stepped])
+
+    # ------------------------------------------------------------------ updates in backward
+    def _units_updated_in_backward(self) -> list[FlatUnit]:
+        """The units updated as their reduced gradients arrive, in the order they arrive (see
+        [Note: updates in backward]): those whose gradients would leave for the optimizer's tier, when
+        the update needs nothing global."""
+        train = self.config.train
+        if not (train.grad_accum_steps == 1 and train.grad_clip == 0 and not self.scaler.enabled):
+            return []
+        return [unit for unit in self.reducer.order if unit.offloaded_grad is not None]
+
+    def _start_backward_updates(self) -> "_BackwardUpdates | None":
+        if not self._backward_units:
+            return None
+        states = [self.opt_states[self.units.index(unit)] for unit in self._backward_units]
+        return _BackwardUpdates(self.visit_optimizer_states(write=True, states=states), BlockWriter(self.tiers["host"]))
+
+    def _on_reduced(self, unit: FlatUnit, shard: torch.Tensor) -> None:
+        """The reducer's hand-off of ``unit``'s reduced shard: updated at once, or kept for the step."""
+        updates = self._in_backward
+        if updates is None or unit.offloaded_grad is None:
+            unit.add_grad_shard(shard, self.tiers["device"])
+            return
+        state = next(updates.states)  # loaded ahead while the previous unit updated
+        assert state.unit is unit, "reduced shards arrive in the reducer's fixed order"
+        grad = shard.to(unit.compute_dtype)  # what the step would read back from the tier
+        unit.offloaded_grad.norm = torch.linalg.vector_norm(grad, dtype=torch.float32)
+        flags = control_all_reduce(self.comm, torch.tensor(unit.has_grad, dtype=torch.float64).to(self.comm.device))
+        updates.pending.append(self._update_unit(state, flags.cpu(), grad, 1.0 / self.scaler.scale, updates.writer))
+        self._updated_in_backward.add(id(unit))
+
+    def _finish_backward_updates(self) -> None:
+        """Backward is over: the last optimizer block stored, the new weights home or all-gathered."""
+        updates, self._in_backward = self._in_backward, None
+        if updates is None:
+            return
+        for _ in updates.states:  # every unit was reduced, so this only stores the last block ...
+            raise AssertionError("a unit updated in backward got no reduced gradient")
+        self._finish_publishing(updates.writer, updates.pending)
+
+    def _abandon_backward_updates(self) -> None:
+        """Backward failed: let the stream wait for its transfers and free its buffers; keep the first error."""
+        updates, self._in_backward = self._in_backward, None
+        if updates is not None:
+            updates.states.close()
+            with contextlib.suppress(Exception):
+                self._finish_publishing(updates.writer, updates.pending)
 
     def publish_weights(self) -> None:
         """Make every rank's compute weights equal the fp32 masters again, after the masters were set

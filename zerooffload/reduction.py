@@ -23,6 +23,7 @@ from __future__ import annotations
 import enum
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -58,8 +59,12 @@ class _Bucket:
 class GradReducer:
     """Launches and completes gradient collectives for a list of units (see [Note: reduction order])."""
 
-    def __init__(self, comm: Comm, units: list[FlatUnit], mode: Mode, bucket_bytes: int, tier: Tier):
+    def __init__(self, comm: Comm, units: list[FlatUnit], mode: Mode, bucket_bytes: int, tier: Tier,
+                 on_reduced: Callable[[FlatUnit, torch.Tensor], None] | None = None):
+        """``on_reduced(unit, shard)`` receives each reduced shard (``REDUCE_SCATTER``), in the fixed
+        order on every rank; by default it is added to the unit's gradient shard."""
         self.comm = comm
+        self.on_reduced = on_reduced or (lambda unit, shard: unit.add_grad_shard(shard, tier))
         self.order = units
         self.mode = mode
         self.bucket_bytes = bucket_bytes
@@ -92,7 +97,7 @@ class GradReducer:
         unit.zero_unwritten()
         if self.comm.world_size == 1:  # nothing to sum: no staging, no collective
             if self.mode is Mode.REDUCE_SCATTER:
-                unit.add_grad_shard(unit.flat_grad, self.tier)
+                self.on_reduced(unit, unit.flat_grad)
                 unit.release_flat_grad(self.tier)
             return
         nbytes = unit.layout.padded_numel * REDUCE_DTYPE.itemsize
@@ -158,7 +163,7 @@ class GradReducer:
                     unit.flat_grad.copy_(bucket.staging[offset:offset + unit.layout.padded_numel])
                 offset += unit.layout.padded_numel
             else:
-                unit.add_grad_shard(bucket.output[offset:offset + unit.layout.shard_numel], self.tier)
+                self.on_reduced(unit, bucket.output[offset:offset + unit.layout.shard_numel])
                 offset += unit.layout.shard_numel
                 unit.release_flat_grad(self.tier)
         self.tier.free(Kind.BUFFER, bucket.output)
