@@ -155,6 +155,25 @@ def test_offloaded_states_are_accounted_on_their_tiers(rank_pools):
         assert result["swap_files"] and not result["swap_files_left"]  # close() removes the swap files
 
 
+def test_fp32_parameter_shards_on_nvme_are_read_from_the_optimizer_blocks():
+    """fp32, both on NVMe: a shard is its optimizer block's master segment, so it takes no swap space and
+    the step writes only the optimizer blocks (and, clipping, the gradients)."""
+    model = _mlp()
+    engine = zo.initialize(model, {"zero": {"stage": 3}, "train": {"grad_clip": 1.0},
+                                   "offload": {"param": {"tier": "nvme"}, "optimizer": {"tier": "nvme"}}})
+    shard_bytes = 4 * sum(u.layout.shard_numel for u in engine.units)
+    report = engine.memory_report()
+    assert report.bytes("nvme", "param") == 0 and report.bytes("nvme", "optimizer") == 3 * shard_bytes
+    for _ in range(2):
+        _one_step(engine)
+        io = engine.stats.io
+        blocks, grads = 3 * shard_bytes, shard_bytes
+        assert io.write_bytes == blocks + grads  # no parameter shard written
+        assert io.read_bytes >= blocks + grads + shard_bytes  # and each shard at least once, from the blocks
+    engine.close()
+    # that the shards read are the updated masters: test_engine_equivalence's offloaded-parameter runs
+
+
 @pytest.mark.parametrize("clip", [1.0, 0.0])
 def test_nvme_traffic_per_step_is_every_optimizer_block_once_each_way(clip):
     """Optimizer blocks: read and written once. Gradient shards, when the step needs their global norm

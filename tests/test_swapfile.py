@@ -76,6 +76,22 @@ def test_striping_spreads_each_tensor_over_every_directory(tmp_path, aio):
         assert torch.equal(out, data)
 
 
+def test_a_prefix_read_returns_the_first_bytes_across_stripes(tmp_path, aio):
+    with SwapStore([str(tmp_path / "a"), str(tmp_path / "b")], aio) as store:
+        data = _random(4096 * 30, 2)
+        store.write("x", data).wait()
+        for nbytes in (4096, 4096 * 15, 4096 * 16, 4096 * 30):  # within the first stripe, at and past its end
+            out = torch.empty(nbytes, dtype=torch.uint8)
+            store.read("x", out, prefix=True).wait()
+            assert torch.equal(out, data[:nbytes]), nbytes
+        with pytest.raises(ValueError, match="holds 122880 bytes but the destination has 126976"):
+            store.read("x", torch.empty(4096 * 31, dtype=torch.uint8), prefix=True)
+    with SwapStore(str(tmp_path), aio, checksum=True) as store:
+        store.write("k", _random(8192, 3)).wait()
+        with pytest.raises(ValueError, match="a part cannot be verified"):
+            store.read("k", torch.empty(4096, dtype=torch.uint8), prefix=True)
+
+
 def test_two_stores_on_one_path_do_not_share(tmp_path, aio):
     with SwapStore(str(tmp_path), aio) as one, SwapStore(str(tmp_path), aio) as two:
         assert one.paths[0] != two.paths[0]

@@ -63,7 +63,7 @@ from .scheduler import ParamScheduler, check_live_bound
 from .offloaded_grads import OffloadedGrad
 from .optim.state import UnitOptimizerState, units_to_offload
 from .telemetry import MemoryReport, StepStats, memory_report
-from .tiers import BlockWriter, IOStats, Kind, Tier, NvmeTier, check_plan, make_tiers, stream_blocks, write_block
+from .tiers import Block, BlockWriter, IOStats, Kind, Tier, NvmeTier, check_plan, make_tiers, stream_blocks, write_block
 
 __all__ = ["Engine", "initialize"]
 
@@ -226,6 +226,22 @@ class Engine:
         """``offload.optimizer.tier`` for the units ``offload.optimizer.fraction`` sends there, else device."""
         return self.config.offload.optimizer.tier if self._offloaded[index] else "device"
 
+    def _param_block(self, index: int, tier_name: str) -> Block:
+        """A partitioned unit's shard home (``Kind.PARAM`` on ``offload.param.tier``); in fp32 with the
+        unit's optimizer block on NVMe too, the block's master segment instead, which holds the same
+        values and which the update writes anyway: no second copy to write each step."""
+        if self._params_in_masters(tier_name):
+            return self.tiers["nvme"].prefix_block(f"optimizer.{index}", self.units[index].layout.shard_numel,
+                                                   torch.float32)  # the master is the block's first segment
+        return self._param_tier.block(Kind.PARAM, f"param.{index}", self.units[index].layout.shard_numel,
+                                      self.compute_dtype)
+
+    def _params_in_masters(self, tier_name: str) -> bool:
+        """Whether partitioned shards read the optimizer blocks' masters (see ``_param_block``); not with
+        ``nvme.checksum``, which covers whole blocks only."""
+        return (self.compute_dtype == torch.float32 and self.config.offload.param.tier == "nvme"
+                and tier_name == "nvme" and not self.config.nvme.checksum)
+
     def _master_is_param(self, tier_name: str) -> bool:
         return self.config.offload.param.tier == "device" and masters_alias_params(
             self.compute_dtype, self.tiers["device"], self.tiers.get(tier_name))
@@ -239,6 +255,7 @@ class Engine:
                            optimizer_tier=self.config.offload.optimizer.tier, param_tier=self.config.offload.param.tier,
                            offloaded=[layout for layout, moved in zip(layouts, self._offloaded) if moved],
                            master_is_param=self._master_is_param("device"),
+                           params_in_masters=self._params_in_masters(self.config.offload.optimizer.tier),
                            moments=len(moment_names(self.config.optimizer)), bucket_bytes=self.config.zero.bucket_size,
                            world_size=self.comm.world_size,
                            partitioned=[u.layout for u in self.units if u.partitioned],
@@ -257,17 +274,14 @@ class Engine:
             index = self.units.index(unit)
             full = full.to(self.comm.device)
             broadcast(self.comm, full)
-            param_block = None
-            if unit.partitioned:
-                param_block = self._param_tier.block(Kind.PARAM, f"param.{index}", unit.layout.shard_numel,
-                                                     self.compute_dtype)
             tier_name = self._optimizer_tier_name(index)
+            param_block = self._param_block(index, tier_name) if unit.partitioned else None
             if unit.keep_grad_shard and tier_name != "device":
                 block = self.tiers[tier_name].block(Kind.GRAD, f"grad.{index}", unit.layout.shard_numel,
                                                     self.compute_dtype)
                 unit.offloaded_grad = OffloadedGrad(block, self._grad_writer, self.tiers["host"])
             unit.materialize(full, self.tiers["device"], self._master_is_param(tier_name), param_block)
-            if param_block is not None:
+            if param_block is not None and param_block.writable:
                 write_block(param_block, full[unit.shard_range], self.tiers["host"])
             state = UnitOptimizerState(unit, self.tiers[tier_name], names, key=f"optimizer.{index}")
             for _ in stream_blocks([state.block], self.tiers["host"], read=False):
@@ -515,7 +529,7 @@ class Engine:
         """Where this rank's new compute weights of ``unit`` go (None when the masters are the weights):
         a partitioned unit's shard block, a sharded unit's all-gather input, else its own weights."""
         if unit.partitioned:
-            return None if unit.master_is_param else writer.begin(unit.param_block)
+            return None if unit.master_is_param or not unit.param_block.writable else writer.begin(unit.param_block)
         if unit.layout.shards > 1 and self.comm.world_size > 1:
             # The all-gather writes this rank's shard too, so its input must not alias the output.
             return self.tiers["device"].empty(Kind.BUFFER, unit.layout.shard_numel, unit.compute_dtype)
@@ -600,7 +614,7 @@ class Engine:
                 broadcast(self.comm, unit.flat_param, src=modifier_rank)
                 new = unit.flat_param[unit.shard_range]
                 changed = new != old
-                if unit.partitioned:
+                if unit.partitioned and unit.param_block.writable:
                     write_block(unit.param_block, new, self.tiers["host"])
                 if not unit.master_is_param:
                     unit.master[changed.to(unit.master.device)] = new[changed].float().to(unit.master.device)

@@ -16,11 +16,14 @@ __all__ = ["plan_memory"]
 
 def plan_memory(layouts: list[UnitLayout], *, stage: int, compute_bytes: int, optimizer_tier: str, param_tier: str,
                 offloaded: list[UnitLayout], master_is_param: bool, moments: int, bucket_bytes: int, world_size: int,
-                partitioned: list[UnitLayout], max_live_bytes: int, prefetch_bytes: int) -> Plan:
+                partitioned: list[UnitLayout], max_live_bytes: int, prefetch_bytes: int,
+                params_in_masters: bool = False) -> Plan:
     """Bytes by tier and kind: parameters full on the device, except the ``partitioned`` units of stage
     3 (a shard each on ``param_tier``, plus at most ``max_live_bytes`` gathered on the device);
     optimizer states of the ``offloaded`` units on ``optimizer_tier``, the others' on the device (whose
-    fp32 masters are the weights themselves when ``master_is_param``); gradients by stage."""
+    fp32 masters are the weights themselves when ``master_is_param``); gradients by stage. With
+    ``params_in_masters`` an offloaded partitioned unit's shard is its optimizer block's master segment
+    and takes no space of its own."""
     full = sum(u.padded_numel for u in layouts) * compute_bytes
     shard = sum(u.shard_numel for u in layouts)
     largest = max(u.padded_numel for u in layouts) * compute_bytes
@@ -32,7 +35,8 @@ def plan_memory(layouts: list[UnitLayout], *, stage: int, compute_bytes: int, op
         plan.setdefault(tier, {k: 0 for k in Kind})
     device = plan["device"]
     device[Kind.PARAM] = full - partitioned_full
-    plan[param_tier][Kind.PARAM] += sum(u.shard_numel for u in partitioned) * compute_bytes
+    own_shards = [u for u in partitioned if not (params_in_masters and id(u) in moved_ids)]
+    plan[param_tier][Kind.PARAM] += sum(u.shard_numel for u in own_shards) * compute_bytes
     device[Kind.GATHERED] = min(max_live_bytes, partitioned_full)
     if partitioned and param_tier != "device":  # shards staged in host memory (scheduler's note)
         largest_shard = max(u.shard_numel for u in partitioned) * compute_bytes

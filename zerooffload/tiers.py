@@ -154,6 +154,7 @@ class Block:
     """A resident block: ``data`` is always its own tensor; loading and storing move nothing."""
 
     resident = True
+    writable = True
 
     def __init__(self, data: torch.Tensor):
         self.data: torch.Tensor | None = data
@@ -236,6 +237,23 @@ class _SwappedBlock(Block):
         return buffer
 
 
+class _SwappedPrefix(_SwappedBlock):
+    """The first ``numel`` elements of another swapped block, read-only: a second way to read part of
+    a block that its owner writes (a partitioned unit's fp32 shard inside its optimizer block)."""
+
+    writable = False
+
+    def load(self, buffer: torch.Tensor | None = None, *, read: bool = True) -> Any:
+        handle = super().load(buffer, read=False)
+        if not read:
+            return handle
+        self.stats.read_bytes += self.nbytes
+        return _TimedHandle(self.store_.read(self.key, self.data, prefix=True), self.stats)
+
+    def store(self) -> Any:
+        raise TypeError(f"the first {self.numel} elements of swap block {self.key!r} are written by its owner only")
+
+
 class NvmeTier(Tier):
     """Swap files on NVMe (``nvme.path``, striped over a list): blocks only, never addressable tensors.
 
@@ -267,6 +285,10 @@ class NvmeTier(Tier):
     def block(self, kind: Kind, key: str, numel: int, dtype: torch.dtype) -> Block:
         self._account(kind, numel * dtype.itemsize)
         return _SwappedBlock(self.swap, key, numel, dtype, self.io)
+
+    def prefix_block(self, key: str, numel: int, dtype: torch.dtype) -> Block:
+        """A read-only view of the first ``numel`` elements of block ``key`` (no space of its own)."""
+        return _SwappedPrefix(self.swap, key, numel, dtype, self.io)
 
 
 STREAM_BUFFERS = 3

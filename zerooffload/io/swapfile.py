@@ -214,6 +214,17 @@ def sweep_stale(directory: Path) -> list[str]:
     return removed
 
 
+def _first_bytes(pieces: tuple[tuple[int, int, int], ...], nbytes: int) -> tuple[tuple[int, int, int], ...]:
+    """The extents (stripe, offset, length) holding an entry's first ``nbytes``."""
+    out, left = [], nbytes
+    for index, offset, length in pieces:
+        if left <= 0:
+            break
+        out.append((index, offset, min(length, left)))
+        left -= length
+    return tuple(out)
+
+
 class SwapStore:
     """Tensors' bytes under keys in this rank's swap files; see [Note: swap store].
 
@@ -285,13 +296,16 @@ class SwapStore:
             entry = self._entries[key] = _Entry(view.nbytes, pieces, checksum)
         return SwapHandle(self._submit(self.aio.write, view, pieces), on_error=lambda: self._drop(key, entry))
 
-    def read(self, key: str, tensor: Any) -> SwapHandle:
-        """Read ``key``'s bytes into ``tensor`` (same byte size); returns at submission."""
+    def read(self, key: str, tensor: Any, *, prefix: bool = False) -> SwapHandle:
+        """Read ``key``'s bytes into ``tensor`` (same byte size; with ``prefix``, its first bytes, as
+        many as ``tensor`` holds); returns at submission."""
         view = _bytes_view(tensor)
         entry = self._entry(key)
-        if entry.nbytes != view.nbytes:
+        if entry.nbytes != view.nbytes and not (prefix and view.nbytes <= entry.nbytes):
             raise ValueError(f"swap key {key!r} holds {entry.nbytes} bytes but the destination has {view.nbytes}")
-        return SwapHandle(self._submit(self.aio.read, view, entry.pieces),
+        if prefix and entry.checksum is not None:
+            raise ValueError(f"swap key {key!r}: a checksum covers the whole entry, so a part cannot be verified")
+        return SwapHandle(self._submit(self.aio.read, view, _first_bytes(entry.pieces, view.nbytes)),
                           on_done=None if entry.checksum is None else lambda: self._verify(key, entry, view))
 
     def _verify(self, key: str, entry: _Entry, view: Any) -> None:
