@@ -48,3 +48,22 @@ def test_host_tier_buffers_are_pinned():
     engine = zo.initialize(make_model(), {"zero": {"stage": 2}, "offload": {"optimizer": {"tier": "host"}}})
     assert all(state.block.data.is_pinned() for state in engine.opt_states)
     engine.close()
+
+
+def test_side_stream_copies_arrive_before_their_use_and_free_the_host_buffer_after():
+    """DeviceCopier: the copy runs on its own stream; the current stream sees the whole tensor; once
+    released, the pinned host buffer can be overwritten without touching what the device used."""
+    from zerooffload.tiers import DeviceCopier, LinkStats, make_tiers
+
+    tiers = make_tiers(zo.Config().memory, torch.device("cuda"))
+    link = LinkStats()
+    copier = DeviceCopier(tiers["device"], link)
+    host = torch.randn(1 << 24).pin_memory()
+    expected = host.clone()
+    on_device, release = copier.to_device(host)
+    assert copier.stream != torch.cuda.current_stream()
+    total = on_device.sum()  # queued on the current stream, after the copy's event
+    release()
+    host.fill_(0)  # the host buffer is free once released
+    assert torch.allclose(total.cpu(), expected.sum(), rtol=1e-4)
+    assert link.host_to_device_bytes == host.numel() * 4

@@ -174,6 +174,25 @@ def test_fp32_parameter_shards_on_nvme_are_read_from_the_optimizer_blocks():
     # that the shards read are the updated masters: test_engine_equivalence's offloaded-parameter runs
 
 
+@pytest.mark.parametrize("offload, to_device, to_host", [
+    ({"optimizer": {"tier": "host"}}, 1, 1),  # up: new weights; down: reduced gradients
+    ({"param": {"tier": "host"}}, 2, 1),  # up: shards for forward and backward; down: new shards
+    ({"param": {"tier": "nvme"}, "optimizer": {"tier": "nvme"}}, 2, 1),  # up: shards; down: gradients
+])
+def test_host_device_link_bytes_per_step(offload, to_device, to_host):
+    """engine.stats.link: bytes across the host-device link per step, in units of the bf16 shards (2 B
+    per parameter): what crosses is fixed by where each state lives (stage 3, nothing kept gathered)."""
+    engine = zo.initialize(_mlp(), {"zero": {"stage": 3, "prefetch_size": 0}, "train": {"precision": "bf16"},
+                                    "offload": offload})
+    shard_bytes = 2 * sum(u.layout.shard_numel for u in engine.units)
+    for _ in range(2):
+        _one_step(engine)
+        link = engine.stats.link
+        assert (link.host_to_device_bytes, link.device_to_host_bytes) == (to_device * shard_bytes, to_host * shard_bytes)
+    assert engine.stats.link_gbps > 0
+    engine.close()
+
+
 @pytest.mark.parametrize("clip", [1.0, 0.0])
 def test_nvme_traffic_per_step_is_every_optimizer_block_once_each_way(clip):
     """Optimizer blocks: read and written once. Gradient shards, when the step needs their global norm

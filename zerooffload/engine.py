@@ -63,7 +63,7 @@ from .scheduler import ParamScheduler, check_live_bound
 from .offloaded_grads import OffloadedGrad
 from .optim.state import UnitOptimizerState, units_to_offload
 from .telemetry import MemoryReport, StepStats, memory_report
-from .tiers import Block, BlockWriter, IOStats, Kind, Tier, NvmeTier, check_plan, make_tiers, stream_blocks, write_block
+from .tiers import Block, BlockWriter, DeviceCopier, IOStats, Kind, LinkStats, Tier, NvmeTier, check_plan, make_tiers, stream_blocks, write_block
 
 __all__ = ["Engine", "initialize"]
 
@@ -169,12 +169,16 @@ class Engine:
         if "nvme" in plan:
             self.tiers["nvme"] = NvmeTier(config, comm.rank, reserve=sum(plan["nvme"].values()))
         self._io = self.tiers["nvme"].io if "nvme" in self.tiers else IOStats()
+        self._link = LinkStats()
         self._param_tier = self.tiers[config.offload.param.tier]
         self._grad_writer = BlockWriter(self.tiers["host"])  # offloaded gradient shards on their way home
         self.opt_states = self._materialize(lazy_init_fn)
+        shards_off_device = config.offload.param.tier != "device"
         self.param_scheduler = ParamScheduler(comm, partitioned, self.tiers["device"], self.tiers["host"],
                                               prefetch_bytes=config.zero.prefetch_size,
-                                              max_live_bytes=config.zero.max_live_size)
+                                              max_live_bytes=config.zero.max_live_size,
+                                              copier=DeviceCopier(self.tiers["device"], self._link)
+                                              if shards_off_device else None)
         self.optimizer = ZeroOptimizer(self._groups(param_groups), config.optimizer)
         self._attach_optimizer_state()
         default_schedule = config.scheduler.type == "constant" and config.scheduler.warmup_steps == 0
@@ -444,7 +448,19 @@ class Engine:
         stepped = [(piece, tensor) for piece, tensor in state.pieces if flags[piece.slot_index] > 0]
         if stepped:
             self._step_unit(stepped, grad, grad_scale, target, self._update_tier(state))
+        self._count_publish_link(state, target)
         return self._publish(unit, target, writer, [piece for piece, _ in stepped])
+
+    def _count_publish_link(self, state: UnitOptimizerState, target: torch.Tensor | None) -> None:
+        """New weights cross the host-device link when the update and their target sit on opposite sides."""
+        if target is None:
+            return
+        target_on_device = not (state.unit.partitioned and self.config.offload.param.tier != "device")
+        update_on_device = self._update_tier(state) is self.tiers["device"]
+        if target_on_device and not update_on_device:
+            self._link.host_to_device_bytes += target.numel() * target.element_size()
+        elif update_on_device and not target_on_device:
+            self._link.device_to_host_bytes += target.numel() * target.element_size()
 
     # ------------------------------------------------------------------ updates in backward
     def _units_updated_in_backward(self) -> list[FlatUnit]:
@@ -465,6 +481,8 @@ class Engine:
     def _on_reduced(self, unit: FlatUnit, shard: torch.Tensor) -> None:
         """The reducer's hand-off of ``unit``'s reduced shard: updated at once, or kept for the step."""
         updates = self._in_backward
+        if unit.offloaded_grad is not None:  # it leaves the device, for the tier or for the update
+            self._link.device_to_host_bytes += shard.numel() * unit.compute_dtype.itemsize
         if updates is None or unit.offloaded_grad is None:
             unit.add_grad_shard(shard, self.tiers["device"])
             return
@@ -555,6 +573,7 @@ class Engine:
         self.comm.counters.reset()
         self.param_scheduler.stats.reset(self.param_scheduler.live_bytes)
         self._io.reset()
+        self._link.reset()
         self._window_started = time.perf_counter()
 
     def _record(self, updated: bool, norm_sq: float) -> None:
@@ -565,6 +584,7 @@ class Engine:
             lr=self.optimizer.param_groups[0]["lr"], data_elements=counters.data_elements,
             data_bytes=counters.data_bytes, control_elements=counters.control_elements, memory=self.memory_report(),
             prefetch=dataclasses.replace(self.param_scheduler.stats), io=dataclasses.replace(self._io),
+            link=dataclasses.replace(self._link),
             seconds=time.perf_counter() - self._window_started)
 
     # ------------------------------------------------------------------ inspection

@@ -18,14 +18,14 @@
 - A shard whose home is not resident (``offload.param.tier = "nvme"``) is first *staged*: read into a
   host buffer. Reads run further ahead than all-gathers, over twice the prefetch window, since they
   need no agreement between ranks; an all-gather waits for its shard's read if it is still running.
-  A shard in host memory on a CUDA machine is copied to the device just before its all-gather.
+  A shard in host memory is copied to the device when its all-gather starts (``tiers.DeviceCopier``:
+  on CUDA a side stream and an event; the host buffer is let go only once the copy is done).
 """
 from __future__ import annotations
 
 import logging
 import time
 from dataclasses import dataclass
-from functools import partial
 from typing import Any, Callable, Iterator
 
 import torch
@@ -33,7 +33,7 @@ import torch
 from .comm import Comm, all_gather
 from .config import ConfigError
 from .partition import FlatUnit
-from .tiers import Kind, Tier
+from .tiers import DeviceCopier, Kind, Tier
 
 __all__ = ["PrefetchStats", "ParamScheduler", "gathered_bytes", "check_live_bound"]
 
@@ -89,8 +89,10 @@ class ParamScheduler:
     """Gathers and frees the partitioned units of one engine (see [Note: uses, passes and the trace])."""
 
     def __init__(self, comm: Comm, units: list[FlatUnit], tier: Tier, host_tier: Tier, *, prefetch_bytes: int,
-                 max_live_bytes: int):
+                 max_live_bytes: int, copier: DeviceCopier | None = None):
+        """``copier`` brings shards that live off the device (``offload.param.tier`` host or NVMe) to it."""
         self.comm = comm
+        self.copier = copier
         self.units = units
         self.tier = tier
         self.host_tier = host_tier
@@ -243,17 +245,17 @@ class ParamScheduler:
     def _shard_source(self, index: int) -> tuple[torch.Tensor, list[Callable[[], None]]]:
         """The shard as an all-gather input on the device, and what to release once the gather is done."""
         block = self.units[index].param_block
-        releases: list[Callable[[], None]] = []
         if not block.resident:
             self._stage(index)
             start = time.perf_counter()
             self._staged.pop(index).wait()
             self.stats.read_wait_seconds += time.perf_counter() - start
+        source, releases = block.data, []
+        if self.copier is not None:
+            source, release_copy = self.copier.to_device(source)
+            releases.append(release_copy)  # first: the copy must be done before the host buffer goes
+        if not block.resident:
             releases.append(lambda: self.host_tier.free(Kind.BUFFER, block.unload()))
-        source = block.data
-        if source.device != self.tier.device:
-            source = self.tier.empty(Kind.BUFFER, block.numel, block.dtype).copy_(source, non_blocking=True)
-            releases.append(partial(self.tier.free, Kind.BUFFER, source))
         return source, releases
 
     def _launch(self, index: int) -> None:

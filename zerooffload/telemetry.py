@@ -6,7 +6,7 @@ from types import MappingProxyType
 from typing import Mapping
 
 from .scheduler import PrefetchStats
-from .tiers import IOStats, Kind, Tier
+from .tiers import IOStats, Kind, LinkStats, Tier
 
 __all__ = ["MemoryReport", "StepStats", "memory_report"]
 
@@ -65,6 +65,8 @@ class StepStats:
     """Stage 3: all-gathers served ahead of need, stalls and peak gathered bytes in the window."""
     io: IOStats
     """NVMe tier: bytes read and written in the window and the time waited for them (zeros without it)."""
+    link: LinkStats
+    """Host memory <-> device tier: bytes each way in the window (offloaded parameters, gradients, updates)."""
     seconds: float
     """Wall time of the window (previous step's end to this step's end): divide bytes by it for GB/s."""
 
@@ -76,3 +78,8 @@ class StepStats:
     @property
     def io_gbps(self) -> float:
         return (self.io.read_bytes + self.io.write_bytes) / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+    @property
+    def link_gbps(self) -> float:
+        moved = self.link.host_to_device_bytes + self.link.device_to_host_bytes
+        return moved / self.seconds / 1e9 if self.seconds > 0 else 0.0

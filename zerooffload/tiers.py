@@ -26,7 +26,7 @@ import enum
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -35,7 +35,8 @@ from .io.aio import AsyncIO
 from .io.buffers import aligned_empty
 from .io.swapfile import SwapStore
 
-__all__ = ["Kind", "Tier", "DeviceTier", "HostTier", "NvmeTier", "Block", "IOStats", "BudgetError", "make_tiers", "check_plan",
+__all__ = ["Kind", "Tier", "DeviceTier", "HostTier", "NvmeTier", "Block", "IOStats", "LinkStats", "DeviceCopier",
+           "BudgetError", "make_tiers", "check_plan",
            "Plan", "stream_blocks", "BlockWriter", "write_block", "STREAM_BUFFERS"]
 
 
@@ -191,6 +192,51 @@ class IOStats:
     def reset(self) -> None:
         self.read_bytes = self.write_bytes = 0
         self.wait_seconds = 0.0
+
+
+@dataclass(slots=True)
+class LinkStats:
+    """Bytes moved between host memory and the device tier since the last ``reset``: over the bus on a
+    GPU machine; on a CPU-only one a copy between the two tiers' buffers (or none, where the update reads
+    them in place), counted the same way so that the figures mean the same on both."""
+
+    host_to_device_bytes: int = 0
+    device_to_host_bytes: int = 0
+
+    def reset(self) -> None:
+        self.host_to_device_bytes = self.device_to_host_bytes = 0
+
+
+class DeviceCopier:
+    """Host tensors onto the device tier ahead of their use, counted in ``link``.
+
+    On CUDA each copy runs on a side stream, from pinned memory, so it overlaps the compute; the
+    stream that uses the copy waits on an event recorded after it, and the host waits on that event
+    before its buffer may be reused. On a CPU device the host tensor is used in place.
+    """
+
+    def __init__(self, device_tier: Tier, link: LinkStats):
+        self.tier, self.link = device_tier, link
+        self.stream = torch.cuda.Stream(device_tier.device) if device_tier.device.type == "cuda" else None
+
+    def to_device(self, source: torch.Tensor) -> tuple[torch.Tensor, Callable[[], None]]:
+        """``source`` on the device, usable on the current stream, and what to call once its user is
+        done: wait for the copy (the host buffer is then free to reuse) and free the device buffer."""
+        self.link.host_to_device_bytes += source.numel() * source.element_size()
+        if self.stream is None:
+            return source, lambda: None
+        target = self.tier.empty(Kind.BUFFER, source.numel(), source.dtype)
+        self.stream.wait_stream(torch.cuda.current_stream(self.tier.device))  # target's memory is free there
+        with torch.cuda.stream(self.stream):
+            target.copy_(source, non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record(self.stream)
+        torch.cuda.current_stream(self.tier.device).wait_event(copied)
+
+        def release() -> None:
+            copied.synchronize()
+            self.tier.free(Kind.BUFFER, target)
+        return target, release
 
 
 class _TimedHandle:

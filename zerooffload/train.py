@@ -91,6 +91,8 @@ def _offload_postfix(stats) -> dict[str, str]:
     if stats.io.read_bytes or stats.io.write_bytes:
         postfix["nvme"] = f"{stats.io_gbps:.2f}GB/s"
         postfix["io_wait_s"] = f"{stats.io.wait_seconds:.2f}"
+    if stats.link.host_to_device_bytes or stats.link.device_to_host_bytes:
+        postfix["host<->device"] = f"{stats.link_gbps:.2f}GB/s"
     return postfix
 
 
