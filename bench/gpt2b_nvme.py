@@ -5,8 +5,10 @@ Built under ``zo.init_context`` (no eager copy in memory; GPT-2's init applied m
 ``init_fn``), ZeRO stage 3, bf16, parameters and optimizer states on NVMe (--dir), activation
 checkpointing on, micro-batch --batch × --seq tokens, --steps steps on the offline byte corpus.
 Reports parameters, model-state bytes against RAM, peak RSS (VmHWM), and per step the loss and the
-split of its time: forward+backward compute, waits for NVMe (reads of shards ahead of the
-all-gathers and of optimizer blocks, writes back), and the optimizer step. Swap files are removed.
+split of its time: forward, backward with the update inside it (no clipping, so each unit is updated
+as its gradient is reduced: engine's [Note: updates in backward]), the closing ``step()``, and the
+waits for NVMe (reads of shards ahead of the all-gathers and of optimizer blocks, writes back) and
+for all-gathers. Swap files are removed.
 
 Usage:  python bench/gpt2b_nvme.py [--steps 2] [--batch 1] [--seq 256] [--dir /tmp] [--preset 2b]
 """
@@ -58,6 +60,7 @@ def main() -> None:
             x, y = corpus.batch(step, batch_size=args.batch, seq_len=args.seq)
             start = time.perf_counter()
             loss = engine(x, y)
+            forward = time.perf_counter()
             engine.backward(loss)
             middle = time.perf_counter()
             engine.step()
@@ -65,7 +68,8 @@ def main() -> None:
             stats = engine.stats
             waits = stats.io.wait_seconds + stats.prefetch.wait_seconds
             print(f"step {step}: loss {loss.item():.3f} ({'finite' if math.isfinite(loss.item()) else 'NOT finite'}); "
-                  f"{end - start:.1f} s = forward+backward {middle - start:.1f} s + optimizer step {end - middle:.1f} s; "
+                  f"{end - start:.1f} s = forward {forward - start:.1f} s + backward with the updates "
+                  f"{middle - forward:.1f} s + step() {end - middle:.1f} s; "
                   f"waited on NVMe {stats.io.wait_seconds:.1f} s and all-gathers {stats.prefetch.wait_seconds:.1f} s "
                   f"(compute ~{end - start - waits:.1f} s); NVMe read {stats.io.read_bytes / 1e9:.1f} GB, "
                   f"wrote {stats.io.write_bytes / 1e9:.1f} GB ({stats.io_gbps:.2f} GB/s)", flush=True)

@@ -19,11 +19,11 @@ all units are reduced when the window closes. ``engine.step`` at the accumulatio
 
 [Note: updates in backward]
 When the update needs nothing global (no ``train.grad_clip``, no fp16 loss scale that may skip the
-step, ``grad_accum_steps`` 1), a unit whose gradient would leave for the optimizer's tier is updated instead the moment its reduced shard arrives, still
-inside backward: its optimizer block was read ahead (the blocks stream in the reducer's fixed order,
-read i+1 ‖ update i ‖ write i−1, as in the step), the reduced shard is rounded to the compute dtype
-exactly as the tier would store it, and the new weights are published as the step would publish
-them. The gradient never makes the trip to the tier and back (2 × its bytes per step saved on NVMe),
+step, ``grad_accum_steps`` 1), a unit whose gradient would leave for the optimizer's tier is updated
+instead the moment its reduced shard arrives, still inside backward: its optimizer block was read
+ahead (the blocks stream in the reducer's fixed order, read i+1 ‖ update i ‖ write i−1, as in the
+step), the reduced shard is rounded to the compute dtype exactly as the tier would store it, and the
+new weights are published as the step would publish them. The gradient never makes the trip to the tier and back (2 × its bytes per step saved on NVMe),
 and the optimizer's I/O overlaps backward. The result is bitwise the step's: the same inputs, the
 same update. It is safe because a unit is reduced only once every use of its parameters in this
 backward is over (autograd accumulates a parameter's gradient after all its uses), and the "had a
@@ -63,7 +63,8 @@ from .scheduler import ParamScheduler, check_live_bound
 from .offloaded_grads import OffloadedGrad
 from .optim.state import UnitOptimizerState, units_to_offload
 from .telemetry import MemoryReport, StepStats, memory_report
-from .tiers import Block, BlockWriter, DeviceCopier, IOStats, Kind, LinkStats, Tier, NvmeTier, check_plan, make_tiers, stream_blocks, write_block
+from .tiers import (Block, BlockWriter, DeviceCopier, IOStats, Kind, LinkStats, NvmeTier, Tier, check_plan, make_tiers,
+                    stream_blocks, write_block)
 
 __all__ = ["Engine", "initialize"]
 
