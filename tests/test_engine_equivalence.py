@@ -222,7 +222,7 @@ def _backward_then_step(clip: float) -> dict:
     engine.backward(engine(idx, targets))
     engine.step()
     io, full = engine.stats.io, engine.full_state_dict()
-    grad_bytes = sum(u.offloaded_grad.block.nbytes for u in engine.units)
+    grad_bytes = 4 * sum(u.layout.shard_numel for u in engine.units)  # fp32 shards
     engine.close()
     return {"moved": moved_in_backward, "io": io, "full": full, "grad_bytes": grad_bytes}
 

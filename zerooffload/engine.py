@@ -164,6 +164,9 @@ class Engine:
                       for layout in layouts]
         partitioned = [u for u in self.units if u.partitioned]
         self._offloaded = units_to_offload(layouts, config.offload.optimizer.fraction)
+        train = config.train
+        self._updates_in_backward = train.grad_accum_steps == 1 and train.grad_clip == 0 and train.precision != "fp16"
+        """Whether units whose gradients leave the device are updated in backward ([Note: updates in backward])."""
         check_live_bound(partitioned, config.zero.max_live_size)
         plan = self._plan(layouts)
         check_plan(plan, self.tiers)  # memory budgets first: they are cheap to check, swap space is not
@@ -188,9 +191,10 @@ class Engine:
         mode = Mode.ALL_REDUCE if self.stage == 0 else Mode.REDUCE_SCATTER
         self.reducer = GradReducer(comm, self._reduction_order(), mode, config.zero.bucket_size, self.tiers["device"],
                                    on_reduced=self._on_reduced)
-        self._backward_units = self._units_updated_in_backward()
+        self._backward_units = [u for u in self.reducer.order if u.grad_leaves] if self._updates_in_backward else []
         self._in_backward: _BackwardUpdates | None = None
-        self._updated_in_backward: set[int] = set()
+        self._updated_in_backward: dict[int, torch.Tensor] = {}
+        """id(unit) -> the norm of the gradient it was updated with in this window's backward."""
         self._hooks = [slot.param.register_post_accumulate_grad_hook(partial(self._on_grad, unit, index))
                        for unit in self.units for index, slot in enumerate(unit.layout.slots) if slot.trainable]
         if partitioned:
@@ -261,6 +265,7 @@ class Engine:
                            offloaded=[layout for layout, moved in zip(layouts, self._offloaded) if moved],
                            master_is_param=self._master_is_param("device"),
                            params_in_masters=self._params_in_masters(self.config.offload.optimizer.tier),
+                           grads_kept_for_step=not self._updates_in_backward,
                            moments=len(moment_names(self.config.optimizer)), bucket_bytes=self.config.zero.bucket_size,
                            world_size=self.comm.world_size,
                            partitioned=[u.layout for u in self.units if u.partitioned],
@@ -281,7 +286,8 @@ class Engine:
             broadcast(self.comm, full)
             tier_name = self._optimizer_tier_name(index)
             param_block = self._param_block(index, tier_name) if unit.partitioned else None
-            if unit.keep_grad_shard and tier_name != "device":
+            unit.grad_leaves = unit.keep_grad_shard and tier_name != "device"
+            if unit.grad_leaves and not self._updates_in_backward:
                 block = self.tiers[tier_name].block(Kind.GRAD, f"grad.{index}", unit.layout.shard_numel,
                                                     self.compute_dtype)
                 unit.offloaded_grad = OffloadedGrad(block, self._grad_writer, self.tiers["host"])
@@ -374,8 +380,7 @@ class Engine:
         self._stepped_at = self.micro_steps
         if self.stage <= 1:
             self.reducer.flush()
-        norms = [torch.linalg.vector_norm(unit.local_grad(), dtype=torch.float32) if unit.offloaded_grad is None
-                 else unit.offloaded_grad.norm for unit in self.units]
+        norms = [self._grad_norm(unit) for unit in self.units]
         norm_sq, had_grad = self._global_norm_and_flags(norms)
         norm_sq /= self.scaler.scale ** 2
         overflow = self.scaler.enabled and not math.isfinite(norm_sq)
@@ -393,6 +398,14 @@ class Engine:
         self._record(not overflow, norm_sq)
         self._start_window()
         return not overflow
+
+    def _grad_norm(self, unit: FlatUnit) -> torch.Tensor:
+        """This rank's part of ``unit``'s gradient norm for the window, from wherever its gradient went."""
+        if id(unit) in self._updated_in_backward:
+            return self._updated_in_backward[id(unit)]
+        if unit.offloaded_grad is not None:
+            return unit.offloaded_grad.norm  # taken as it was written
+        return torch.linalg.vector_norm(unit.local_grad(), dtype=torch.float32)
 
     @contextlib.contextmanager
     def _reduced_grad(self, unit: FlatUnit) -> Iterator[torch.Tensor]:
@@ -464,15 +477,6 @@ class Engine:
             self._link.device_to_host_bytes += target.numel() * target.element_size()
 
     # ------------------------------------------------------------------ updates in backward
-    def _units_updated_in_backward(self) -> list[FlatUnit]:
-        """The units updated as their reduced gradients arrive, in the order they arrive (see
-        [Note: updates in backward]): those whose gradients would leave for the optimizer's tier, when
-        the update needs nothing global."""
-        train = self.config.train
-        if not (train.grad_accum_steps == 1 and train.grad_clip == 0 and not self.scaler.enabled):
-            return []
-        return [unit for unit in self.reducer.order if unit.offloaded_grad is not None]
-
     def _start_backward_updates(self) -> "_BackwardUpdates | None":
         if not self._backward_units:
             return None
@@ -482,18 +486,17 @@ class Engine:
     def _on_reduced(self, unit: FlatUnit, shard: torch.Tensor) -> None:
         """The reducer's hand-off of ``unit``'s reduced shard: updated at once, or kept for the step."""
         updates = self._in_backward
-        if unit.offloaded_grad is not None:  # it leaves the device, for the tier or for the update
+        if unit.grad_leaves:  # for the tier or for the update
             self._link.device_to_host_bytes += shard.numel() * unit.compute_dtype.itemsize
-        if updates is None or unit.offloaded_grad is None:
+        if updates is None or not unit.grad_leaves:
             unit.add_grad_shard(shard, self.tiers["device"])
             return
         state = next(updates.states)  # loaded ahead while the previous unit updated
         assert state.unit is unit, "reduced shards arrive in the reducer's fixed order"
         grad = shard.to(unit.compute_dtype)  # what the step would read back from the tier
-        unit.offloaded_grad.norm = torch.linalg.vector_norm(grad, dtype=torch.float32)
         flags = control_all_reduce(self.comm, torch.tensor(unit.has_grad, dtype=torch.float64).to(self.comm.device))
         updates.pending.append(self._update_unit(state, flags.cpu(), grad, 1.0 / self.scaler.scale, updates.writer))
-        self._updated_in_backward.add(id(unit))
+        self._updated_in_backward[id(unit)] = torch.linalg.vector_norm(grad, dtype=torch.float32)
 
     def _finish_backward_updates(self) -> None:
         """Backward is over: the last optimizer block stored, the new weights home or all-gathered."""

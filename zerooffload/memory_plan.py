@@ -17,13 +17,14 @@ __all__ = ["plan_memory"]
 def plan_memory(layouts: list[UnitLayout], *, stage: int, compute_bytes: int, optimizer_tier: str, param_tier: str,
                 offloaded: list[UnitLayout], master_is_param: bool, moments: int, bucket_bytes: int, world_size: int,
                 partitioned: list[UnitLayout], max_live_bytes: int, prefetch_bytes: int,
-                params_in_masters: bool = False) -> Plan:
+                params_in_masters: bool = False, grads_kept_for_step: bool = True) -> Plan:
     """Bytes by tier and kind: parameters full on the device, except the ``partitioned`` units of stage
     3 (a shard each on ``param_tier``, plus at most ``max_live_bytes`` gathered on the device);
     optimizer states of the ``offloaded`` units on ``optimizer_tier``, the others' on the device (whose
     fp32 masters are the weights themselves when ``master_is_param``); gradients by stage. With
     ``params_in_masters`` an offloaded partitioned unit's shard is its optimizer block's master segment
-    and takes no space of its own."""
+    and takes no space of its own; without ``grads_kept_for_step`` offloaded units are updated as
+    their gradients are reduced, which are then kept nowhere."""
     full = sum(u.padded_numel for u in layouts) * compute_bytes
     shard = sum(u.shard_numel for u in layouts)
     largest = max(u.padded_numel for u in layouts) * compute_bytes
@@ -43,8 +44,8 @@ def plan_memory(layouts: list[UnitLayout], *, stage: int, compute_bytes: int, op
         staged = (2 * prefetch_bytes + max_live_bytes) // world_size + largest_shard
         plan["host"][Kind.BUFFER] += min(staged, partitioned_full // world_size + largest_shard)
     device[Kind.GRAD] = (shard - moved) * compute_bytes if stage >= 2 else full
-    if stage >= 2 and moved:  # reduced shards go to the optimizer's tier (offloaded_grads), written and read
-        plan[optimizer_tier][Kind.GRAD] += moved * compute_bytes  # through host buffers
+    if stage >= 2 and moved and grads_kept_for_step:  # reduced shards go to the optimizer's tier (offloaded_grads)
+        plan[optimizer_tier][Kind.GRAD] += moved * compute_bytes  # written and read through host buffers
         largest_moved_grad = max(u.shard_numel for u in layouts if id(u) in moved_ids) * compute_bytes
         plan["host"][Kind.BUFFER] += (STREAM_BUFFERS + 1) * largest_moved_grad
     device[Kind.OPTIMIZER] += (shard - moved) * 4 * (moments + (0 if master_is_param else 1))

@@ -8,7 +8,9 @@ compute dtype. The first reduced part of an accumulation window is written home 
 what is home, synchronously: read, add, write. The norm of what is home is taken each time it is
 written, so the step's global norm reads nothing; the update reads each block once. That is one
 write and one read of the gradient per step (2 × 2 B/param in bf16) beside the 24 B/param the
-optimizer blocks move, and it frees the device of Ψ/Nd gradient elements.
+optimizer blocks move, and it frees the device of Ψ/Nd gradient elements. When the update needs no
+global view of the gradients, units are updated in backward instead and no shard is kept here at
+all (engine's [Note: updates in backward]).
 """
 from __future__ import annotations
 

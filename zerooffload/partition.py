@@ -174,8 +174,11 @@ class FlatUnit:
         self.pieces = layout.pieces(self.rank)
         self.flat_param: torch.Tensor | None = None
         self.param_block: Block | None = None
+        self.grad_leaves = False
+        """Whether the reduced shard leaves the device: for the optimizer's tier (``offloaded_grad``) or
+        straight into the update (engine's [Note: updates in backward])."""
         self.offloaded_grad: OffloadedGrad | None = None
-        """Set when the reduced shard lives on the optimizer's tier (``offloaded_grads``)."""
+        """Set when the reduced shard lives on the optimizer's tier until the step (``offloaded_grads``)."""
         self._placeholder: torch.Tensor | None = None
         self.flat_grad: torch.Tensor | None = None
         self.grad_shard: torch.Tensor | None = None
@@ -223,7 +226,7 @@ class FlatUnit:
         self.master = weights if master_is_param else None
         if self.keep_full_grad:
             self.flat_grad = device_tier.zeros(Kind.GRAD, layout.padded_numel, self.compute_dtype)
-        if self.keep_grad_shard and self.offloaded_grad is None:
+        if self.keep_grad_shard and not self.grad_leaves:
             self.grad_shard = device_tier.zeros(Kind.GRAD, layout.shard_numel, self.compute_dtype)
         if self.partitioned:
             self.reshard(device_tier)
