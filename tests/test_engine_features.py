@@ -182,3 +182,32 @@ def test_activation_checkpointing_recomputes_block_forwards():
         engine.step()
         calls.append(count[0])
     assert calls == [1, 2]  # once in forward, once more when backward recomputes
+
+
+class _FailingBackward(torch.autograd.Function):
+    """Identity forward; its backward raises, after the units behind it in backward were updated."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RuntimeError("planted failure in backward")
+
+
+class _FailsMidBackward(nn.Module):
+    def forward(self, x):
+        return _FailingBackward.apply(x)
+
+
+def test_a_backward_failing_midway_through_its_updates_raises_and_frees_the_stream():
+    """Updates in backward (NVMe optimizer, no clip): the autograd error surfaces as it is, the block
+    stream's transfers are waited for and its host buffers let go; nothing hangs."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 32), _FailsMidBackward(), nn.Linear(32, 32), nn.Linear(32, 32))
+    engine = zo.initialize(model, {"zero": {"stage": 3}, "offload": {"optimizer": {"tier": "nvme"}}})
+    with pytest.raises(RuntimeError, match="planted failure in backward"):
+        engine.backward(engine(torch.randn(4, 32)).square().mean())
+    assert engine.memory_report().bytes("host", "buffer") == 0
+    engine.close()
