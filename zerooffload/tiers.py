@@ -16,7 +16,15 @@ optimizer state, a unit's parameter shard). ``load(buffer)`` makes ``block.data`
 writes changes home, ``unload()`` lets the memory go. On a resident tier (device, host) ``data`` is
 always the block's own tensor, and the three are no-ops; on the ``nvme`` tier the bytes live in a swap
 file and ``data`` is the caller's host buffer while loaded, read and written through the async-I/O
-engine. Callers treat every block alike; the tier decides what moving means.
+engine. Callers treat every block alike; the tier decides what moving means. A *prefix block* reads
+the first elements of another NVMe block (a partitioned unit's fp32 shard inside its optimizer block)
+and is never written through.
+
+[Note: the host-device link]
+What crosses between host memory and the device tier is counted in ``LinkStats`` (bus traffic on a
+GPU, a copy or an in-place read on a CPU machine). Shards that live off the device go up through a
+``DeviceCopier``: on CUDA a side stream, an event the consuming stream waits on, and the host buffer
+let go only after the copy is done.
 """
 from __future__ import annotations
 
@@ -36,8 +44,8 @@ from .io.buffers import aligned_empty
 from .io.swapfile import SwapStore
 
 __all__ = ["Kind", "Tier", "DeviceTier", "HostTier", "NvmeTier", "Block", "IOStats", "LinkStats", "DeviceCopier",
-           "BudgetError", "make_tiers", "check_plan",
-           "Plan", "stream_blocks", "BlockWriter", "write_block", "STREAM_BUFFERS"]
+           "BudgetError", "make_tiers", "check_plan", "Plan", "stream_blocks", "BlockWriter", "write_block",
+           "STREAM_BUFFERS"]
 
 
 class Kind(enum.Enum):
