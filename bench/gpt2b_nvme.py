@@ -66,12 +66,11 @@ def main() -> None:
             engine.step()
             end = time.perf_counter()
             stats = engine.stats
-            waits = stats.io.wait_seconds + stats.prefetch.wait_seconds
             print(f"step {step}: loss {loss.item():.3f} ({'finite' if math.isfinite(loss.item()) else 'NOT finite'}); "
                   f"{end - start:.1f} s = forward {forward - start:.1f} s + backward with the updates "
                   f"{middle - forward:.1f} s + step() {end - middle:.1f} s; "
                   f"waited on NVMe {stats.io.wait_seconds:.1f} s and all-gathers {stats.prefetch.wait_seconds:.1f} s "
-                  f"(compute ~{end - start - waits:.1f} s); NVMe read {stats.io.read_bytes / 1e9:.1f} GB, "
+                  f"(compute ~{end - start - stats.stall_seconds:.1f} s); NVMe read {stats.io.read_bytes / 1e9:.1f} GB, "
                   f"wrote {stats.io.write_bytes / 1e9:.1f} GB ({stats.io_gbps:.2f} GB/s)", flush=True)
         print(f"peak RSS {_peak_rss_gb():.1f} GB ({_peak_rss_gb() * 1e9 / ram:.0%} of RAM); engine peaks: "
               + ", ".join(f"{tier} {b / 1e9:.1f} GB" for tier, b in engine.memory_report().peaks.items()))

@@ -209,6 +209,7 @@ def test_nvme_traffic_per_step_is_every_optimizer_block_once_each_way(clip):
         _one_step(engine)
         io = engine.stats.io
         assert (io.read_bytes, io.write_bytes) == (moved, moved)
+        assert 0 < engine.stats.stall_seconds <= engine.stats.seconds
         assert engine.stats.seconds > 0 and engine.stats.io_gbps > 0
     engine.close()
 

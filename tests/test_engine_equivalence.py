@@ -123,6 +123,16 @@ def test_activation_checkpointing_changes_nothing(rank_pools, stage, precision):
     _check(result, precision)
 
 
+def test_activation_checkpointing_with_updates_in_backward(rank_pools):
+    """Recomputed forwards run inside backward, beside the updates of the units already done."""
+    train = {"activation_checkpointing": True}
+    device = rank_pools(2).run(train_case, 3, "fp32", accum=1, clip=0.0, train=train)[0]
+    offload = {"optimizer": {"tier": "nvme"}, "param": {"tier": "nvme"}}
+    result = rank_pools(2).run(train_case, 3, "fp32", accum=1, clip=0.0, train=train, offload=offload)[0]
+    _check(result, "fp32", accum=1)
+    assert result["errors"] == device["errors"]
+
+
 def test_stage_2_without_overlap_comm(rank_pools):
     _check(rank_pools(2).run(train_case, 2, "fp32", zero={"overlap_comm": False})[0], "fp32")
 
@@ -233,3 +243,26 @@ def test_updates_in_backward_skip_the_gradients_round_trip_through_nvme():
     assert all(torch.equal(on["full"][k], off["full"][k]) for k in off["full"])
     assert off["io"].write_bytes - on["io"].write_bytes == on["grad_bytes"]
     assert off["io"].read_bytes - on["io"].read_bytes == on["grad_bytes"]
+
+
+@pytest.mark.parametrize("clip", [0.05, 0.0], ids=["updates in the step", "updates in backward"])
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("world", [1, 2])
+def test_every_tier_combination(rank_pools, world, stage, clip):
+    """Optimizer tier × parameter tier (stage 3), fp32, at world size 1 (no launcher) and 2: within the
+    bound of plain PyTorch AdamW and bitwise the device run. Clipping keeps the updates in the step;
+    without it (and with one micro-batch) offloaded units are updated in backward at stages 2–3."""
+    accum = 2 if clip else 1
+
+    def run(**offload) -> dict:
+        if world == 1:
+            return train_case(stage, "fp32", accum=accum, clip=clip, **offload)
+        return rank_pools(world).run(train_case, stage, "fp32", accum=accum, clip=clip, **offload)[0]
+
+    device = run()
+    _check(device, "fp32", accum)
+    for optimizer_tier in ("device", "host", "nvme"):
+        for param_tier in ("device", "host", "nvme") if stage == 3 else ("device",):
+            result = run(offload={"optimizer": {"tier": optimizer_tier}, "param": {"tier": param_tier}})
+            _check(result, "fp32", accum)
+            assert result["errors"] == device["errors"], (optimizer_tier, param_tier)

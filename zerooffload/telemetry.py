@@ -76,6 +76,12 @@ class StepStats:
         return self.prefetch.hits / uses if uses else None
 
     @property
+    def stall_seconds(self) -> float:
+        """Time blocked in the window on NVMe transfers and on all-gathers; the rest of ``seconds`` was
+        spent computing (or copying)."""
+        return self.io.wait_seconds + self.prefetch.wait_seconds
+
+    @property
     def io_gbps(self) -> float:
         return (self.io.read_bytes + self.io.write_bytes) / self.seconds / 1e9 if self.seconds > 0 else 0.0
 
