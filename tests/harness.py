@@ -8,6 +8,8 @@
 - When a rank fails, crashes or overruns the task timeout, the others may be stuck in a collective
   that will never complete, so the pool waits a short grace period, kills every rank, raises
   ``RankFailure`` with all tracebacks, and respawns on the next task. Nothing hangs.
+- A rank whose task ended the process group (the engine does when it raises: comm's [Note: failing
+  together]) cannot run another, so the pool respawns on the next task then too.
 """
 from __future__ import annotations
 
@@ -47,11 +49,15 @@ def _worker(rank: int, world_size: int, store_path: str, tasks: mp.Queue, result
         while (task := tasks.get()) is not None:
             task_id, fn, args, kwargs = task
             try:
-                results.put((task_id, rank, True, fn(*args, **kwargs)))
+                ok, value = True, fn(*args, **kwargs)
             except BaseException:  # the traceback must reach pytest whatever was raised
-                results.put((task_id, rank, False, traceback.format_exc()))
+                ok, value = False, traceback.format_exc()
+            results.put((task_id, rank, ok, value, dist.is_initialized()))
+            if not dist.is_initialized():
+                return  # the task ended the group: this rank can run no other (the pool respawns)
     finally:
-        dist.destroy_process_group()
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 class RankPool:
@@ -87,14 +93,17 @@ class RankPool:
         if failures or len(outcomes) < self.world_size:
             self.close(force=True)
             raise RankFailure(self._report(fn, outcomes))
+        if self._group_ended:
+            self.close(force=True)  # the next task starts afresh
         return [outcomes[r][1] for r in range(self.world_size)]
 
     def _collect(self, task_id: int, deadline: float) -> dict[int, tuple[bool, Any]]:
         """Outcomes by rank until all arrive, the deadline passes, or the grace after a failure ends."""
         outcomes: dict[int, tuple[bool, Any]] = {}
+        self._group_ended = False
         while len(outcomes) < self.world_size and time.monotonic() < deadline:
             try:
-                got_id, rank, ok, value = self._results.get(timeout=0.2)
+                got_id, rank, ok, value, group_alive = self._results.get(timeout=0.2)
             except queue.Empty:
                 for rank, proc in enumerate(self._procs):
                     if rank not in outcomes and not proc.is_alive():
@@ -102,6 +111,7 @@ class RankPool:
             else:
                 if got_id == task_id:
                     outcomes[rank] = (ok, value)
+                    self._group_ended |= not group_alive
             if any(not ok for ok, _ in outcomes.values()):
                 deadline = min(deadline, time.monotonic() + FAILURE_GRACE_S)
         return outcomes

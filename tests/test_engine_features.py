@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import time
 
 import pytest
 import torch
@@ -211,3 +212,33 @@ def test_a_backward_failing_midway_through_its_updates_raises_and_frees_the_stre
         engine.backward(engine(torch.randn(4, 32)).square().mean())
     assert engine.memory_report().bytes("host", "buffer") == 0
     engine.close()
+
+
+class _FailsMidBackwardOnRank1(nn.Module):
+    def forward(self, x):
+        return _FailingBackward.apply(x) if dist.get_rank() == 1 else x
+
+
+def fail_on_rank_1_mid_backward() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 32), _FailsMidBackwardOnRank1(), nn.Linear(32, 32), nn.Linear(32, 32))
+    engine = zo.initialize(model, {"zero": {"stage": 2}})
+    for _ in range(2):  # rank 0 finishes its backward and waits in the step's collectives
+        engine.backward(engine(torch.randn(4, 32)).square().mean())
+        engine.step()
+
+
+def test_an_error_on_one_rank_makes_every_rank_raise_at_once(rank_pools):
+    """comm's [Note: failing together]: rank 1 raises in backward; rank 0, left in a collective, raises
+    too within seconds (the group's timeout is 60 s; the pool gives peers 3 s after a failure)."""
+    from harness import RankFailure
+
+    start = time.monotonic()
+    with pytest.raises(RankFailure) as info:
+        rank_pools(2).run(fail_on_rank_1_mid_backward)
+    report = str(info.value)
+    rank_0, rank_1 = report.split("--- rank 1:")
+    assert "planted failure in backward" in rank_1
+    assert "FAILED" in rank_0 and "Connection closed by peer" in rank_0, rank_0
+    assert time.monotonic() - start < 30
+    assert rank_pools(2).run(dist.get_world_size) == [2, 2]  # the pool starts afresh

@@ -17,20 +17,30 @@ the handle's ``wait`` finishes the job (the reduce-scatter sums the received par
 every rank adds in the same order). Messages carry a tag from a per-``Comm`` sequence, which every
 rank advances identically because ranks issue the same collectives in the same order. NCCL keeps
 its own collectives.
+
+[Note: failing together]
+A rank that raises while its peers are inside a collective, or about to enter one, would leave them
+blocked until the process group's timeout (10 minutes by default). So an error that leaves an engine
+call on one rank (``failing_together``) first ends the process group there: on gloo its connections
+close, and every peer's pending or next collective fails at once ("Connection closed by peer"), so
+all ranks raise within a second or so, each with its own traceback. The group is gone after that:
+the job must restart (from its last checkpoint). NCCL cannot be interrupted this way; there the
+peers raise when the collective timeout expires.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["Comm", "CommCounters", "ExchangeWork", "init_comm", "all_reduce", "reduce_scatter", "all_gather", "control_all_reduce",
-           "broadcast"]
+__all__ = ["Comm", "CommCounters", "ExchangeWork", "init_comm", "failing_together", "all_reduce", "reduce_scatter",
+           "all_gather", "control_all_reduce", "broadcast"]
 
 logger = logging.getLogger(__name__)
 
@@ -125,6 +135,21 @@ def init_comm(timeout: timedelta = timedelta(minutes=10)) -> Comm:
     if dist.is_initialized() and dist.get_world_size() > 1:
         return Comm(dist.group.WORLD, dist.get_rank(), dist.get_world_size(), device)
     return Comm(None, 0, 1, device)
+
+
+@contextlib.contextmanager
+def failing_together(comm: Comm) -> Iterator[None]:
+    """Run an engine call; if it raises on this rank, end the process group first (see [Note: failing
+    together]) so that no peer waits for this rank in a collective."""
+    try:
+        yield
+    except BaseException as error:
+        if comm.world_size > 1 and dist.is_initialized():
+            logger.error("rank %d failed (%s: %s); ending the process group so that the other ranks stop too",
+                         comm.rank, type(error).__name__, error)
+            with contextlib.suppress(Exception):  # the error to see is the one that brought us here
+                dist.destroy_process_group()
+        raise
 
 
 def _count(comm: Comm, elements: int, tensor: torch.Tensor) -> None:

@@ -37,12 +37,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import math
 import os
 import time
-from pathlib import Path
 from functools import partial
+from pathlib import Path
 from typing import Any, Iterator
 
 import torch
@@ -50,7 +51,7 @@ import torch.utils.checkpoint
 from torch import nn
 
 from . import checkpoint
-from .comm import Comm, all_gather, broadcast, control_all_reduce, init_comm
+from .comm import Comm, all_gather, broadcast, control_all_reduce, failing_together, init_comm
 from .config import Config, dtype_bytes
 from .lazy_init import initial_values, is_lazy, swap_in_placeholders
 from .memory_plan import plan_memory
@@ -91,7 +92,19 @@ def initialize(model: nn.Module, config: Config | dict | str | None = None, para
     elif init_fn is not None:
         with torch.no_grad():
             init_fn(model)
-    return Engine(model, config, init_comm(), param_groups, lazy_init_fn=init_fn if lazy else _EAGER)
+    comm = init_comm()
+    with failing_together(comm):
+        return Engine(model, config, comm, param_groups, lazy_init_fn=init_fn if lazy else _EAGER)
+
+
+def _fails_together(method: Any) -> Any:
+    """An engine call after which no peer is left waiting in a collective when this rank raises
+    (comm's [Note: failing together])."""
+    @functools.wraps(method)
+    def guarded(self: "Engine", *args: Any, **kwargs: Any) -> Any:
+        with failing_together(self.comm):
+            return method(self, *args, **kwargs)
+    return guarded
 
 
 def _cast_floats(value: Any, dtype: torch.dtype) -> Any:
@@ -338,6 +351,7 @@ class Engine:
         return blocks[::-1] + [u for u in self.units if not u.layout.name]
 
     # ------------------------------------------------------------------ forward and backward
+    @_fails_together
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.compute_dtype != torch.float32:
             args, kwargs = _cast_floats(args, self.compute_dtype), _cast_floats(kwargs, self.compute_dtype)
@@ -349,6 +363,7 @@ class Engine:
         if complete and self.stage >= 2 and self.config.zero.overlap_comm:
             self.reducer.mark_ready(unit)  # without overlap_comm, flush() reduces after backward
 
+    @_fails_together
     def backward(self, output: Any) -> None:
         """Backward of a loss (or of ``output.loss``), scaled by loss scale / ``grad_accum_steps``."""
         loss = output if isinstance(output, torch.Tensor) else output.loss
@@ -373,6 +388,7 @@ class Engine:
         return self.micro_steps > 0 and self.micro_steps % self.config.train.grad_accum_steps == 0
 
     # ------------------------------------------------------------------ the step
+    @_fails_together
     def step(self) -> bool:
         """Call after every backward; updates at accumulation boundaries and returns whether it did."""
         if not self.is_accumulation_boundary or self._stepped_at == self.micro_steps:
@@ -600,6 +616,7 @@ class Engine:
     def memory_report(self) -> MemoryReport:
         return memory_report(self.tiers)
 
+    @_fails_together
     def full_state_dict(self, all_ranks: bool = False) -> dict[str, torch.Tensor]:
         """``model.state_dict()``'s keys with fp32 CPU parameters (from the masters) and buffers as they are.
 
@@ -645,12 +662,14 @@ class Engine:
         finally:
             self.param_scheduler.free_all()
 
+    @_fails_together
     def save_checkpoint(self, directory: str | os.PathLike, tag: str | None = None,
                         client_state: dict | None = None) -> Path:
         """Write the whole training state under ``directory/tag`` (default ``step00000042``) and point
         ``directory/latest`` at it, atomically; collective. ``client_state``: JSON-serializable."""
         return checkpoint.save_checkpoint(self, directory, tag, client_state)
 
+    @_fails_together
     def load_checkpoint(self, directory: str | os.PathLike, tag: str | None = None) -> dict | None:
         """Restore from ``directory/tag`` (default: ``latest``), whatever world size, stage or tiers
         saved it; returns the saved client state. Collective."""
