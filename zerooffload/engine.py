@@ -206,8 +206,6 @@ class Engine:
                                    on_reduced=self._on_reduced)
         self._backward_units = [u for u in self.reducer.order if u.grad_leaves] if self._updates_in_backward else []
         self._in_backward: _BackwardUpdates | None = None
-        self._updated_in_backward: dict[int, torch.Tensor] = {}
-        """id(unit) -> the norm of the gradient it was updated with in this window's backward."""
         self._hooks = [slot.param.register_post_accumulate_grad_hook(partial(self._on_grad, unit, index))
                        for unit in self.units for index, slot in enumerate(unit.layout.slots) if slot.trainable]
         if partitioned:
@@ -406,7 +404,6 @@ class Engine:
             self._update(had_grad, self._grad_scale(norm_sq))
         for unit in self.units:
             unit.clear_grads(self.tiers["device"])
-        self._updated_in_backward.clear()
         self.scaler.update(overflow)
         self.global_steps += 1
         if self.scheduler is not None and not overflow:
@@ -417,8 +414,8 @@ class Engine:
 
     def _grad_norm(self, unit: FlatUnit) -> torch.Tensor:
         """This rank's part of ``unit``'s gradient norm for the window, from wherever its gradient went."""
-        if id(unit) in self._updated_in_backward:
-            return self._updated_in_backward[id(unit)]
+        if unit.backward_update_norm is not None:
+            return unit.backward_update_norm
         if unit.offloaded_grad is not None:
             return unit.offloaded_grad.norm  # taken as it was written
         return torch.linalg.vector_norm(unit.local_grad(), dtype=torch.float32)
@@ -455,7 +452,7 @@ class Engine:
         """Unit by unit, those not updated in backward already: the update on the pieces with a gradient
         somewhere, writing the new compute weights straight where they are published; one unit's
         all-gather runs while the next updates."""
-        left = [i for i, unit in enumerate(self.units) if id(unit) not in self._updated_in_backward]
+        left = [i for i, unit in enumerate(self.units) if unit.backward_update_norm is None]
         pending = []
         writer = BlockWriter(self.tiers["host"])
         states = self.visit_optimizer_states(write=True, states=[self.opt_states[i] for i in left])
@@ -512,7 +509,7 @@ class Engine:
         grad = shard.to(unit.compute_dtype)  # what the step would read back from the tier
         flags = control_all_reduce(self.comm, torch.tensor(unit.has_grad, dtype=torch.float64).to(self.comm.device))
         updates.pending.append(self._update_unit(state, flags.cpu(), grad, 1.0 / self.scaler.scale, updates.writer))
-        self._updated_in_backward[id(unit)] = torch.linalg.vector_norm(grad, dtype=torch.float32)
+        unit.backward_update_norm = torch.linalg.vector_norm(grad, dtype=torch.float32)
 
     def _finish_backward_updates(self) -> None:
         """Backward is over: the last optimizer block stored, the new weights home or all-gathered."""

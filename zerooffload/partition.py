@@ -179,6 +179,8 @@ class FlatUnit:
         straight into the update (engine's [Note: updates in backward])."""
         self.offloaded_grad: OffloadedGrad | None = None
         """Set when the reduced shard lives on the optimizer's tier until the step (``offloaded_grads``)."""
+        self.backward_update_norm: torch.Tensor | None = None
+        """Set when the unit was updated in this window's backward: the norm of the gradient it used."""
         self._placeholder: torch.Tensor | None = None
         self.flat_grad: torch.Tensor | None = None
         self.grad_shard: torch.Tensor | None = None
@@ -306,6 +308,7 @@ class FlatUnit:
             self.grad_shard = None
         if self.offloaded_grad is not None:
             self.offloaded_grad.clear()
+        self.backward_update_norm = None
         self.has_grad = [False] * len(self.layout.slots)
         self._written = [False] * len(self.layout.slots)
 
