@@ -11,7 +11,9 @@ from reference import make_batches, make_model, reference_train, update_errors
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 OFFLOADS = {"device": {}, "host optimizer": {"optimizer": {"tier": "host"}},
+            "half the optimizer on the host": {"optimizer": {"tier": "host", "fraction": 0.5}},
             "nvme everything": {"optimizer": {"tier": "nvme"}, "param": {"tier": "nvme"}}}
+WINDOWS = {"accumulation and clipping": (2, 0.05), "updates in backward": (1, 0.0)}
 
 
 @pytest.fixture(autouse=True)
@@ -22,16 +24,18 @@ def exact_fp32_matmuls():
     torch.backends.cuda.matmul.allow_tf32 = previous
 
 
+@pytest.mark.parametrize("window", list(WINDOWS))
 @pytest.mark.parametrize("offload", list(OFFLOADS))
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_engine_on_cuda_matches_plain_pytorch_on_the_cpu(stage, offload):
+def test_engine_on_cuda_matches_plain_pytorch_on_the_cpu(stage, offload, window):
     if stage < 3 and "param" in OFFLOADS[offload] or stage == 0 and OFFLOADS[offload]:
         pytest.skip("parameter offload needs stage 3, optimizer offload stage >= 1")
-    batches = make_batches(3, 2, 2)
+    accum, clip = WINDOWS[window]
+    batches = make_batches(3, accum, 2)
     model = make_model()
     initial = {k: v.clone() for k, v in model.state_dict().items()}
     engine = zo.initialize(model, {"zero": {"stage": stage}, "offload": OFFLOADS[offload],
-                                   "train": {"grad_accum_steps": 2, "grad_clip": 0.05},
+                                   "train": {"grad_accum_steps": accum, "grad_clip": clip},
                                    "optimizer": {"lr": 1e-2, "weight_decay": 0.1}})
     assert engine.comm.device.type == "cuda"
     for window in batches:
@@ -40,7 +44,7 @@ def test_engine_on_cuda_matches_plain_pytorch_on_the_cpu(stage, offload):
             engine.step()
     full = engine.full_state_dict()
     engine.close()
-    errors = update_errors(initial, full, reference_train(make_model(), batches, clip=0.05))
+    errors = update_errors(initial, full, reference_train(make_model(), batches, clip=clip))
     assert max(errors.values()) < 1e-4, max(errors.items(), key=lambda kv: kv[1])
 
 

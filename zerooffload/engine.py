@@ -433,7 +433,8 @@ class Engine:
     def _global_norm_and_flags(self, norms: list[torch.Tensor]) -> tuple[float, list[torch.Tensor]]:
         """One control all-reduce: the squared gradient norm and each slot's "had a gradient" count."""
         flags = [torch.tensor(u.has_grad, dtype=torch.float64) for u in self.units]
-        local_sq = torch.stack(norms).double().square().sum().cpu().reshape(1)
+        # norms taken where each gradient was: on the device, or in host memory when offloaded
+        local_sq = torch.stack([n.to(self.comm.device) for n in norms]).double().square().sum().cpu().reshape(1)
         if self.stage == 0 and self.comm.rank != 0:
             local_sq.zero_()  # stage 0 gradients are whole on every rank: count them once
         control = control_all_reduce(self.comm, torch.cat([local_sq, *flags]).to(self.comm.device)).cpu()
