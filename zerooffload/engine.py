@@ -14,8 +14,9 @@ all units are reduced when the window closes. ``engine.step`` at the accumulatio
    ``train.grad_clip`` into one gradient scale;
 4. unit by unit, its optimizer block loaded (``optim.state``; streamed when on NVMe): the update of the
    pieces whose parameters had a gradient somewhere (others skip, as torch skips ``grad is None``),
-   writing the new compute weights where they are published: all-gathered at stages 1–2, a partitioned
-   unit's shard at stage 3, gathered again at its next use by the ``ParamScheduler`` (``param_hooks``).
+   writing the new compute weights where they are published (``publication``): all-gathered at stages
+   1–2, a partitioned unit's shard at stage 3, gathered again at its next use by the ``ParamScheduler``
+   (``param_hooks``).
 
 [Note: updates in backward]
 When the update needs nothing global (no ``train.grad_clip``, no fp16 loss scale that may skip the
@@ -58,6 +59,7 @@ from .memory_plan import plan_memory
 from .optim import ZeroOptimizer, build_scheduler, moment_names
 from .param_hooks import register_param_hooks
 from .partition import FlatUnit, Piece, UnitLayout, find_units, masters_alias_params
+from .publication import Publication
 from .precision import COMPUTE_DTYPES, LossScaler
 from .reduction import GradReducer, Mode
 from .scheduler import ParamScheduler, check_live_bound
@@ -118,18 +120,6 @@ def _cast_floats(value: Any, dtype: torch.dtype) -> Any:
     return value
 
 
-def _copy_unstepped(target: torch.Tensor, master: torch.Tensor, stepped: list[Piece]) -> None:
-    """Copy ``master`` into ``target`` outside the stepped pieces, which the update wrote already:
-    frozen and unused parameters' values and the padding."""
-    start = 0
-    for piece in sorted(stepped, key=lambda p: p.start):
-        if piece.start > start:
-            target[start:piece.start].copy_(master[start:piece.start])
-        start = max(start, piece.stop)
-    if start < target.numel():
-        target[start:].copy_(master[start:])
-
-
 def _checkpoint_forward(module: nn.Module) -> None:
     """Recompute ``module``'s activations in backward (``train.activation_checkpointing``).
 
@@ -152,10 +142,8 @@ class _BackwardUpdates:
 
     states: Iterator[UnitOptimizerState]
     """The units' optimizer states in arrival order, streamed: the next one loads during an update."""
-    writer: BlockWriter
-    """Stores new parameter shards."""
-    pending: list = dataclasses.field(default_factory=list)
-    """All-gathers of new weights in flight (stages 1–2)."""
+    publication: Publication
+    """Their new weights on their way."""
 
 
 class Engine:
@@ -454,8 +442,7 @@ class Engine:
         somewhere, writing the new compute weights straight where they are published; one unit's
         all-gather runs while the next updates."""
         left = [i for i, unit in enumerate(self.units) if unit.backward_update_norm is None]
-        pending = []
-        writer = BlockWriter(self.tiers["host"])
+        publication = self._publication()
         states = self.visit_optimizer_states(write=True, states=[self.opt_states[i] for i in left])
         for position, state in enumerate(states):
             unit = state.unit
@@ -463,39 +450,34 @@ class Engine:
             if upcoming is not None:
                 upcoming.prefetch()  # its read overlaps this unit's update
             with self._reduced_grad(unit) as grad:  # entered even when nothing steps: it may be prefetched
-                pending.append(self._update_unit(state, had_grad[left[position]], grad, grad_scale, writer))
-        self._finish_publishing(writer, pending)
+                self._update_unit(state, had_grad[left[position]], grad, grad_scale, publication)
+        publication.finish()
         self.param_scheduler.stage_first_units()
 
     def _update_unit(self, state: UnitOptimizerState, flags: torch.Tensor, grad: torch.Tensor, grad_scale: float,
-                     writer: BlockWriter) -> tuple[torch.Tensor, Any] | None:
-        """One unit's update on the pieces whose parameters had a gradient somewhere (``flags``), then
-        its new weights published (``_publish``)."""
-        unit = state.unit
-        target = self._publish_target(unit, writer)
+                     publication: Publication) -> None:
+        """One unit's update on the pieces whose parameters had a gradient somewhere (``flags``),
+        writing its new weights into their target, then sent on (``publication``'s note)."""
+        target = publication.target(state.unit)
         stepped = [(piece, tensor) for piece, tensor in state.pieces if flags[piece.slot_index] > 0]
         if stepped:
             self._step_unit(stepped, grad, grad_scale, target, self._update_tier(state))
-        self._count_publish_link(state, target)
-        return self._publish(unit, target, writer, [piece for piece, _ in stepped])
+        self._send(publication, state, target, [piece for piece, _ in stepped])
 
-    def _count_publish_link(self, state: UnitOptimizerState, target: torch.Tensor | None) -> None:
-        """New weights cross the host-device link when the update and their target sit on opposite sides."""
-        if target is None:
-            return
-        target_on_device = not (state.unit.partitioned and self.config.offload.param.tier != "device")
-        update_on_device = self._update_tier(state) is self.tiers["device"]
-        if target_on_device and not update_on_device:
-            self._link.host_to_device_bytes += target.numel() * target.element_size()
-        elif update_on_device and not target_on_device:
-            self._link.device_to_host_bytes += target.numel() * target.element_size()
+    def _send(self, publication: Publication, state: UnitOptimizerState, target: torch.Tensor | None,
+              stepped: list[Piece]) -> None:
+        publication.send(state.unit, target, stepped, updated_on_device=self._update_tier(state) is self.tiers["device"])
+
+    def _publication(self) -> Publication:
+        return Publication(self.comm, self.tiers["device"], self.tiers["host"], self._link,
+                           shards_off_device=self.config.offload.param.tier != "device")
 
     # ------------------------------------------------------------------ updates in backward
     def _start_backward_updates(self) -> "_BackwardUpdates | None":
         if not self._backward_units:
             return None
         states = [self.opt_states[self.units.index(unit)] for unit in self._backward_units]
-        return _BackwardUpdates(self.visit_optimizer_states(write=True, states=states), BlockWriter(self.tiers["host"]))
+        return _BackwardUpdates(self.visit_optimizer_states(write=True, states=states), self._publication())
 
     def _on_reduced(self, unit: FlatUnit, shard: torch.Tensor) -> None:
         """The reducer's hand-off of ``unit``'s reduced shard: updated at once, or kept for the step."""
@@ -509,7 +491,7 @@ class Engine:
         assert state.unit is unit, "reduced shards arrive in the reducer's fixed order"
         grad = shard.to(unit.compute_dtype)  # what the step would read back from the tier
         flags = control_all_reduce(self.comm, torch.tensor(unit.has_grad, dtype=torch.float64).to(self.comm.device))
-        updates.pending.append(self._update_unit(state, flags.cpu(), grad, 1.0 / self.scaler.scale, updates.writer))
+        self._update_unit(state, flags.cpu(), grad, 1.0 / self.scaler.scale, updates.publication)
         unit.backward_update_norm = torch.linalg.vector_norm(grad, dtype=torch.float32)
 
     def _finish_backward_updates(self) -> None:
@@ -519,31 +501,23 @@ class Engine:
             return
         for _ in updates.states:  # every unit was reduced, so this only stores the last block ...
             raise AssertionError("a unit updated in backward got no reduced gradient")
-        self._finish_publishing(updates.writer, updates.pending)
+        updates.publication.finish()
 
     def _abandon_backward_updates(self) -> None:
         """Backward failed: let the stream wait for its transfers and free its buffers; keep the first error."""
         updates, self._in_backward = self._in_backward, None
         if updates is not None:
             updates.states.close()
-            with contextlib.suppress(Exception):
-                self._finish_publishing(updates.writer, updates.pending)
+            updates.publication.abandon()
 
     def publish_weights(self) -> None:
         """Make every rank's compute weights equal the fp32 masters again, after the masters were set
         from outside the step (a checkpoint load)."""
         self.param_scheduler.free_all()  # shards read ahead hold the old weights
-        pending = []
-        writer = BlockWriter(self.tiers["host"])
+        publication = self._publication()
         for state in self.visit_optimizer_states(write=False):
-            pending.append(self._publish(state.unit, self._publish_target(state.unit, writer), writer, stepped=[]))
-        self._finish_publishing(writer, pending)
-
-    def _finish_publishing(self, writer: BlockWriter, pending: list) -> None:
-        writer.finish()
-        for source, work in filter(None, pending):
-            work.wait()
-            self.tiers["device"].free(Kind.BUFFER, source)
+            self._send(publication, state, publication.target(state.unit), stepped=[])
+        publication.finish()
 
     def _step_unit(self, stepped: list[tuple[Piece, torch.Tensor]], grad: torch.Tensor, grad_scale: float,
                    target: torch.Tensor | None, update_tier: Tier) -> None:
@@ -560,31 +534,6 @@ class Engine:
                                 outs={} if target is None else {t: target[p.start:p.stop] for p, t in stepped})
         finally:
             update_tier.free(Kind.BUFFER, scaled)
-
-    def _publish_target(self, unit: FlatUnit, writer: BlockWriter) -> torch.Tensor | None:
-        """Where this rank's new compute weights of ``unit`` go (None when the masters are the weights):
-        a partitioned unit's shard block, a sharded unit's all-gather input, else its own weights."""
-        if unit.partitioned:
-            return None if unit.master_is_param or not unit.param_block.writable else writer.begin(unit.param_block)
-        if unit.layout.shards > 1 and self.comm.world_size > 1:
-            # The all-gather writes this rank's shard too, so its input must not alias the output.
-            return self.tiers["device"].empty(Kind.BUFFER, unit.layout.shard_numel, unit.compute_dtype)
-        return None if unit.master_is_param else unit.flat_param[unit.shard_range]
-
-    def _publish(self, unit: FlatUnit, target: torch.Tensor | None, writer: BlockWriter, stepped: list[Piece]
-                 ) -> tuple[torch.Tensor, Any] | None:
-        """Fill ``target`` from the masters where the update did not write it already (outside the
-        ``stepped`` pieces), then send the new weights on: a partitioned unit's shard home (``writer``;
-        gathered at its next use), a sharded unit's all-gather started (returns its input and handle)."""
-        if target is not None:
-            _copy_unstepped(target, unit.master, stepped)
-        if unit.partitioned:
-            if target is not None:
-                writer.commit(unit.param_block)
-            return None
-        if unit.layout.shards > 1 and self.comm.world_size > 1:
-            return target, all_gather(self.comm, unit.flat_param, target, async_op=True)
-        return None
 
     def _start_window(self) -> None:
         """Counters cover one accumulation window: everything between two optimizer steps."""

@@ -1,0 +1,91 @@
+"""New compute weights on their way out of one round of updates (a step, a backward, a checkpoint load).
+
+[Note: publication]
+The update writes each unit's new compute-dtype weights straight into a *target* (``target``): a
+partitioned unit's shard block (stage 3; stored home in the background), a sharded unit's all-gather
+input (stages 1–2; the gather is started at once and waited for by ``finish``), else the unit's own
+weights; none when the fp32 masters are the weights, or when the shard is read from the masters
+(``tiers`` prefix blocks). ``send`` first fills what the update did not write (frozen and unused
+parameters, padding) from the masters, then sends the weights on. Weights that cross between the
+update's side and the target's side of the host-device link are counted there (``LinkStats``).
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+
+from .comm import Comm, all_gather
+from .partition import FlatUnit, Piece
+from .tiers import BlockWriter, Kind, LinkStats, Tier
+
+__all__ = ["Publication"]
+
+
+def _copy_unstepped(target: torch.Tensor, master: torch.Tensor, stepped: list[Piece]) -> None:
+    """Copy ``master`` into ``target`` outside the stepped pieces, which the update wrote already:
+    frozen and unused parameters' values and the padding."""
+    start = 0
+    for piece in sorted(stepped, key=lambda p: p.start):
+        if piece.start > start:
+            target[start:piece.start].copy_(master[start:piece.start])
+        start = max(start, piece.stop)
+    if start < target.numel():
+        target[start:].copy_(master[start:])
+
+
+class Publication:
+    """One round's new weights: their targets, and the stores and all-gathers that send them on."""
+
+    def __init__(self, comm: Comm, device_tier: Tier, host_tier: Tier, link: LinkStats, shards_off_device: bool):
+        """``shards_off_device``: partitioned units' shards live in host memory or on NVMe."""
+        self.comm, self.device_tier, self.link = comm, device_tier, link
+        self.shards_off_device = shards_off_device
+        self.writer = BlockWriter(host_tier)
+        self._gathers: list[tuple[torch.Tensor, Any]] = []
+
+    def target(self, unit: FlatUnit) -> torch.Tensor | None:
+        """Where this rank's new weights of ``unit`` are to be written (None: nowhere, see the note)."""
+        if unit.partitioned:
+            if unit.master_is_param or not unit.param_block.writable:
+                return None
+            return self.writer.begin(unit.param_block)
+        if unit.layout.shards > 1 and self.comm.world_size > 1:
+            # The all-gather writes this rank's shard too, so its input must not alias the output.
+            return self.device_tier.empty(Kind.BUFFER, unit.layout.shard_numel, unit.compute_dtype)
+        return None if unit.master_is_param else unit.flat_param[unit.shard_range]
+
+    def send(self, unit: FlatUnit, target: torch.Tensor | None, stepped: list[Piece], updated_on_device: bool
+             ) -> None:
+        """Complete ``target`` from the masters outside the ``stepped`` pieces and send it on."""
+        if target is None:
+            return
+        _copy_unstepped(target, unit.master, stepped)
+        self._count(unit, target, updated_on_device)
+        if unit.partitioned:
+            self.writer.commit(unit.param_block)
+        elif unit.layout.shards > 1 and self.comm.world_size > 1:
+            self._gathers.append((target, all_gather(self.comm, unit.flat_param, target, async_op=True)))
+
+    def _count(self, unit: FlatUnit, target: torch.Tensor, updated_on_device: bool) -> None:
+        target_on_device = not (unit.partitioned and self.shards_off_device)
+        nbytes = target.numel() * target.element_size()
+        if target_on_device and not updated_on_device:
+            self.link.host_to_device_bytes += nbytes
+        elif updated_on_device and not target_on_device:
+            self.link.device_to_host_bytes += nbytes
+
+    def finish(self) -> None:
+        """Every store home and every all-gather done (their inputs freed)."""
+        self.writer.finish()
+        for source, work in self._gathers:
+            work.wait()
+            self.device_tier.free(Kind.BUFFER, source)
+        self._gathers = []
+
+    def abandon(self) -> None:
+        """After a failure: wait for what is in flight, so no buffer is freed under a transfer; the
+        first error is the one to see, so this one raises nothing."""
+        with contextlib.suppress(Exception):
+            self.finish()
