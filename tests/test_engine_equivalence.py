@@ -246,14 +246,19 @@ def test_updates_in_backward_skip_the_gradients_round_trip_through_nvme():
     assert off["io"].read_bytes - on["io"].read_bytes == on["grad_bytes"]
 
 
-@pytest.mark.parametrize("clip", [0.05, 0.0], ids=["updates in the step", "updates in backward"])
+WINDOWS = {"updates in the step": (2, 0.05), "updates in backward": (1, 0.0),
+           "accumulation, updates in backward": (2, 0.0)}
+
+
+@pytest.mark.parametrize("window", list(WINDOWS))
 @pytest.mark.parametrize("stage", [1, 2, 3])
 @pytest.mark.parametrize("world", [1, 2])
-def test_every_tier_combination(rank_pools, world, stage, clip):
+def test_every_tier_combination(rank_pools, world, stage, window):
     """Optimizer tier × parameter tier (stage 3), fp32, at world size 1 (no launcher) and 2: within the
     bound of plain PyTorch AdamW and bitwise the device run. Clipping keeps the updates in the step;
-    without it (and with one micro-batch) offloaded units are updated in backward at stages 2–3."""
-    accum = 2 if clip else 1
+    without it offloaded units are updated at stages 2–3 in the backward that closes the window (with
+    accumulation, their earlier gradient parts read back from the tier)."""
+    accum, clip = WINDOWS[window]
 
     def run(**offload) -> dict:
         if world == 1:

@@ -20,19 +20,21 @@ all units are reduced when the window closes. ``engine.step`` at the accumulatio
 
 [Note: updates in backward]
 When the update needs nothing global (no ``train.grad_clip``, no fp16 loss scale that may skip the
-step, ``grad_accum_steps`` 1), a unit whose gradient would leave for the optimizer's tier is updated
-instead the moment its reduced shard arrives, still inside backward: its optimizer block was read
-ahead (the blocks stream in the reducer's fixed order, read i+1 ‖ update i ‖ write i−1, as in the
-step), the reduced shard is rounded to the compute dtype exactly as the tier would store it, and the
-new weights are published as the step would publish them. The gradient never makes the trip to the tier and back (2 × its bytes per step saved on NVMe),
-and the optimizer's I/O overlaps backward. The result is bitwise the step's: the same inputs, the
-same update. It is safe because a unit is reduced only once every use of its parameters in this
-backward is over (autograd accumulates a parameter's gradient after all its uses), and the "had a
-gradient somewhere" flags of its slots are summed over ranks right then, in the reducer's order.
-``engine.step`` then updates only the other units, and closes the window as always (counters, LR
-schedule, the gradient norm reported). So each such ``backward`` applies its update: call ``step``
-after every ``backward``, as always. (A ``grad_clip`` too large to bind turns this off and changes
-nothing else: the tests compare both ways.)
+step), a unit whose gradient would leave for the optimizer's tier is updated, in the backward that
+closes an accumulation window, the moment its last reduced shard arrives: its optimizer block was
+read ahead (the blocks stream in the reducer's fixed order, read i+1 ‖ update i ‖ write i−1, as in
+the step), the shard is rounded to the compute dtype exactly as the tier would store it (or added to
+the window's earlier parts, read ahead from the tier, exactly as the tier would add it), and the new
+weights are published as the step would publish them. The gradient never makes its last trip to the
+tier and back (2 × its bytes per step saved on NVMe; with one micro-batch per step it is never
+stored at all), and the optimizer's I/O overlaps backward. The result is bitwise the step's: the
+same inputs, the same update. It is safe because a unit is reduced only once every use of its
+parameters in this backward is over (autograd accumulates a parameter's gradient after all its
+uses), and the "had a gradient somewhere" flags of its slots are summed over ranks right then, in
+the reducer's order. ``engine.step`` then updates only the other units, and closes the window as
+always (counters, LR schedule, the gradient norm reported). So the backward that closes a window
+applies its update: call ``step`` after every ``backward``, as always. (A ``grad_clip`` too large
+to bind turns this off and changes nothing else: the tests compare both ways.)
 """
 from __future__ import annotations
 
@@ -166,8 +168,11 @@ class Engine:
         partitioned = [u for u in self.units if u.partitioned]
         self._offloaded = units_to_offload(layouts, config.offload.optimizer.fraction)
         train = config.train
-        self._updates_in_backward = train.grad_accum_steps == 1 and train.grad_clip == 0 and train.precision != "fp16"
-        """Whether units whose gradients leave the device are updated in backward ([Note: updates in backward])."""
+        self._updates_in_backward = train.grad_clip == 0 and train.precision != "fp16"
+        """Whether units whose gradients leave the device are updated in the backward that closes a window
+        ([Note: updates in backward])."""
+        self._grads_kept = train.grad_accum_steps > 1 or not self._updates_in_backward
+        """Whether reduced shards leaving the device wait on the optimizer's tier (``offloaded_grads``)."""
         check_live_bound(partitioned, config.zero.max_live_size)
         plan = self._plan(layouts)
         check_plan(plan, self.tiers)  # memory budgets first: they are cheap to check, swap space is not
@@ -264,7 +269,7 @@ class Engine:
                            offloaded=[layout for layout, moved in zip(layouts, self._offloaded) if moved],
                            master_is_param=self._master_is_param("device"),
                            params_in_masters=self._params_in_masters(self.config.offload.optimizer.tier),
-                           grads_kept_for_step=not self._updates_in_backward,
+                           grads_kept_for_step=self._grads_kept,
                            moments=len(moment_names(self.config.optimizer)), bucket_bytes=self.config.zero.bucket_size,
                            world_size=self.comm.world_size,
                            partitioned=[u.layout for u in self.units if u.partitioned],
@@ -286,7 +291,7 @@ class Engine:
             tier_name = self._optimizer_tier_name(index)
             param_block = self._param_block(index, tier_name) if unit.partitioned else None
             unit.grad_leaves = unit.keep_grad_shard and tier_name != "device"
-            if unit.grad_leaves and not self._updates_in_backward:
+            if unit.grad_leaves and self._grads_kept:
                 block = self.tiers[tier_name].block(Kind.GRAD, f"grad.{index}", unit.layout.shard_numel,
                                                     self.compute_dtype)
                 unit.offloaded_grad = OffloadedGrad(block, self._grad_writer, self.tiers["host"])
@@ -466,7 +471,8 @@ class Engine:
 
     def _send(self, publication: Publication, state: UnitOptimizerState, target: torch.Tensor | None,
               stepped: list[Piece]) -> None:
-        publication.send(state.unit, target, stepped, updated_on_device=self._update_tier(state) is self.tiers["device"])
+        on_device = self._update_tier(state) is self.tiers["device"]
+        publication.send(state.unit, target, stepped, updated_on_device=on_device)
 
     def _publication(self) -> Publication:
         return Publication(self.comm, self.tiers["device"], self.tiers["host"], self._link,
@@ -474,9 +480,11 @@ class Engine:
 
     # ------------------------------------------------------------------ updates in backward
     def _start_backward_updates(self) -> "_BackwardUpdates | None":
-        if not self._backward_units:
+        closes_window = (self.micro_steps + 1) % self.config.train.grad_accum_steps == 0
+        if not (self._backward_units and closes_window):
             return None
         states = [self.opt_states[self.units.index(unit)] for unit in self._backward_units]
+        self._prefetch_window_part(0)
         return _BackwardUpdates(self.visit_optimizer_states(write=True, states=states), self._publication())
 
     def _on_reduced(self, unit: FlatUnit, shard: torch.Tensor) -> None:
@@ -489,10 +497,30 @@ class Engine:
             return
         state = next(updates.states)  # loaded ahead while the previous unit updated
         assert state.unit is unit, "reduced shards arrive in the reducer's fixed order"
-        grad = shard.to(unit.compute_dtype)  # what the step would read back from the tier
+        self._prefetch_window_part(self._backward_units.index(unit) + 1)  # the next unit's, during this update
         flags = control_all_reduce(self.comm, torch.tensor(unit.has_grad, dtype=torch.float64).to(self.comm.device))
-        self._update_unit(state, flags.cpu(), grad, 1.0 / self.scaler.scale, updates.publication)
-        unit.backward_update_norm = torch.linalg.vector_norm(grad, dtype=torch.float32)
+        with self._window_grad(unit, shard) as grad:
+            self._update_unit(state, flags.cpu(), grad, 1.0 / self.scaler.scale, updates.publication)
+            unit.backward_update_norm = torch.linalg.vector_norm(grad, dtype=torch.float32)
+
+    @contextlib.contextmanager
+    def _window_grad(self, unit: FlatUnit, shard: torch.Tensor) -> Iterator[torch.Tensor]:
+        """The window's whole gradient of ``unit`` given its last reduced part: that part rounded to the
+        compute dtype as the tier would store it, or added to the earlier parts read from the tier (and
+        not stored back: the update is its last use)."""
+        if unit.offloaded_grad is None or not unit.offloaded_grad.written:
+            yield shard.to(unit.compute_dtype)
+            return
+        with unit.offloaded_grad.loaded() as grad:
+            yield grad.add_(shard)
+
+    def _prefetch_window_part(self, position: int) -> None:
+        """Start reading the earlier gradient parts (accumulation) of the ``position``-th unit updated in
+        backward, if there is one and it has some."""
+        if position < len(self._backward_units):
+            kept = self._backward_units[position].offloaded_grad
+            if kept is not None and kept.written:
+                kept.prefetch()
 
     def _finish_backward_updates(self) -> None:
         """Backward is over: the last optimizer block stored, the new weights home or all-gathered."""
