@@ -193,20 +193,23 @@ def test_host_device_link_bytes_per_step(offload, to_device, to_host):
     engine.close()
 
 
-@pytest.mark.parametrize("clip", [1.0, 0.0])
-def test_nvme_traffic_per_step_is_every_optimizer_block_once_each_way(clip):
-    """Optimizer blocks: read and written once. Gradient shards, when the step needs their global norm
-    (clipping): written once when reduced (their norm taken then), read once by the update; without
-    it they are used as they are reduced and never stored (engine's [Note: updates in backward])."""
-    engine = zo.initialize(_mlp(), {"zero": {"stage": 2}, "train": {"grad_clip": clip},
+@pytest.mark.parametrize("clip, accum, grad_trips", [(1.0, 1, 1), (0.0, 1, 0), (1.0, 2, 2), (0.0, 2, 1)])
+def test_nvme_traffic_per_step_is_every_optimizer_block_once_each_way(clip, accum, grad_trips):
+    """Optimizer blocks: read and written once per window. Gradient shards, when the step needs their
+    global norm (clipping): written when first reduced (their norm taken then), read back, added to and
+    written again for each further micro-batch, read once by the update. Without clipping the closing
+    micro-batch's part goes straight into the update (engine's [Note: updates in backward]): one trip
+    fewer, and with one micro-batch none at all and no swap space."""
+    engine = zo.initialize(_mlp(), {"zero": {"stage": 2}, "train": {"grad_clip": clip, "grad_accum_steps": accum},
                                     "offload": {"optimizer": {"tier": "nvme"}}})
     blocks = engine.memory_report().bytes("nvme", "optimizer")
-    grads = engine.memory_report().bytes("nvme", "grad")
-    assert grads == (4 * sum(u.layout.shard_numel for u in engine.units) if clip else 0)  # no swap kept for nothing
+    grads = 4 * sum(u.layout.shard_numel for u in engine.units)
+    assert engine.memory_report().bytes("nvme", "grad") == (grads if grad_trips else 0)  # no swap kept for nothing
     assert engine.memory_report().bytes("device", "grad") == 0
-    moved = blocks + grads
+    moved = blocks + grad_trips * grads
     for _ in range(2):
-        _one_step(engine)
+        for _ in range(accum):
+            _one_step(engine)
         io = engine.stats.io
         assert (io.read_bytes, io.write_bytes) == (moved, moved)
         assert 0 < engine.stats.stall_seconds <= engine.stats.seconds
