@@ -51,3 +51,6 @@ def test_train_resumes_from_its_checkpoint_exactly(tmp_path):
     _run([*common, "--steps", "5", "--save-every", "5"], tmp_path / "b")
     resumed = _run([*common, "--steps", "10", "--resume"], tmp_path / "b")
     assert resumed["steps"] == 5 and resumed["losses"] == straight["losses"][5:]
+    again = subprocess.run([*common, "--steps", "5", "--resume", "--out", str(tmp_path / "b" / "out")],
+                           capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert again.returncode == 0 and "nothing to train" in again.stdout, again.stderr[-2000:]

@@ -51,6 +51,11 @@ def run_training(args: argparse.Namespace) -> int:
     engine = initialize(GPT(model_config), config)
     checkpoints = Path(args.out) / "checkpoints"
     first_step = engine.load_checkpoint(checkpoints)["next_step"] if args.resume else 0
+    if first_step >= args.steps:
+        engine.close()
+        if engine.comm.rank == 0:
+            print(f"nothing to train: {checkpoints} is at step {first_step} and --steps is {args.steps}")
+        return 0
     corpus = ByteCorpus()
     rank, world = engine.comm.rank, engine.comm.world_size
     micro, accum, seq = config.train.micro_batch_size, config.train.grad_accum_steps, model_config.block_size
