@@ -37,6 +37,7 @@ import torch
 from .bench import BenchError
 from .optim import fused_adam_step, simd_level
 from .peer_process import PeerError, PeerProcess
+from .precision import COMPUTE_DTYPES
 
 __all__ = ["run_adam_bench"]
 
@@ -44,7 +45,6 @@ log = logging.getLogger("zerooffload.bench")
 
 TENSOR_NUMEL = 10_000_000
 LR, BETAS, EPS, WEIGHT_DECAY = 1e-3, (0.9, 0.999), 1e-8, 0.01
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 STATE_BYTES = 18
 """Bytes per parameter a side holds: fp32 param, grad, exp_avg, exp_avg_sq (16) and the 2-byte copy."""
 DS_SIDE = Path(__file__).resolve().parent.parent / "bench" / "ds_adam_side.py"
@@ -87,7 +87,7 @@ def _parse(args: argparse.Namespace) -> tuple[int, torch.dtype]:
     if need > available:
         raise BenchError(f"--params {n} needs ~{need / 1e9:.1f} GB of memory; only "
                          f"{available / 1e9:.1f} GB are available: pass a smaller --params", code=2)
-    return n, DTYPES[args.dtype]
+    return n, COMPUTE_DTYPES[args.dtype]
 
 
 def _sizes(n: int) -> list[int]:

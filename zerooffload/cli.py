@@ -95,12 +95,10 @@ def _add_bench(commands) -> None:
 
 
 def _cmd_consolidate(args: argparse.Namespace) -> int:
-    import torch
-
     from .checkpoint import consolidate
+    from .precision import COMPUTE_DTYPES
 
-    path = consolidate(args.checkpoint, args.out, {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype],
-                       args.tag)
+    path = consolidate(args.checkpoint, args.out, COMPUTE_DTYPES[args.dtype], args.tag)
     print(f"wrote {path} ({path.stat().st_size / 1e6:.1f} MB)")
     return 0
 
