@@ -93,33 +93,32 @@ class RankPool:
         if failures or len(outcomes) < self.world_size:
             self.close(force=True)
             raise RankFailure(self._report(fn, outcomes))
-        if self._group_ended:
-            self.close(force=True)  # the next task starts afresh
+        if not all(group_alive for _, _, group_alive in outcomes.values()):
+            self.close(force=True)  # a rank ended the process group: the next task starts afresh
         return [outcomes[r][1] for r in range(self.world_size)]
 
-    def _collect(self, task_id: int, deadline: float) -> dict[int, tuple[bool, Any]]:
-        """Outcomes by rank until all arrive, the deadline passes, or the grace after a failure ends."""
-        outcomes: dict[int, tuple[bool, Any]] = {}
-        self._group_ended = False
+    def _collect(self, task_id: int, deadline: float) -> dict[int, tuple[bool, Any, bool]]:
+        """Outcomes (ok, value, group still alive) by rank until all arrive, the deadline passes, or the
+        grace after a failure ends."""
+        outcomes: dict[int, tuple[bool, Any, bool]] = {}
         while len(outcomes) < self.world_size and time.monotonic() < deadline:
             try:
                 got_id, rank, ok, value, group_alive = self._results.get(timeout=0.2)
             except queue.Empty:
                 for rank, proc in enumerate(self._procs):
                     if rank not in outcomes and not proc.is_alive():
-                        outcomes[rank] = (False, f"rank {rank} died with exit code {proc.exitcode}\n")
+                        outcomes[rank] = (False, f"rank {rank} died with exit code {proc.exitcode}\n", False)
             else:
                 if got_id == task_id:
-                    outcomes[rank] = (ok, value)
-                    self._group_ended |= not group_alive
-            if any(not ok for ok, _ in outcomes.values()):
+                    outcomes[rank] = (ok, value, group_alive)
+            if any(not ok for ok, _, _ in outcomes.values()):
                 deadline = min(deadline, time.monotonic() + FAILURE_GRACE_S)
         return outcomes
 
-    def _report(self, fn: Callable, outcomes: dict[int, tuple[bool, Any]]) -> str:
+    def _report(self, fn: Callable, outcomes: dict[int, tuple[bool, Any, bool]]) -> str:
         lines = [f"{fn.__name__} on {self.world_size} ranks:"]
         for rank in range(self.world_size):
-            ok, value = outcomes.get(rank, (False, "no result (timed out or blocked behind a failed rank)\n"))
+            ok, value, _ = outcomes.get(rank, (False, "no result (timed out or blocked behind a failed rank)\n", False))
             lines.append(f"--- rank {rank}: " + ("ok" if ok else f"FAILED\n{value}"))
         return "\n".join(lines)
 
