@@ -78,9 +78,9 @@ def _side(command: list[str], env: dict) -> float:
 def compare(args) -> None:
     nvme = Path(args.nvme)
     ours = [sys.executable, str(Path(__file__).resolve()), "--side", "ours", "--steps", str(args.steps),
-            "--nvme", str(nvme / "ours")]
+            "--batch", str(args.batch), "--nvme", str(nvme / "ours")]
     theirs = [args.deepspeed_python, args.anchor, "--mode", "ds", "--dtype", "fp32", "--steps", str(args.steps),
-              "--nvme", str(nvme / "ds")]
+              "--batch", str(args.batch), "--nvme", str(nvme / "ds")]
     env = {**os.environ, "DS_ACCELERATOR": "cpu"}
     print(f"machine: {os.cpu_count()} CPUs; swap under {nvme}; {args.pairs} pairs of {args.steps} timed steps")
     results = []
