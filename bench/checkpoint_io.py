@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import resource
 import shutil
 import statistics
 import subprocess
@@ -32,7 +31,7 @@ from pathlib import Path
 import torch
 
 import zerooffload as zo
-from io_vs_fio import ensure_fio, rounds_against_fio
+from io_vs_fio import ensure_fio, peak_rss_bytes, rounds_against_fio
 
 
 def _engine(args, swap: Path):
@@ -110,7 +109,7 @@ def main() -> None:
         largest = args.width * args.width * 4 / 2**20
         print(f"consolidate: peak RSS {peak:.0f} MB (imports alone {base:.0f} MB; largest tensor {largest:.0f} MB; "
               f"checkpoint {written / 2**20:.0f} MB, output {(work / 'model.safetensors').stat().st_size / 2**20:.0f} MB)")
-        print(f"this process's peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MB")
+        print(f"this process's peak RSS {peak_rss_bytes() / 2**20:.0f} MB")
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

@@ -25,11 +25,7 @@ import torch
 import zerooffload as zo
 from zerooffload.data import ByteCorpus
 from zerooffload.models import GPT, PRESETS
-
-
-def _peak_rss_gb() -> float:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM")) / 1e6
+from io_vs_fio import peak_rss_bytes
 
 
 def main() -> None:
@@ -72,7 +68,8 @@ def main() -> None:
                   f"waited on NVMe {stats.io.wait_seconds:.1f} s and all-gathers {stats.prefetch.wait_seconds:.1f} s "
                   f"(compute ~{end - start - stats.stall_seconds:.1f} s); NVMe read {stats.io.read_bytes / 1e9:.1f} GB, "
                   f"wrote {stats.io.write_bytes / 1e9:.1f} GB ({stats.io_gbps:.2f} GB/s)", flush=True)
-        print(f"peak RSS {_peak_rss_gb():.1f} GB ({_peak_rss_gb() * 1e9 / ram:.0%} of RAM); engine peaks: "
+        peak = peak_rss_bytes()
+        print(f"peak RSS {peak / 1e9:.1f} GB ({peak / ram:.0%} of RAM); engine peaks: "
               + ", ".join(f"{tier} {b / 1e9:.1f} GB" for tier, b in engine.memory_report().peaks.items()))
     finally:
         engine.close()

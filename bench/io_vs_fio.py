@@ -230,6 +230,13 @@ def run_rounds(sides: list, path: str, args: argparse.Namespace) -> dict:
     return speeds
 
 
+def peak_rss_bytes() -> int:
+    """This process's peak resident set (VmHWM: starts afresh at exec, unlike getrusage's maxrss in a
+    child, which can carry its parent's)."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM")) * 1024
+
+
 def mmm(values: list[float]) -> str:
     return f"{min(values):.2f} / {statistics.median(values):.2f} / {max(values):.2f}"
 

@@ -25,6 +25,8 @@ import sys
 import time
 from pathlib import Path
 
+from io_vs_fio import peak_rss_bytes
+
 RESULT = re.compile(r"RESULT .*step ms min/med/max = (\d+) / (\d+) / (\d+)")
 HERE = Path(__file__).resolve().parent
 
@@ -53,17 +55,11 @@ def run_ours(args) -> None:
             times.append(time.perf_counter() - start)
     stats = engine.stats.prefetch
     print(f"ours: read wait {stats.read_wait_seconds * 1e3:.0f} ms, gather wait {stats.wait_seconds * 1e3:.0f} ms "
-          f"in the last step; peak RSS {_peak_rss_mb():.0f} MB")
+          f"in the last step; peak RSS {peak_rss_bytes() / 2**20:.0f} MB")
     engine.close()
     ms = [t * 1e3 for t in times]
     print(f"RESULT mode=ours dtype=fp32 step ms min/med/max = {min(ms):.0f} / {statistics.median(ms):.0f} / "
           f"{max(ms):.0f} (n={len(ms)})")
-
-
-def _peak_rss_mb() -> float:
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def _side(command: list[str], env: dict) -> float:
