@@ -63,10 +63,10 @@ class UnitOptimizerState:
     def moment(self, name: str) -> torch.Tensor:
         return self._segment(self.has_master + self.moment_names.index(name))
 
-    def initialize(self, full_fp32: torch.Tensor) -> None:
-        """First values of a loaded block: the master from the full fp32 unit, moments zero."""
+    def initialize(self, shard_fp32: torch.Tensor) -> None:
+        """First values of a loaded block: the master from this rank's fp32 shard, moments zero."""
         if self.has_master:
-            self.master().copy_(full_fp32[self.unit.shard_range])
+            self.master().copy_(shard_fp32)
         for name in self.moment_names:
             self.moment(name).zero_()
 
