@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import shutil
 import zlib
@@ -197,10 +198,13 @@ def save_checkpoint(engine: Any, directory: str | os.PathLike, tag: str | None =
         _write_json(partial / MANIFEST, manifest)
         _fsync_dir(partial)
         final = directory / tag
-        if final.exists():
-            shutil.rmtree(final)
+        replaced = directory / f"{tag}.replaced"
+        shutil.rmtree(replaced, ignore_errors=True)
+        if final.exists():  # set aside, not deleted, until the new one is in place: two renames apart
+            os.replace(final, replaced)
         os.replace(partial, final)
         _write_text_atomically(directory / LATEST, tag)
+        shutil.rmtree(replaced, ignore_errors=True)
     _barrier(engine)
     return directory / tag
 
@@ -327,9 +331,7 @@ def load_checkpoint(engine: Any, directory: str | os.PathLike, tag: str | None =
     sources = _parameter_sources(manifest)
     _check_same_model(engine, sources, manifest.directory)
     with _RankFiles(manifest) as files:
-        for state in engine.visit_optimizer_states(write=True):
-            _fill_state(state, sources, files)
-    engine.publish_weights()
+        engine.set_optimizer_states(lambda state: _fill_state(state, sources, files), whole=True)
     _restore_optimizer(engine, manifest)
     _restore_buffers(engine, manifest)
     _restore_rng(engine, manifest)
@@ -477,7 +479,7 @@ def consolidate(directory: str | os.PathLike, out: str | os.PathLike, dtype: tor
     header: dict[str, Any] = {"__metadata__": {"format": "pt", "source": str(manifest.directory)}}
     offset = 0
     for name, shape, tensor_dtype, _ in entries:
-        nbytes = tensor_dtype.itemsize * _numel(shape)
+        nbytes = tensor_dtype.itemsize * math.prod(shape)
         header[name] = {"dtype": _SAFETENSORS_DTYPES[tensor_dtype], "shape": list(shape),
                         "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
@@ -494,13 +496,6 @@ def consolidate(directory: str | os.PathLike, out: str | os.PathLike, dtype: tor
         os.fsync(f.fileno())
     os.replace(temporary, out)
     return out
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for size in shape:
-        n *= size
-    return n
 
 
 def _consolidated_entries(manifest: Manifest, dtype: torch.dtype) -> list[tuple]:
@@ -528,5 +523,5 @@ def _consolidated_entries(manifest: Manifest, dtype: torch.dtype) -> list[tuple]
                 f.readinto(memoryview(values.view(torch.uint8).reshape(-1).numpy()))
             return values
         entries.append((record["name"], shape, buffer_dtype, produce_buffer))
-        offset += buffer_dtype.itemsize * _numel(shape)
+        offset += buffer_dtype.itemsize * math.prod(shape)
     return entries

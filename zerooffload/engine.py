@@ -47,7 +47,7 @@ import os
 import time
 from functools import partial
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.utils.checkpoint
@@ -300,7 +300,7 @@ class Engine:
                 write_block(param_block, full[unit.shard_range], self.tiers["host"])
             state = UnitOptimizerState(unit, self.tiers[tier_name], names, key=f"optimizer.{index}")
             for _ in stream_blocks([state.block], self.tiers["host"], read=False):
-                state.initialize(full.to(self._update_tier(state).device))
+                state.initialize(full[unit.shard_range])  # copy_ moves it to the update's device
             states[index] = state
         for module in self.module.modules():
             for name, buffer in module.named_buffers(recurse=False):
@@ -319,15 +319,16 @@ class Engine:
             if state.block.resident:
                 state.point(self.optimizer)
 
-    def visit_optimizer_states(self, *, write: bool, states: list[UnitOptimizerState] | None = None
-                               ) -> Iterator[UnitOptimizerState]:
+    def visit_optimizer_states(self, *, write: bool, read: bool = True,
+                               states: list[UnitOptimizerState] | None = None) -> Iterator[UnitOptimizerState]:
         """Each unit's optimizer state (or each of ``states``) loaded and pointed, in unit order (paged
         through host buffers when it lives on NVMe: read i+1 ‖ work on i ‖ write i−1); ``write`` stores
-        changes back. Resident blocks were pointed once for good (``_attach_optimizer_state``)."""
+        changes back, ``read=False`` reads nothing (the caller overwrites every block whole). Resident
+        blocks were pointed once for good (``_attach_optimizer_state``)."""
         states = self.opt_states if states is None else states
         blocks = [state.block for state in states]
         states = iter(states)
-        for _ in stream_blocks(blocks, self.tiers["host"], write=write):
+        for _ in stream_blocks(blocks, self.tiers["host"], read=read, write=write):
             state = next(states)  # the stream must be resumed after each yield: it stores the block then
             paged = not state.block.resident
             if paged:
@@ -538,12 +539,14 @@ class Engine:
             updates.states.close()
             updates.publication.abandon()
 
-    def publish_weights(self) -> None:
-        """Make every rank's compute weights equal the fp32 masters again, after the masters were set
-        from outside the step (a checkpoint load)."""
+    def set_optimizer_states(self, fill: Callable[[UnitOptimizerState], None], *, whole: bool) -> None:
+        """Set masters (and moments) from outside the step — a checkpoint or pretrained weights — and
+        publish the new compute weights, in one pass over the optimizer blocks: ``fill(state)`` on each
+        loaded state; ``whole`` when it overwrites the entire block, which is then not read first."""
         self.param_scheduler.free_all()  # shards read ahead hold the old weights
         publication = self._publication()
-        for state in self.visit_optimizer_states(write=False):
+        for state in self.visit_optimizer_states(write=True, read=not whole):
+            fill(state)
             self._send(publication, state, publication.target(state.unit), stepped=[])
         publication.finish()
 

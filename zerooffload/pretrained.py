@@ -75,9 +75,7 @@ def load_safetensors(engine: Any, source: str | os.PathLike, prefix: str = "", s
     files = SafetensorsSource(source)
     try:
         keys = _match(engine, files, prefix, strict)
-        for state in engine.visit_optimizer_states(write=True):
-            _fill_master(state, files, keys)
-        engine.publish_weights()
+        engine.set_optimizer_states(lambda state: _fill_master(state, files, keys), whole=False)
     finally:
         files.close()
 
