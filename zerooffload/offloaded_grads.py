@@ -5,7 +5,7 @@ At stages 2–3 with ``offload.optimizer.tier`` host or NVMe, a unit's reduced g
 device as soon as it is reduced: it is a block (``tiers.Block``) on the optimizer's tier, in the
 compute dtype. The first reduced part of an accumulation window is written home in the background
 (``tiers.BlockWriter``: at most three host buffers); a later part (gradient accumulation) is added to
-what is home, synchronously: read, add, write. The norm of what is home is taken each time it is
+what is home: read back, added to, and written home again in the background. The norm of what is home is taken each time it is
 written, so the step's global norm reads nothing; the update reads each block once. That is one
 write and one read of the gradient per step (2 × 2 B/param in bf16) beside the 24 B/param the
 optimizer blocks move, and it frees the device of Ψ/Nd gradient elements. When the update needs no
@@ -35,18 +35,17 @@ class OffloadedGrad:
         self._reading: tuple[torch.Tensor | None, Any] | None = None
 
     def add(self, reduced: torch.Tensor) -> None:
-        """Accumulate one micro-batch's reduced shard into the window's gradient."""
-        if not self.written:
-            data = self.writer.begin(self.block)
+        """Accumulate one micro-batch's reduced shard into the window's gradient: the first part is
+        written home, a later one added to what is home (read back); stored in the background either way.
+        The engine finishes the writer after each backward, so a part is home before the next is added."""
+        data = self.writer.begin(self.block, read=self.written)
+        if self.written:
+            data.add_(reduced)
+        else:
             data.copy_(reduced)
-            self.norm = torch.linalg.vector_norm(data, dtype=torch.float32)
-            self.writer.commit(self.block)
-            self.written = True
-            return
-        self.writer.finish()  # the earlier part must be home before it is read back
-        with self.loaded(write=True) as grad:
-            grad.add_(reduced)
-            self.norm = torch.linalg.vector_norm(grad, dtype=torch.float32)
+        self.norm = torch.linalg.vector_norm(data, dtype=torch.float32)
+        self.writer.commit(self.block)
+        self.written = True
 
     def prefetch(self) -> None:
         """Start reading the gradient now, so that ``loaded`` later finds it (or finds it arriving)."""
@@ -55,17 +54,14 @@ class OffloadedGrad:
             self._reading = (buffer, self.block.load(buffer))
 
     @contextlib.contextmanager
-    def loaded(self, write: bool = False) -> Iterator[torch.Tensor]:
-        """The window's gradient in memory (a host buffer when it lives on NVMe); stored back on exit
-        when ``write``."""
+    def loaded(self) -> Iterator[torch.Tensor]:
+        """The window's gradient in memory (a host buffer when it lives on NVMe)."""
         self.prefetch()
         buffer, reading = self._reading
         self._reading = None
         try:
             reading.wait()
             yield self.block.data
-            if write:
-                self.block.store().wait()
         finally:
             self.block.unload()
             self.host.free(Kind.BUFFER, buffer)

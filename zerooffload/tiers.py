@@ -415,12 +415,18 @@ class BlockWriter:
         self.buffer_tier = buffer_tier
         self._pending: deque[tuple[Block, Any]] = deque()
 
-    def begin(self, block: Block) -> torch.Tensor:
-        """``block.data`` to overwrite (a host buffer unless resident); ``commit`` stores it."""
+    def begin(self, block: Block, *, read: bool = False) -> torch.Tensor:
+        """``block.data`` to overwrite (a host buffer unless resident; with ``read``, holding what is
+        home, to change in place); ``commit`` stores it."""
         if not block.resident:
             while len(self._pending) >= STREAM_BUFFERS:
                 self._finish_oldest()
-            block.load(self.buffer_tier.empty(Kind.BUFFER, block.nbytes, torch.uint8), read=False)
+            buffer = self.buffer_tier.empty(Kind.BUFFER, block.nbytes, torch.uint8)
+            try:
+                block.load(buffer, read=read).wait()
+            except BaseException:
+                self.buffer_tier.free(Kind.BUFFER, block.unload())
+                raise
         return block.data
 
     def commit(self, block: Block) -> None:
