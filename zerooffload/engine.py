@@ -198,6 +198,7 @@ class Engine:
         self.reducer = GradReducer(comm, self._reduction_order(), mode, config.zero.bucket_size, self.tiers["device"],
                                    on_reduced=self._on_reduced)
         self._backward_units = [u for u in self.reducer.order if u.grad_leaves] if self._updates_in_backward else []
+        self._backward_states = [self.opt_states[self.units.index(unit)] for unit in self._backward_units]
         self._in_backward: _BackwardUpdates | None = None
         self._hooks = [slot.param.register_post_accumulate_grad_hook(partial(self._on_grad, unit, index))
                        for unit in self.units for index, slot in enumerate(unit.layout.slots) if slot.trainable]
@@ -484,9 +485,9 @@ class Engine:
         closes_window = (self.micro_steps + 1) % self.config.train.grad_accum_steps == 0
         if not (self._backward_units and closes_window):
             return None
-        states = [self.opt_states[self.units.index(unit)] for unit in self._backward_units]
         self._prefetch_window_part(0)
-        return _BackwardUpdates(self.visit_optimizer_states(write=True, states=states), self._publication())
+        return _BackwardUpdates(self.visit_optimizer_states(write=True, states=self._backward_states),
+                                self._publication())
 
     def _on_reduced(self, unit: FlatUnit, shard: torch.Tensor) -> None:
         """The reducer's hand-off of ``unit``'s reduced shard: updated at once, or kept for the step."""

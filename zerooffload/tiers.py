@@ -265,6 +265,8 @@ class _SwappedBlock(Block):
     """A block in the NVMe tier's swap store, paged through a caller's host buffer."""
 
     resident = False
+    prefix = False
+    """Whether the block is the first elements of a longer swap entry (``_SwappedPrefix``)."""
 
     def __init__(self, store: SwapStore, key: str, numel: int, dtype: torch.dtype, stats: IOStats):
         self.store_, self.key, self.stats = store, key, stats
@@ -280,7 +282,7 @@ class _SwappedBlock(Block):
         if not read:
             return _Done()
         self.stats.read_bytes += self.nbytes
-        return _TimedHandle(self.store_.read(self.key, self.data), self.stats)
+        return _TimedHandle(self.store_.read(self.key, self.data, prefix=self.prefix), self.stats)
 
     def store(self) -> Any:
         self.stats.write_bytes += self.nbytes
@@ -296,13 +298,7 @@ class _SwappedPrefix(_SwappedBlock):
     a block that its owner writes (a partitioned unit's fp32 shard inside its optimizer block)."""
 
     writable = False
-
-    def load(self, buffer: torch.Tensor | None = None, *, read: bool = True) -> Any:
-        handle = super().load(buffer, read=False)
-        if not read:
-            return handle
-        self.stats.read_bytes += self.nbytes
-        return _TimedHandle(self.store_.read(self.key, self.data, prefix=True), self.stats)
+    prefix = True
 
     def store(self) -> Any:
         raise TypeError(f"the first {self.numel} elements of swap block {self.key!r} are written by its owner only")
