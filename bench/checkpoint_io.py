@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -31,7 +30,7 @@ from pathlib import Path
 import torch
 
 import zerooffload as zo
-from io_vs_fio import ensure_fio, peak_rss_bytes, rounds_against_fio
+from io_vs_fio import ensure_fio, judge_against_fio, peak_rss_bytes
 
 
 def _engine(args, swap: Path):
@@ -41,9 +40,10 @@ def _engine(args, swap: Path):
                                  "offload": {"param": {"tier": "nvme"}, "optimizer": {"tier": "nvme"}}})
 
 
-def _save_rounds(args, engine, work: Path) -> tuple[list[float], list[float], int, int]:
-    stored = sum(state.block.nbytes for state in engine.opt_states)
-    times, bounds, written = [], [], 0
+def _judge_saves(args, engine, work: Path) -> tuple[int, int]:
+    """Save rounds against fio (the bound: the blocks read from swap, the files written); the bytes of each."""
+    stored = engine.memory_report().bytes("nvme", "optimizer")
+    written = 0
 
     def save() -> float:
         nonlocal written
@@ -54,13 +54,8 @@ def _save_rounds(args, engine, work: Path) -> tuple[list[float], list[float], in
         written = sum(f.stat().st_size for f in path.iterdir())
         return seconds
 
-    for number, (seconds, read_bw, write_bw) in enumerate(rounds_against_fio(args.rounds, work, save)):
-        times.append(seconds)
-        bounds.append(stored / read_bw + written / write_bw)
-        print(f"  round {number}: save {seconds:.2f} s, bound {bounds[-1]:.2f} s (fio read "
-              f"{read_bw / 1e9:.2f} GB/s, write {write_bw / 1e9:.2f} GB/s), ratio {seconds / bounds[-1]:.3f}",
-              flush=True)
-    return times, bounds, stored, written
+    judge_against_fio("save", args.rounds, work, save, lambda: (stored, written), target=1.25)
+    return stored, written
 
 
 PEAK_RSS = "print(next(int(l.split()[1]) for l in open('/proc/self/status') if l.startswith('VmHWM')))"
@@ -97,13 +92,9 @@ def main() -> None:
         params = sum(p.numel() for p in engine.module.parameters())
         print(f"machine: {os.cpu_count()} CPUs; {params / 1e6:.0f}M parameters, stage 3, fp32, state on NVMe "
               f"under {work}")
-        times, bounds, stored, written = _save_rounds(args, engine, work)
+        stored, written = _judge_saves(args, engine, work)
         engine.close()
-        ratios = [t / b for t, b in zip(times, bounds)]
-        print(f"\nsave: reads {stored / 2**30:.2f} GiB from swap, writes {written / 2**30:.2f} GiB")
-        print(f"save s min/median/max {min(times):.2f} / {statistics.median(times):.2f} / {max(times):.2f}; "
-              f"ratio to the fio bound min {min(ratios):.3f} / median {statistics.median(ratios):.3f} / "
-              f"max {max(ratios):.3f} (target ≤ 1.25: {'met' if statistics.median(ratios) <= 1.25 else 'NOT met'})")
+        print(f"save: reads {stored / 2**30:.2f} GiB from swap, writes {written / 2**30:.2f} GiB")
         peak = _consolidate_peak_rss(work / "ckpt", work / "model.safetensors")
         base = _baseline_rss()
         largest = args.width * args.width * 4 / 2**20

@@ -197,18 +197,39 @@ def rounds_against_fio(rounds: int, workdir: Path, measure: Callable[[], float])
     fio = FioSide(argparse.Namespace(size=FIO_SIZE, block_size="1M", queue_depth=32), str(workdir))
     path = str(workdir / "fio.dat")
     make_file(path, FIO_SIZE)
+
+    def bandwidths() -> tuple[float, float]:
+        return FIO_SIZE / fio.read(path), FIO_SIZE / fio.write(path)
     try:
         for number in range(rounds):
-            seconds = bandwidths = None
-            for what in ("fio", "work") if number % 2 == 0 else ("work", "fio"):
-                if what == "fio":
-                    bandwidths = (FIO_SIZE / fio.read(path), FIO_SIZE / fio.write(path))
-                else:
-                    seconds = measure()
-            yield seconds, *bandwidths
+            if number % 2 == 0:
+                read_bw, write_bw = bandwidths()
+                seconds = measure()
+            else:
+                seconds = measure()
+                read_bw, write_bw = bandwidths()
+            yield seconds, read_bw, write_bw
     finally:
         fio.close()
         os.unlink(path)
+
+
+def judge_against_fio(label: str, rounds: int, workdir: Path, measure: Callable[[], float],
+                      moved: Callable[[], tuple[int, int]], target: float, note: Callable[[], str] = lambda: "") -> None:
+    """Time ``measure`` against the disk's bound R/read_bw + W/write_bw, fio measured in the same rounds
+    (``moved()``: the bytes R read and W written by the measure just done); print every round (and
+    ``note()``), then min/median/max of the times and of the ratios, judged on the median against ``target``."""
+    times, ratios = [], []
+    for number, (seconds, read_bw, write_bw) in enumerate(rounds_against_fio(rounds, workdir, measure)):
+        read_bytes, write_bytes = moved()
+        bound = read_bytes / read_bw + write_bytes / write_bw
+        times.append(seconds)
+        ratios.append(seconds / bound)
+        print(f"  round {number}: {label} {seconds:.2f} s, bound {bound:.2f} s (fio read {read_bw / 1e9:.2f}, write "
+              f"{write_bw / 1e9:.2f} GB/s), ratio {ratios[-1]:.3f}{note()}", flush=True)
+    median = statistics.median(ratios)
+    print(f"\n{label} s min/median/max {mmm(times)}; ratio to the fio bound min/median/max "
+          f"{min(ratios):.3f} / {median:.3f} / {max(ratios):.3f} (target ≤ {target}: {'met' if median <= target else 'NOT met'})")
 
 
 # ------------------------------------------------------------------------------------------------

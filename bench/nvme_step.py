@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -26,7 +25,7 @@ from pathlib import Path
 import torch
 
 import zerooffload as zo
-from io_vs_fio import ensure_fio, rounds_against_fio
+from io_vs_fio import ensure_fio, judge_against_fio
 
 
 def main() -> None:
@@ -56,19 +55,9 @@ def main() -> None:
             engine.step()
             return time.perf_counter() - start
 
-        ratios, times = [], []
-        for number, (seconds, read_bw, write_bw) in enumerate(rounds_against_fio(args.rounds, work, step)):
-            times.append(seconds)
-            bound = (blocks + grads) / read_bw + blocks / write_bw
-            ratios.append(times[-1] / bound)
-            print(f"  round {number}: step {times[-1]:.2f} s, bound {bound:.2f} s (fio read {read_bw / 1e9:.2f}, "
-                  f"write {write_bw / 1e9:.2f} GB/s), ratio {ratios[-1]:.3f}; waited on NVMe "
-                  f"{engine.stats.io.wait_seconds:.2f} s", flush=True)
+        judge_against_fio("step", args.rounds, work, step, lambda: (blocks + grads, blocks), target=1.15,
+                          note=lambda: f"; waited on NVMe {engine.stats.io.wait_seconds:.2f} s")
         engine.close()
-        median = statistics.median(ratios)
-        print(f"\nstep s min/median/max {min(times):.2f} / {statistics.median(times):.2f} / {max(times):.2f}; ratio to "
-              f"the fio bound min {min(ratios):.3f} / median {median:.3f} / max {max(ratios):.3f} "
-              f"(target ≤ 1.15: {'met' if median <= 1.15 else 'NOT met'})")
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
