@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import tempfile
 import time
 
@@ -25,6 +24,7 @@ import torch.multiprocessing as mp
 import zerooffload as zo
 from zerooffload.data import ByteCorpus
 from zerooffload.models import GPT, PRESETS
+from pairs import interleaved_pairs, report_pairs
 
 WARMUP = 1
 
@@ -73,29 +73,10 @@ def _engine_side(args, stage: int):
 
 
 def _pairs(args, torch_step, engine_step, rank: int, world: int) -> list[tuple[float, float]]:
+    """(engine, torch) seconds per step, in interleaved pairs."""
     batches = _batches(args, rank, world)
-    results = []
-    for pair in range(args.pairs):
-        order = [("torch", torch_step), ("engine", engine_step)]
-        if pair % 2:
-            order.reverse()  # alternate who goes first, so drift on the shared machine hits both
-        times = {name: _timed(fn, batches) for name, fn in order}
-        results.append((times["torch"], times["engine"]))
-        if rank == 0:
-            print(f"  pair {pair}: torch {times['torch']:.3f} s/step, engine {times['engine']:.3f} s/step, "
-                  f"ratio {times['engine'] / times['torch']:.3f}", flush=True)
-    return results
-
-
-def _report(title: str, results: list[tuple[float, float]], target: float) -> None:
-    ratios = [e / t for t, e in results]
-    torch_times, engine_times = zip(*results)
-    median = statistics.median(ratios)
-    print(f"\n{title}\n| side | s/step min / median / max |\n|---|---|")
-    print(f"| torch | {min(torch_times):.3f} / {statistics.median(torch_times):.3f} / {max(torch_times):.3f} |")
-    print(f"| engine | {min(engine_times):.3f} / {statistics.median(engine_times):.3f} / {max(engine_times):.3f} |")
-    print(f"ratio engine/torch per pair: min {min(ratios):.3f} / median {median:.3f} / max {max(ratios):.3f} "
-          f"(target ≤ {target:.2f}: {'met' if median <= target else 'NOT met'})")
+    return interleaved_pairs(args.pairs, ("engine", lambda: _timed(engine_step, batches)),
+                             ("torch", lambda: _timed(torch_step, batches)), show=rank == 0)
 
 
 def _distributed_worker(rank: int, args, store_dir: str) -> None:
@@ -104,7 +85,7 @@ def _distributed_worker(rank: int, args, store_dir: str) -> None:
     dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
     results = _pairs(args, _torch_side(args, ddp=True), _engine_side(args, stage=2), rank, 2)
     if rank == 0:
-        _report("B. world size 2: stage 2 vs torch DDP", results, 1.15)
+        report_pairs("B. world size 2: stage 2 vs torch DDP", ("engine", "torch"), results, 1.15)
     dist.destroy_process_group()
 
 
@@ -122,8 +103,8 @@ def main() -> None:
     if args.only in (None, "A"):
         torch.set_num_threads(1)
         print("A. world size 1: stage 0 vs plain PyTorch")
-        _report("A. world size 1: stage 0 vs plain PyTorch AdamW(fused=True)",
-                _pairs(args, _torch_side(args, ddp=False), _engine_side(args, stage=0), 0, 1), 1.10)
+        report_pairs("A. world size 1: stage 0 vs plain PyTorch AdamW(fused=True)", ("engine", "torch"),
+                     _pairs(args, _torch_side(args, ddp=False), _engine_side(args, stage=0), 0, 1), 1.10)
     if args.only in (None, "B"):
         print("\nB. world size 2: stage 2 vs DDP")
         with tempfile.TemporaryDirectory() as store_dir:

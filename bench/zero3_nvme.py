@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 
 from io_vs_fio import peak_rss_bytes
+from pairs import interleaved_pairs, report_pairs
 
 RESULT = re.compile(r"RESULT .*step ms min/med/max = (\d+) / (\d+) / (\d+)")
 HERE = Path(__file__).resolve().parent
@@ -79,30 +80,13 @@ def compare(args) -> None:
               "--batch", str(args.batch), "--nvme", str(nvme / "ds")]
     env = {**os.environ, "DS_ACCELERATOR": "cpu"}
     print(f"machine: {os.cpu_count()} CPUs; swap under {nvme}; {args.pairs} pairs of {args.steps} timed steps")
-    results = []
     try:
-        for pair in range(args.pairs):
-            order = [("ours", ours), ("deepspeed", theirs)]
-            if pair % 2:
-                order.reverse()
-            times = {name: _side(command, env) for name, command in order}
-            results.append((times["ours"], times["deepspeed"]))
-            print(f"  pair {pair}: ours {times['ours']:.0f} ms, DeepSpeed {times['deepspeed']:.0f} ms, "
-                  f"ratio {times['ours'] / times['deepspeed']:.3f}", flush=True)
+        results = interleaved_pairs(args.pairs, ("zerooffload", lambda: _side(ours, env)),
+                                    ("DeepSpeed ZeRO-3", lambda: _side(theirs, env)), unit="ms/step")
     finally:
         shutil.rmtree(nvme, ignore_errors=True)
-    _report(results)
-
-
-def _report(results: list[tuple[float, float]]) -> None:
-    ratios = [o / d for o, d in results]
-    ours, theirs = zip(*results)
-    print("\n| side | ms/step min / median / max |\n|---|---|")
-    print(f"| zerooffload | {min(ours):.0f} / {statistics.median(ours):.0f} / {max(ours):.0f} |")
-    print(f"| DeepSpeed ZeRO-3 | {min(theirs):.0f} / {statistics.median(theirs):.0f} / {max(theirs):.0f} |")
-    median = statistics.median(ratios)
-    print(f"ratio ours/DeepSpeed per pair: min {min(ratios):.3f} / median {median:.3f} / max {max(ratios):.3f} "
-          f"(target ≤ 0.80: {'met' if median <= 0.8 else 'NOT met'})")
+    report_pairs("ZeRO-3, parameters and optimizer on NVMe", ("zerooffload", "DeepSpeed ZeRO-3"), results, 0.8,
+                 unit="ms/step")
 
 
 def main() -> None:

@@ -1,0 +1,35 @@
+"""The DESIGN §4 rule for two sides: interleaved pairs, the order alternating so drift on the shared
+machine hits both, judged on the median of the per-pair ratios (ours / theirs), min/median/max reported."""
+from __future__ import annotations
+
+import statistics
+from typing import Callable
+
+Side = tuple[str, Callable[[], float]]
+"""A side's name and a function that measures it once (its time)."""
+
+
+def interleaved_pairs(count: int, ours: Side, theirs: Side, *, unit: str = "s/step", show: bool = True
+                      ) -> list[tuple[float, float]]:
+    """``count`` pairs of (ours, theirs) times, theirs first in even pairs; each printed when ``show``."""
+    results = []
+    for pair in range(count):
+        order = [theirs, ours] if pair % 2 == 0 else [ours, theirs]
+        times = {name: measure() for name, measure in order}
+        results.append((times[ours[0]], times[theirs[0]]))
+        if show:
+            print(f"  pair {pair}: {ours[0]} {results[-1][0]:.4g} {unit}, {theirs[0]} {results[-1][1]:.4g} {unit}, "
+                  f"ratio {results[-1][0] / results[-1][1]:.3f}", flush=True)
+    return results
+
+
+def report_pairs(title: str, names: tuple[str, str], results: list[tuple[float, float]], target: float, *,
+                 unit: str = "s/step") -> None:
+    """Both sides' min/median/max and the per-pair ratio's, judged on its median against ``target``."""
+    ratios = [o / t for o, t in results]
+    median = statistics.median(ratios)
+    print(f"\n{title}\n| side | {unit} min / median / max |\n|---|---|")
+    for name, times in zip(names, zip(*results)):
+        print(f"| {name} | {min(times):.4g} / {statistics.median(times):.4g} / {max(times):.4g} |")
+    print(f"ratio {names[0]}/{names[1]} per pair: min {min(ratios):.3f} / median {median:.3f} / max {max(ratios):.3f} "
+          f"(target ≤ {target:.2f}: {'met' if median <= target else 'NOT met'})")
