@@ -29,12 +29,12 @@ import zlib
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from .io import AsyncIO, aligned_empty, open_file
+from .io import AsyncIO, OffsetReader, aligned_empty, open_file
 from .partition import FlatUnit
 
 __all__ = ["CheckpointError", "save_checkpoint", "load_checkpoint", "consolidate", "default_tag", "resolve_tag",
@@ -332,8 +332,8 @@ def load_checkpoint(engine: Any, directory: str | os.PathLike, tag: str | None =
     _check_same_model(engine, sources, manifest.directory)
     with _RankFiles(manifest) as files:
         engine.set_optimizer_states(lambda state: _fill_state(state, sources, files), whole=True)
+        _restore_buffers(engine, files)
     _restore_optimizer(engine, manifest)
-    _restore_buffers(engine, manifest)
     _restore_rng(engine, manifest)
     return manifest.data["client_state"]
 
@@ -370,27 +370,29 @@ def _check_same_model(engine: Any, sources: dict[str, _Source], path: Path) -> N
 
 
 class _RankFiles:
-    """The saved rank files, opened on demand, read by (rank, byte offset)."""
+    """The checkpoint's data files, opened on demand, read by byte offset: a rank's shards, the buffers."""
 
     def __init__(self, manifest: Manifest):
         self.manifest = manifest
-        self._files: dict[int, BinaryIO] = {}
+        self._reader = OffsetReader()
 
     def read(self, rank: int, offset: int, out: torch.Tensor) -> None:
-        if rank not in self._files:
-            self._files[rank] = open(self.manifest.directory / rank_file(rank, "bin"), "rb")
-        f = self._files[rank]
-        f.seek(offset)
-        view = memoryview(out.view(torch.uint8).numpy())
-        if f.readinto(view) != len(view):
-            raise CheckpointError(f"{f.name}: ends before byte {offset + len(view)}: truncated")
+        self._read(rank_file(rank, "bin"), offset, out)
+
+    def read_buffers(self, offset: int, out: torch.Tensor) -> None:
+        self._read("buffers.bin", offset, out)
+
+    def _read(self, name: str, offset: int, out: torch.Tensor) -> None:
+        try:
+            self._reader.read_into(self.manifest.directory / name, offset, out)
+        except EOFError as error:
+            raise CheckpointError(str(error)) from None
 
     def __enter__(self) -> "_RankFiles":
         return self
 
     def __exit__(self, *exc: object) -> None:
-        for f in self._files.values():
-            f.close()
+        self._reader.close()
 
 
 def _fill_state(state: Any, sources: dict[str, _Source], files: _RankFiles) -> None:
@@ -439,17 +441,18 @@ def _restore_optimizer(engine: Any, manifest: Manifest) -> None:
     engine._stepped_at = engine.micro_steps
 
 
-def _restore_buffers(engine: Any, manifest: Manifest) -> None:
+def _restore_buffers(engine: Any, files: _RankFiles) -> None:
     named = dict(engine.module.named_buffers())
-    with open(manifest.directory / "buffers.bin", "rb") as f:
-        for record in manifest.data["buffers"]:
-            buffer = named.get(record["name"])
-            if buffer is None or list(buffer.shape) != record["shape"]:
-                raise CheckpointError(f"{manifest.directory}: module buffer {record['name']!r} "
-                                      f"{record['shape']} has no match in the model")
-            values = torch.empty(buffer.shape, dtype=buffer.dtype)
-            f.readinto(memoryview(values.view(torch.uint8).reshape(-1).numpy()))
-            buffer.copy_(values)
+    offset = 0
+    for record in files.manifest.data["buffers"]:
+        buffer = named.get(record["name"])
+        if buffer is None or list(buffer.shape) != record["shape"]:
+            raise CheckpointError(f"{files.manifest.directory}: module buffer {record['name']!r} "
+                                  f"{record['shape']} has no match in the model")
+        values = torch.empty(buffer.shape, dtype=buffer.dtype)
+        files.read_buffers(offset, values)
+        buffer.copy_(values)
+        offset += values.numel() * values.element_size()
 
 
 def _restore_rng(engine: Any, manifest: Manifest) -> None:
@@ -518,9 +521,7 @@ def _consolidated_entries(manifest: Manifest, dtype: torch.dtype) -> list[tuple]
         def produce_buffer(files: _RankFiles, offset: int = offset, shape: tuple = shape,
                            buffer_dtype: torch.dtype = buffer_dtype) -> torch.Tensor:
             values = torch.empty(shape, dtype=buffer_dtype)
-            with open(manifest.directory / "buffers.bin", "rb") as f:
-                f.seek(offset)
-                f.readinto(memoryview(values.view(torch.uint8).reshape(-1).numpy()))
+            files.read_buffers(offset, values)
             return values
         entries.append((record["name"], shape, buffer_dtype, produce_buffer))
         offset += buffer_dtype.itemsize * math.prod(shape)

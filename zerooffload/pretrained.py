@@ -15,9 +15,11 @@ import json
 import os
 import struct
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 import torch
+
+from .io import OffsetReader
 
 __all__ = ["load_safetensors", "SafetensorsSource"]
 
@@ -36,7 +38,7 @@ class SafetensorsSource:
             header.pop("__metadata__", None)
             for key, entry in header.items():
                 self.entries[key] = (file, entry, 8 + length)
-        self._open: dict[Path, BinaryIO] = {}
+        self._reader = OffsetReader()
 
     def shape(self, key: str) -> tuple[int, ...]:
         return tuple(self.entries[key][1]["shape"])
@@ -48,15 +50,14 @@ class SafetensorsSource:
             raise ValueError(f"{file}: {key} has dtype {entry['dtype']}; loadable: {sorted(_DTYPES)}")
         dtype = _DTYPES[entry["dtype"]]
         out = torch.empty(stop - start, dtype=dtype)
-        f = self._open.setdefault(file, open(file, "rb"))
-        f.seek(data_start + entry["data_offsets"][0] + start * dtype.itemsize)
-        if f.readinto(memoryview(out.view(torch.uint8).numpy())) != out.numel() * dtype.itemsize:
-            raise ValueError(f"{file}: {key} ends early: the file is truncated")
+        try:
+            self._reader.read_into(file, data_start + entry["data_offsets"][0] + start * dtype.itemsize, out)
+        except EOFError as error:
+            raise ValueError(f"{error} (reading {key})") from None
         return out.float()
 
     def close(self) -> None:
-        for f in self._open.values():
-            f.close()
+        self._reader.close()
 
 
 def _files(source: Path) -> list[Path]:

@@ -7,6 +7,6 @@ names (``auto``: io_uring, else a native thread pool, else Python threads); ``al
 from .aio import AsyncIO, Handle
 from .buffers import HostBufferPool, aligned_empty
 from .errors import AioError
-from .files import AioFile, open_file
+from .files import AioFile, OffsetReader, open_file
 
-__all__ = ["AioError", "AioFile", "AsyncIO", "Handle", "HostBufferPool", "aligned_empty", "open_file"]
+__all__ = ["AioError", "AioFile", "AsyncIO", "Handle", "HostBufferPool", "OffsetReader", "aligned_empty", "open_file"]

@@ -20,10 +20,14 @@ import errno
 import os
 import threading
 from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import BinaryIO
+
+import torch
 
 from .errors import AioError
 
-__all__ = ["AioFile", "FileWriteState", "open_file"]
+__all__ = ["AioFile", "FileWriteState", "OffsetReader", "open_file"]
 
 _MODES = {"r": os.O_RDONLY, "w": os.O_WRONLY, "rw": os.O_RDWR}
 
@@ -138,3 +142,26 @@ def open_file(path: str | os.PathLike[str], mode: str = "r", direct: bool = True
             direct and exc.errno == errno.EINVAL) else ""
         raise AioError(exc.errno, exc.strerror + hint, name, op="open") from None
     return AioFile(fd, name, mode, direct)
+
+
+class OffsetReader:
+    """Files opened on first use and read by byte offset into tensors, through the page cache: the
+    small scattered reads of checkpoint loads and pretrained weights. A short read raises ``EOFError``
+    naming the file and the byte it ends before."""
+
+    def __init__(self) -> None:
+        self._files: dict[Path, BinaryIO] = {}
+
+    def read_into(self, path: Path, offset: int, out: torch.Tensor) -> None:
+        f = self._files.get(path)
+        if f is None:
+            f = self._files[path] = open(path, "rb")
+        f.seek(offset)
+        view = memoryview(out.view(torch.uint8).reshape(-1).numpy())
+        if f.readinto(view) != len(view):
+            raise EOFError(f"{path}: ends before byte {offset + len(view)}: truncated")
+
+    def close(self) -> None:
+        for f in self._files.values():
+            f.close()
+        self._files.clear()
