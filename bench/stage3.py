@@ -49,7 +49,7 @@ class _Side:
         self.misses += prefetch.misses
 
 
-def _rounds(args, rank: int) -> dict[str, list[float]]:
+def _rounds(args, rank: int) -> None:
     batches = _batches(args, rank, 2)
     sides = {name: _Side(args, zero) for name, zero in SIDES.items()}
     times: dict[str, list[float]] = {name: [] for name in sides}
@@ -65,7 +65,6 @@ def _rounds(args, rank: int) -> dict[str, list[float]]:
             print(f"  round {number}: " + ", ".join(f"{n} {times[n][-1]:.3f} s" for n in names), flush=True)
     if rank == 0:
         _report(args, sides, times)
-    return times
 
 
 def _report(args, sides: dict[str, _Side], times: dict[str, list[float]]) -> None:
