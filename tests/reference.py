@@ -125,3 +125,36 @@ def update_errors(initial: dict, engine: dict, reference: dict) -> dict[str, flo
         if delta_ref.norm() > 0:
             errors[name] = float((delta - delta_ref).norm() / delta_ref.norm())
     return errors
+
+
+class BufferedNet(nn.Module):
+    """Buffers of every shape and dtype beside the parameters: BatchNorm running statistics (with
+    its 0-dim int64 ``num_batches_tracked``), a 0-dim counter and an n-dim bf16 trace that change in
+    every training forward, a bool mask, and a non-persistent buffer (never saved)."""
+
+    def __init__(self, blocks: int = 2):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, WIDTH)
+        self.blocks = nn.ModuleList(Block(WIDTH) for _ in range(blocks))
+        self.norm = nn.BatchNorm1d(WIDTH)
+        self.head = nn.Linear(WIDTH, VOCAB)
+        self.register_buffer("calls", torch.zeros((), dtype=torch.int64))
+        self.register_buffer("trace", torch.zeros(2, WIDTH, dtype=torch.bfloat16))
+        self.register_buffer("mask", torch.arange(WIDTH) % 3 != 0)
+        self.register_buffer("scratch", torch.ones(4), persistent=False)
+
+    def forward(self, idx, targets):
+        x = self.embed(idx)
+        for block in self.blocks:
+            x = block(x)
+        x = self.norm(x.transpose(1, 2)).transpose(1, 2) * self.mask
+        if self.training:
+            self.calls += 1
+            self.trace.mul_(0.5).add_(x.detach().float().mean(dim=(0, 1)).to(torch.bfloat16))
+        logits = self.head(x)
+        return F.cross_entropy(logits.float().reshape(-1, VOCAB), targets.reshape(-1))
+
+
+def make_buffered_model(seed: int = 0) -> BufferedNet:
+    torch.manual_seed(seed)
+    return BufferedNet()

@@ -1,12 +1,10 @@
 """Checkpoints: exact resume in fresh processes, resharding across layouts, atomicity under SIGKILL, and
-corrupt, truncated or missing files refused by name."""
+corrupt, truncated or missing files refused by name (kills mid-save: test_checkpoint_kills.py)."""
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
-import textwrap
 
 import pytest
 import torch
@@ -123,42 +121,8 @@ def test_another_model_is_refused_with_the_parameters_named(tmp_path):
     engine.close()
     torch.manual_seed(0)
     other = torch.nn.Sequential(torch.nn.Linear(4, 4))
-    with pytest.raises(CheckpointError, match=r"another model; not in the checkpoint: \['0.bias', '0.weight'\]"):
+    with pytest.raises(CheckpointError, match=r"another model; parameters not in the checkpoint: \['0.bias', '0.weight'\]"):
         zo.initialize(other, _config(1)).load_checkpoint(tmp_path, "a")
-
-
-KILL_SCRIPT = textwrap.dedent("""
-    import os, signal, sys
-    sys.path.insert(0, {tests!r})
-    import zerooffload as zo, zerooffload.checkpoint as ckpt
-    from reference import make_model
-    engine = zo.initialize(make_model(), {{"zero": {{"stage": 2}}}})
-    engine.save_checkpoint({directory!r}, tag="good")
-    where = {where!r}
-    if where == "manifest":  # every rank file written, the manifest not yet
-        ckpt._write_json = lambda *a: os.kill(os.getpid(), signal.SIGKILL)
-    else:  # halfway through the rank file
-        original = ckpt._ChecksummedWriter.write
-        def write(self, tensor):
-            original(self, tensor)
-            if self.bytes > 8192:
-                os.kill(os.getpid(), signal.SIGKILL)
-        ckpt._ChecksummedWriter.write = write
-    engine.save_checkpoint({directory!r}, tag="doomed")
-""")
-
-
-@pytest.mark.parametrize("where", ["rank file", "manifest"])
-def test_sigkill_during_save_leaves_the_previous_checkpoint(tmp_path, where):
-    script = KILL_SCRIPT.format(tests=os.path.dirname(__file__), directory=str(tmp_path), where=where)
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
-    assert done.returncode == -signal.SIGKILL, done.stderr[-2000:]
-    assert (tmp_path / "latest").read_text().strip() == "good"
-    assert not (tmp_path / "doomed").exists() and (tmp_path / "doomed.partial").exists()
-    engine = zo.initialize(make_model(seed=1), {"zero": {"stage": 2}})
-    engine.load_checkpoint(tmp_path)
-    assert _equal(engine.full_state_dict(), make_model().state_dict())
-    engine.close()
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])

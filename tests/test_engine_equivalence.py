@@ -9,7 +9,10 @@ import zerooffload as zo
 from reference import make_batches, make_model, reference_train, update_errors
 
 MICRO = 2  # samples per rank per micro-batch
-TOLERANCE = {"fp32": 1e-5, "bf16": 3e-3}
+TOLERANCE = {"fp32": 2e-5, "bf16": 3e-3}
+"""fp32: ranks sum gradients in another order than one process does, and Adam's m/sqrt(v) magnifies that
+rounding on small updates: worst 5.4e-6 on the Xeon (AVX-512) machines, 1.01e-5 (layer-norm bias,
+accumulation of four) on the AMD EPYC (AVX2) ones; a real bug moves updates by 1e-2 or more."""
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 

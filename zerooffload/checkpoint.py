@@ -10,8 +10,13 @@ settings, the LR schedule, loss scaler and counters, the module buffers, the cli
 size and CRC-32 of every file.
 
 - *Atomic*: every rank writes into ``<tag>.partial/`` and fsyncs; after a barrier rank 0 writes the
-  manifest, renames the directory to ``<tag>`` and only then replaces ``latest`` (write, fsync,
-  rename). A run killed at any point leaves the previous checkpoint and ``latest`` as they were.
+  manifest and its digest and publishes the directory (``checkpoint_files``' [Note: publishing a
+  tag]): a run killed at any point leaves ``latest`` naming a loadable checkpoint, old or new.
+- *Validated first*: a load checks everything it will use — files, digests, parameter names and
+  shapes, buffers, optimizer groups and moments — before it changes any state, so a refused load
+  leaves the engine as it was.
+- *Buffers* are the module's persistent ones (``state_dict``'s), saved from rank 0 (as DDP's
+  ``broadcast_buffers`` makes rank 0's the model's) and loaded on every rank.
 - *Resharding*: a loading rank rebuilds each of its new unit shards from the saved shards by
   parameter name: for every parameter part it needs it reads the byte range of each old rank file
   that holds it. So any world size, stage or tier layout loads into any other; names or shapes that
@@ -24,30 +29,24 @@ import contextlib
 import json
 import math
 import os
-import shutil
-import zlib
-from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
-from .io import AsyncIO, OffsetReader, aligned_empty, open_file
+from .checkpoint_files import (CheckpointError, ChecksummedWriter, begin_partial, file_record, load_manifest_json,
+                               out_of_space, publish, resolve_tag, verify_file, write_manifest)
+from .io import AsyncIO, OffsetReader
 from .partition import FlatUnit
 
 __all__ = ["CheckpointError", "save_checkpoint", "load_checkpoint", "consolidate", "default_tag", "resolve_tag",
-           "read_manifest", "Manifest"]
+           "read_manifest", "Manifest", "persistent_buffers"]
 
 FORMAT = "zerooffload-checkpoint"
 VERSION = 1
-MANIFEST = "manifest.json"
-LATEST = "latest"
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be used: missing, corrupt, truncated, or for another model."""
 
 
 def default_tag(step: int) -> str:
@@ -58,66 +57,10 @@ def rank_file(rank: int, suffix: str) -> str:
     return f"rank{rank:05d}.{suffix}"
 
 
-# ---------------------------------------------------------------------------------------------- files
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-class _ChecksummedWriter:
-    """A file written front to back with O_DIRECT through the async-I/O engine, ``WRITES_IN_FLIGHT``
-    transfers at a time, its CRC-32 computed from the bytes as they go out.
-
-    Each write is copied into its own aligned buffer first, so the caller's tensor (often a stream's
-    host buffer about to be reused) is free at once and reading the next block overlaps this write.
-    A known ``size`` is preallocated: ext4 serializes writes that extend a file (half speed here).
-    """
-
-    WRITES_IN_FLIGHT = 3
-
-    def __init__(self, path: Path, aio: AsyncIO, size: int = 0):
-        self.path = path
-        self.aio = aio
-        self.file = open_file(path, "w", direct=aio.config.direct)
-        if size:
-            os.posix_fallocate(self.file.fd, 0, size)
-        self.crc = 0
-        self.bytes = 0
-        self._pending: deque[tuple[torch.Tensor, Any]] = deque()
-
-    def write(self, tensor: torch.Tensor) -> None:
-        while len(self._pending) >= self.WRITES_IN_FLIGHT:
-            self._pending.popleft()[1].wait()
-        staging = aligned_empty(tensor.numel() * tensor.element_size())
-        staging.copy_(tensor.detach().reshape(-1).view(torch.uint8))  # one copy, from wherever it lives
-        self.crc = zlib.crc32(memoryview(staging.numpy()), self.crc)
-        self._pending.append((staging, self.aio.write(self.file, staging, self.bytes)))
-        self.bytes += staging.numel()
-
-    def close(self) -> dict:
-        try:
-            while self._pending:
-                self._pending.popleft()[1].wait()
-            os.fsync(self.file.fd)
-        finally:
-            self.file.close()
-        return {"bytes": self.bytes, "crc32": self.crc}
-
-
-def _verify_file(path: Path, expected: dict) -> None:
-    if not path.exists():
-        raise CheckpointError(f"{path}: missing (the manifest lists it); the checkpoint is incomplete")
-    size = path.stat().st_size
-    if size != expected["bytes"]:
-        raise CheckpointError(f"{path}: {size} bytes but the manifest says {expected['bytes']}: truncated or "
-                              "overwritten")
-    crc = _crc32(path)
-    if crc != expected["crc32"]:
-        raise CheckpointError(f"{path}: CRC-32 {crc:#010x} but the manifest says {expected['crc32']:#010x}: "
-                              "the file is corrupt")
+def persistent_buffers(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """The buffers ``module.state_dict()`` holds, by name: non-persistent ones are not saved."""
+    saved = module.state_dict(keep_vars=True)
+    return [(name, buffer) for name, buffer in module.named_buffers() if name in saved]
 
 
 # ---------------------------------------------------------------------------------------------- layout
@@ -149,29 +92,26 @@ class Manifest:
         return sum(u["shard_numel"] * 4 * self.segments for u in self.units[:index])
 
 
-def resolve_tag(directory: str | os.PathLike, tag: str | None) -> Path:
-    directory = Path(directory)
-    if tag is None:
-        latest = directory / LATEST
-        if not latest.exists():
-            raise CheckpointError(f"{directory}: no '{LATEST}' file, so no complete checkpoint to load; pass a tag")
-        tag = latest.read_text().strip()
-    path = directory / tag
-    if not (path / MANIFEST).exists():
-        raise CheckpointError(f"{path}: no {MANIFEST}: not a complete checkpoint (a save that did not finish "
-                              "leaves only a .partial directory)")
-    return path
+_MANIFEST_KEYS = {"format": str, "version": int, "world_size": int, "moments": list, "units": list, "steps": dict,
+                  "groups": list, "scaler": dict, "counters": dict, "buffers": list, "files": dict}
 
 
 def read_manifest(directory: str | os.PathLike, tag: str | None = None, verify: bool = True) -> Manifest:
-    path = resolve_tag(directory, tag)
-    data = json.loads((path / MANIFEST).read_text())
+    """The manifest of ``tag`` (default: ``latest``), its digest and (with ``verify``) every file it
+    lists checked; anything malformed is a ``CheckpointError`` naming the file."""
+    path = resolve_tag(Path(directory), tag)
+    data = load_manifest_json(path)
     if data.get("format") != FORMAT or data.get("version") != VERSION:
-        raise CheckpointError(f"{path / MANIFEST}: format {data.get('format')!r} version {data.get('version')!r}; "
-                              f"this zerooffload reads {FORMAT!r} version {VERSION}")
+        raise CheckpointError(f"{path / 'manifest.json'}: format {data.get('format')!r} version "
+                              f"{data.get('version')!r}; this zerooffload reads {FORMAT!r} version {VERSION}")
+    malformed = [f"{key} (expected a JSON {kind.__name__})" for key, kind in _MANIFEST_KEYS.items()
+                 if not isinstance(data.get(key), kind)]
+    if malformed:
+        raise CheckpointError(f"{path / 'manifest.json'}: not a valid manifest: missing or malformed "
+                              + ", ".join(malformed))
     if verify:
         for name, expected in data["files"].items():
-            _verify_file(path / name, expected)
+            verify_file(path / name, expected)
     return Manifest(path, data)
 
 
@@ -181,11 +121,11 @@ def save_checkpoint(engine: Any, directory: str | os.PathLike, tag: str | None =
     """Write ``engine``'s full training state (see the note); collective: every rank calls it."""
     directory = Path(directory)
     tag = tag or default_tag(engine.global_steps)
-    partial = directory / f"{tag}.partial"
+    _check_tag(tag)
+    if not _jsonable(client_state):
+        raise TypeError(f"client_state must be JSON-serializable (it goes into the manifest): {client_state!r:.200}")
     rank = engine.comm.rank
-    if rank == 0:
-        shutil.rmtree(partial, ignore_errors=True)  # a save killed earlier
-        partial.mkdir(parents=True)
+    partial = begin_partial(directory, tag) if rank == 0 else directory / f"{tag}.partial"
     _barrier(engine)
     files = _write_rank_files(engine, partial)
     everyone = _gather(engine, (files, _optimizer_steps(engine)))
@@ -195,27 +135,43 @@ def save_checkpoint(engine: Any, directory: str | os.PathLike, tag: str | None =
             steps.update(per_rank)
         manifest = _manifest(engine, tag, {name: f for per_rank, _ in everyone for name, f in per_rank.items()},
                              steps, client_state)
-        _write_json(partial / MANIFEST, manifest)
-        _fsync_dir(partial)
-        final = directory / tag
-        replaced = directory / f"{tag}.replaced"
-        shutil.rmtree(replaced, ignore_errors=True)
-        if final.exists():  # set aside, not deleted, until the new one is in place: two renames apart
-            os.replace(final, replaced)
-        os.replace(partial, final)
-        _write_text_atomically(directory / LATEST, tag)
-        shutil.rmtree(replaced, ignore_errors=True)
+        write_manifest(partial, manifest)
+        publish(partial, tag)
     _barrier(engine)
     return directory / tag
 
 
+def _check_tag(tag: str) -> None:
+    if not tag or "/" in tag or tag.startswith(".") or tag.endswith((".partial", ".replaced", ".tmp")) \
+            or tag == "latest":
+        raise ValueError(f"checkpoint tag {tag!r}: expected a plain directory name, not 'latest', without '/' "
+                         "and not ending in .partial, .replaced or .tmp")
+
+
 def _write_rank_files(engine: Any, partial: Path) -> dict[str, dict]:
-    """This rank's unit shards (units it holds a shard of) and RNG states; name -> size and CRC."""
+    """This rank's files in ``partial``; name -> size and CRC. Out of room: a ``CheckpointError``
+    naming the directory and the bytes, and this rank's files removed (the previous checkpoint stays)."""
+    rank = engine.comm.rank
+    size = sum(s.unit.layout.shard_numel * 4 * (1 + len(s.moment_names))  # master and moments, as written
+               for s in engine.opt_states if rank < s.unit.layout.shards)
+    try:
+        return _write_rank_data(engine, partial, size)
+    except OSError as error:
+        for name in (rank_file(rank, "bin"), rank_file(rank, "pt"), "buffers.bin" if rank == 0 else ""):
+            if name:
+                with contextlib.suppress(OSError):
+                    (partial / name).unlink()
+        clear = out_of_space(error, partial, size)
+        if clear is None:
+            raise
+        raise clear from error
+
+
+def _write_rank_data(engine: Any, partial: Path, size: int) -> dict[str, dict]:
+    """This rank's unit shards (units it holds a shard of) and RNG states; rank 0's also the buffers."""
     rank = engine.comm.rank
     with AsyncIO(engine.config.aio) as aio:
-        size = sum(s.unit.layout.shard_numel * 4 * (1 + len(s.moment_names))  # master and moments, as written
-                   for s in engine.opt_states if rank < s.unit.layout.shards)
-        writer = _ChecksummedWriter(partial / rank_file(rank, "bin"), aio, size)
+        writer = ChecksummedWriter(partial / rank_file(rank, "bin"), aio, size)
         try:
             for state in engine.visit_optimizer_states(write=False):
                 if rank < state.unit.layout.shards:
@@ -225,31 +181,19 @@ def _write_rank_files(engine: Any, partial: Path) -> dict[str, dict]:
         finally:
             files = {rank_file(rank, "bin"): writer.close()}
         if rank == 0:
-            buffers = _ChecksummedWriter(partial / "buffers.bin", aio)
-            for _, buffer in engine.module.named_buffers():
-                buffers.write(buffer)
-            files["buffers.bin"] = buffers.close()
+            buffers = ChecksummedWriter(partial / "buffers.bin", aio)
+            try:
+                for _, buffer in persistent_buffers(engine.module):
+                    buffers.write(buffer)
+            finally:
+                files["buffers.bin"] = buffers.close()
     rng_path = partial / rank_file(rank, "pt")
     rng = {"cpu": torch.get_rng_state()}
     if torch.cuda.is_available():
         rng["cuda"] = torch.cuda.get_rng_state_all()
     torch.save(rng, rng_path)
-    files[rng_path.name] = _file_record(rng_path)
+    files[rng_path.name] = file_record(rng_path)
     return files
-
-
-def _file_record(path: Path) -> dict:
-    with open(path, "rb") as f:
-        os.fsync(f.fileno())
-    return {"bytes": path.stat().st_size, "crc32": _crc32(path)}
-
-
-def _crc32(path: Path) -> int:
-    crc = 0
-    with open(path, "rb") as f:
-        while chunk := f.read(64 << 20):
-            crc = zlib.crc32(chunk, crc)
-    return crc
 
 
 def _optimizer_steps(engine: Any) -> dict[str, float]:
@@ -276,7 +220,7 @@ def _manifest(engine: Any, tag: str, files: dict, steps: dict[str, float], clien
         "counters": {"global_steps": engine.global_steps, "micro_steps": engine.micro_steps,
                      "skipped_steps": engine.skipped_steps},
         "buffers": [{"name": n, "dtype": str(b.dtype).removeprefix("torch."), "shape": list(b.shape)}
-                    for n, b in engine.module.named_buffers()],
+                    for n, b in persistent_buffers(engine.module)],
         "client_state": client_state,
         "files": files,
     }
@@ -294,23 +238,6 @@ def _jsonable(value: Any) -> bool:
     return True
 
 
-def _write_json(path: Path, data: dict) -> None:
-    with open(path, "w") as f:
-        json.dump(data, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _write_text_atomically(path: Path, text: str) -> None:
-    temporary = path.with_name(path.name + ".tmp")
-    with open(temporary, "w") as f:
-        f.write(text + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(temporary, path)
-    _fsync_dir(path.parent)
-
-
 def _barrier(engine: Any) -> None:
     if engine.comm.world_size > 1:
         dist.barrier(group=engine.comm.group)
@@ -326,16 +253,31 @@ def _gather(engine: Any, value: Any) -> list:
 
 # ---------------------------------------------------------------------------------------------- load
 def load_checkpoint(engine: Any, directory: str | os.PathLike, tag: str | None = None) -> dict | None:
-    """Restore ``engine`` from a checkpoint of any layout; returns the saved client state."""
+    """Restore ``engine`` from a checkpoint of any layout; returns the saved client state. Everything
+    is checked (and the buffers read) before the first state changes: a refused load changes nothing."""
     manifest = read_manifest(directory, tag)
-    sources = _parameter_sources(manifest)
-    _check_same_model(engine, sources, manifest.directory)
+    with _malformed(manifest):
+        sources = _parameter_sources(manifest)
+        _check_same_model(engine, sources, manifest.directory)
+        _check_same_buffers(engine, manifest)
+        _check_same_optimizer(engine, manifest)
     with _RankFiles(manifest) as files:
+        buffers = _read_buffers(manifest, files)
         engine.set_optimizer_states(lambda state: _fill_state(state, sources, files), whole=True)
-        _restore_buffers(engine, files)
+    _restore_buffers(engine, buffers)
     _restore_optimizer(engine, manifest)
     _restore_rng(engine, manifest)
     return manifest.data["client_state"]
+
+
+@contextlib.contextmanager
+def _malformed(manifest: Manifest) -> Any:
+    """A manifest whose records lack what they should hold is refused by name, not with a KeyError."""
+    try:
+        yield
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError) as error:
+        raise CheckpointError(f"{manifest.directory / 'manifest.json'}: not a valid manifest "
+                              f"({type(error).__name__}: {error})") from None
 
 
 @dataclass(frozen=True, slots=True)
@@ -359,14 +301,46 @@ def _parameter_sources(manifest: Manifest) -> dict[str, _Source]:
 
 def _check_same_model(engine: Any, sources: dict[str, _Source], path: Path) -> None:
     ours = {name: tuple(s.shape) for u in engine.units for s in u.layout.slots for name in s.names}
-    missing = sorted(set(ours) - set(sources))
-    extra = sorted(set(sources) - set(ours))
-    shapes = sorted(f"{n}: saved {list(sources[n].shape)}, model {list(ours[n])}"
-                    for n in set(ours) & set(sources) if sources[n].shape != ours[n])
-    if missing or extra or shapes:
-        parts = [f"not in the checkpoint: {missing}" if missing else "",
-                 f"not in the model: {extra}" if extra else "", f"shapes differ: {shapes}" if shapes else ""]
-        raise CheckpointError(f"{path} was saved from another model; " + "; ".join(p for p in parts if p))
+    _refuse_differences(path, "parameter", {n: s.shape for n, s in sources.items()}, ours)
+
+
+def _check_same_buffers(engine: Any, manifest: Manifest) -> None:
+    saved = {r["name"]: (tuple(r["shape"]), r["dtype"]) for r in manifest.data["buffers"]}
+    ours = {n: (tuple(b.shape), str(b.dtype).removeprefix("torch.")) for n, b in persistent_buffers(engine.module)}
+    _refuse_differences(manifest.directory, "buffer", saved, ours)
+
+
+def _refuse_differences(path: Path, what: str, saved: dict[str, Any], ours: dict[str, Any]) -> None:
+    """Refuse a checkpoint whose ``what``s (name -> shape, or shape and dtype) differ from the model's;
+    the message names at most ten of each, the exception's attributes hold every name."""
+    missing = sorted(set(ours) - set(saved))
+    extra = sorted(set(saved) - set(ours))
+    differ = sorted(f"{n}: saved {saved[n]}, model {ours[n]}" for n in set(ours) & set(saved) if saved[n] != ours[n])
+    if missing or extra or differ:
+        parts = [f"{what}s {label}: {_some(names)}" for label, names in
+                 (("not in the checkpoint", missing), ("not in the model", extra), ("that differ", differ)) if names]
+        error = CheckpointError(f"{path} was saved from another model; " + "; ".join(parts))
+        error.missing, error.unexpected, error.mismatched = missing, extra, differ
+        raise error
+
+
+def _some(names: list[str], shown: int = 10) -> str:
+    more = f" and {len(names) - shown} more" if len(names) > shown else ""
+    return f"{names[:shown]}{more} ({len(names)})" if more else str(names)
+
+
+def _check_same_optimizer(engine: Any, manifest: Manifest) -> None:
+    data = manifest.data
+    ours = list(engine.opt_states[0].moment_names) if engine.opt_states else []
+    if data["moments"] != ours:
+        raise CheckpointError(f"{manifest.directory}: saved with optimizer moments {data['moments']}, but this "
+                              f"optimizer keeps {ours}: use the optimizer.type it was saved with")
+    if len(data["groups"]) != len(engine.optimizer.param_groups):
+        raise CheckpointError(f"{manifest.directory}: saved with {len(data['groups'])} parameter group(s), but this "
+                              f"engine has {len(engine.optimizer.param_groups)}: pass the same param_groups")
+    counters = data["counters"]
+    for key in ("global_steps", "micro_steps", "skipped_steps"):
+        int(counters[key])
 
 
 class _RankFiles:
@@ -424,7 +398,7 @@ def _read_range(files: _RankFiles, source: _Source, segment: int, start: int, st
 
 def _restore_optimizer(engine: Any, manifest: Manifest) -> None:
     data, optimizer = manifest.data, engine.optimizer
-    for group, saved in zip(optimizer.param_groups, data["groups"]):
+    for group, saved in zip(optimizer.param_groups, data["groups"], strict=True):
         group.update(saved)
     for state in engine.opt_states:
         for piece, tensor in state.pieces:
@@ -441,18 +415,20 @@ def _restore_optimizer(engine: Any, manifest: Manifest) -> None:
     engine._stepped_at = engine.micro_steps
 
 
-def _restore_buffers(engine: Any, files: _RankFiles) -> None:
-    named = dict(engine.module.named_buffers())
-    offset = 0
-    for record in files.manifest.data["buffers"]:
-        buffer = named.get(record["name"])
-        if buffer is None or list(buffer.shape) != record["shape"]:
-            raise CheckpointError(f"{files.manifest.directory}: module buffer {record['name']!r} "
-                                  f"{record['shape']} has no match in the model")
-        values = torch.empty(buffer.shape, dtype=buffer.dtype)
-        files.read_buffers(offset, values)
-        buffer.copy_(values)
-        offset += values.numel() * values.element_size()
+def _read_buffers(manifest: Manifest, files: _RankFiles) -> dict[str, torch.Tensor]:
+    """The saved buffers, by name, read into new CPU tensors (checked against the model already)."""
+    values, offset = {}, 0
+    for record in manifest.data["buffers"]:
+        value = torch.empty(record["shape"], dtype=getattr(torch, record["dtype"]))
+        files.read_buffers(offset, value)
+        values[record["name"]] = value
+        offset += value.numel() * value.element_size()
+    return values
+
+
+def _restore_buffers(engine: Any, values: dict[str, torch.Tensor]) -> None:
+    for name, buffer in persistent_buffers(engine.module):
+        buffer.copy_(values[name])
 
 
 def _restore_rng(engine: Any, manifest: Manifest) -> None:
@@ -478,7 +454,8 @@ def consolidate(directory: str | os.PathLike, out: str | os.PathLike, dtype: tor
     safetensors file, tensor by tensor, so peak memory stays near the largest tensor. Parameters are
     cast from the fp32 masters to ``dtype`` (round to nearest even, as torch casts); buffers keep theirs."""
     manifest = read_manifest(directory, tag)
-    entries = _consolidated_entries(manifest, dtype)
+    with _malformed(manifest):
+        entries = _consolidated_entries(manifest, dtype)
     header: dict[str, Any] = {"__metadata__": {"format": "pt", "source": str(manifest.directory)}}
     offset = 0
     for name, shape, tensor_dtype, _ in entries:
@@ -494,7 +471,7 @@ def consolidate(directory: str | os.PathLike, out: str | os.PathLike, dtype: tor
         f.write(len(encoded).to_bytes(8, "little"))
         f.write(encoded)
         for _, _, _, produce in entries:
-            f.write(memoryview(produce(files).contiguous().view(torch.uint8).reshape(-1).numpy()))
+            f.write(memoryview(produce(files).contiguous().reshape(-1).view(torch.uint8).numpy()))
         f.flush()
         os.fsync(f.fileno())
     os.replace(temporary, out)

@@ -157,7 +157,9 @@ class OffsetReader:
         if f is None:
             f = self._files[path] = open(path, "rb")
         f.seek(offset)
-        view = memoryview(out.view(torch.uint8).reshape(-1).numpy())
+        if not out.is_contiguous():
+            raise ValueError(f"reading {path}: the destination tensor must be contiguous")
+        view = memoryview(out.reshape(-1).view(torch.uint8).numpy())  # reshape first: 0-dim tensors too
         if f.readinto(view) != len(view):
             raise EOFError(f"{path}: ends before byte {offset + len(view)}: truncated")
 

@@ -1,0 +1,127 @@
+"""A save killed by SIGKILL at any boundary — each rename, fsync, directory creation or removal, the
+``latest`` write, inside a rank file — leaves ``latest`` naming a checkpoint that loads with every
+checksum verified: the old state or the new one, never a mix. The next save cleans up after it.
+
+Each kill point is one fresh process (SIGKILL cannot be survived). The full sweep, every call of
+every kind, killed before and after the call, for a new tag and for the same tag saved again, is
+``slow``; CI runs one point of each kind.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import zerooffload as zo
+from reference import make_batches, make_buffered_model
+from zerooffload.checkpoint import read_manifest
+
+CONFIG = {"zero": {"stage": 3, "persist_threshold": 0}, "optimizer": {"lr": 1e-2}}
+KINDS = ("rename", "fsync", "mkdir", "remove", "latest", "rank file")
+
+SCRIPT = textwrap.dedent("""
+    import os, shutil, signal, sys
+    sys.path.insert(0, {tests!r})
+    import zerooffload as zo
+    from zerooffload import checkpoint_files, checkpoint
+    from test_checkpoint_kills import CONFIG, train
+    from reference import make_buffered_model
+
+    engine = zo.initialize(make_buffered_model(), CONFIG)
+    engine.save_checkpoint({directory!r}, tag="old")
+    train(engine)
+    kind, number, when = {kind!r}, {number}, {when!r}
+    calls = [0]
+
+    def killing(original):
+        def patched(*args, **kwargs):
+            hit = calls[0] == number
+            calls[0] += 1
+            if hit and when == "before":
+                os.kill(os.getpid(), signal.SIGKILL)
+            result = original(*args, **kwargs)
+            if hit:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return result
+        return patched
+
+    targets = {{"rename": [(os, "replace"), (os, "rename")], "fsync": [(os, "fsync")], "mkdir": [(os, "mkdir")],
+               "remove": [(os, "unlink"), (os, "rmdir")],
+               "latest": [(checkpoint_files, "_write_text_atomically")],
+               "rank file": [(checkpoint_files.ChecksummedWriter, "write")]}}[kind]
+    for owner, name in targets:
+        setattr(owner, name, killing(getattr(owner, name)))
+    engine.save_checkpoint({directory!r}, tag={tag!r})
+    print("calls", calls[0])
+""")
+
+
+def train(engine) -> None:
+    """One step: the state saved second differs from the one saved first."""
+    (idx, targets), = make_batches(1, 1, 4, seed=5)[0]
+    engine.backward(engine(idx, targets))
+    engine.step()
+
+
+def _kill_save(tmp_path, tag: str, kind: str, number: int, when: str) -> subprocess.CompletedProcess:
+    script = SCRIPT.format(tests=os.path.dirname(__file__), directory=str(tmp_path), kind=kind, number=number,
+                           when=when, tag=tag)
+    return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def states():
+    """The old and the new full state, computed without any checkpoint; and a loading engine."""
+    engine = zo.initialize(make_buffered_model(), CONFIG)
+    old = engine.full_state_dict()
+    train(engine)
+    new = engine.full_state_dict()
+    loader = zo.initialize(make_buffered_model(seed=1), CONFIG)
+    yield old, new, loader
+    loader.close()
+    engine.close()
+
+
+def _check_point(tmp_path, states, tag: str, kind: str, number: int, when: str) -> bool:
+    """Kill one save at one point; True when the save finished before reaching it (the sweep's end)."""
+    old, new, loader = states
+    tmp_path.mkdir(exist_ok=True)
+    done = _kill_save(tmp_path, tag, kind, number, when)
+    if done.returncode == 0:
+        return True
+    assert done.returncode == -signal.SIGKILL, done.stderr[-3000:]
+    read_manifest(tmp_path)  # latest names a complete tag; digest and every file's CRC verified
+    loader.load_checkpoint(tmp_path)
+    loaded = loader.full_state_dict()
+    assert any(list(loaded) == list(s) and all(torch.equal(loaded[k], s[k]) for k in s) for s in (old, new))
+    loader.save_checkpoint(tmp_path, tag="next")  # and the next save cleans up what the kill left
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name not in ("old", tag)) == ["latest", "next"]
+    return False
+
+
+def _sweep(tmp_path, states, tag: str, kind: str, when: str) -> int:
+    number = 0
+    while not _check_point(tmp_path / str(number), states, tag, kind, number, when):
+        number += 1
+    return number
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_kill_at_one_point_of_each_kind_leaves_latest_loadable(tmp_path, states, kind):
+    """The same tag saved again (the riskiest case: the old copy is moved aside), killed just before
+    the last call of its kind — for renames, the one that publishes the new copy."""
+    points = {"rename": 1, "fsync": 4, "mkdir": 0, "remove": 2, "latest": 0, "rank file": 1}
+    assert not _check_point(tmp_path, states, "old", kind, points[kind], "before"), "the point was never reached"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("when", ["before", "after"])
+@pytest.mark.parametrize("tag", ["old", "new"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_every_kill_point_leaves_latest_loadable(tmp_path, states, kind, tag, when):
+    assert _sweep(tmp_path, states, tag, kind, when) > 0

@@ -1,0 +1,264 @@
+"""The files of a checkpoint directory: tag directories published atomically, ``latest``, manifests
+with a digest, checksummed data files, and recovery from a save that was killed at any point.
+
+[Note: publishing a tag]
+A save writes everything into ``<tag>.partial/`` — rank files, the manifest, then
+``manifest.sha256`` (the manifest's digest) — fsyncs it all, and only then publishes it:
+1. ``<tag>`` already exists (the same tag saved again, e.g. a fixed ``"last"``): it is renamed
+   to ``<tag>.replaced``; 2. ``<tag>.partial`` is renamed to ``<tag>``; 3. ``latest`` is rewritten
+   (a temporary file, fsync, rename); 4. ``<tag>.replaced`` is removed. Directory fsyncs follow
+   every rename. A kill between 1 and 2 leaves ``<tag>`` missing and the previous copy complete in
+   ``<tag>.replaced``: the loader reads it there, and the next save moves it back before anything
+   else (``recover``). So whatever the kill point, ``latest`` names a loadable checkpoint, the
+   old one or the new one. ``<tag>.partial`` directories of saves that failed or were killed are
+   removed by the next save into the directory.
+
+[Note: integrity]
+Every data file's size and CRC-32 are in the manifest; the manifest's SHA-256 is in
+``manifest.sha256`` beside it, so a flipped bit that keeps valid JSON (a learning rate, a step
+count, the client state) is caught too. A checkpoint of this format without the digest file (written
+before it existed) still loads, with a warning. Anything malformed — unreadable, truncated, not
+JSON, missing keys — is a ``CheckpointError`` that names the file.
+"""
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import logging
+import os
+import shutil
+import zlib
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .io import AsyncIO, aligned_empty, open_file
+
+__all__ = ["CheckpointError", "ChecksummedWriter", "MANIFEST", "LATEST", "begin_partial", "publish", "recover",
+           "resolve_tag", "load_manifest_json", "write_manifest", "verify_file", "file_record", "fsync_dir",
+           "out_of_space"]
+
+logger = logging.getLogger(__name__)
+
+MANIFEST = "manifest.json"
+DIGEST = "manifest.sha256"
+LATEST = "latest"
+PARTIAL = ".partial"
+REPLACED = ".replaced"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be used or written: missing, corrupt, truncated, for another model,
+    or no room to save it."""
+
+
+# ---------------------------------------------------------------------------------------------- fsync
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_durably(path: Path, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _write_text_atomically(path: Path, text: str) -> None:
+    temporary = path.with_name(path.name + ".tmp")
+    _write_durably(temporary, (text + "\n").encode())
+    os.replace(temporary, path)
+    fsync_dir(path.parent)
+
+
+# ---------------------------------------------------------------------------------------------- data files
+class ChecksummedWriter:
+    """A file written front to back with O_DIRECT through the async-I/O engine, ``writes_in_flight``
+    transfers at a time, its CRC-32 computed from the bytes as they go out.
+
+    Each write is copied into its own aligned buffer first, so the caller's tensor (often a stream's
+    host buffer about to be reused) is free at once and reading the next block overlaps this write.
+    A known ``size`` is preallocated: ext4 serializes writes that extend a file (half speed here).
+    """
+
+    def __init__(self, path: Path, aio: AsyncIO, size: int = 0, writes_in_flight: int = 3):
+        self.path = path
+        self.aio = aio
+        self.writes_in_flight = writes_in_flight
+        self.file = open_file(path, "w", direct=aio.config.direct)
+        self.crc = 0
+        self.bytes = 0
+        self._pending: deque[tuple[torch.Tensor, Any]] = deque()
+        if size:
+            try:
+                os.posix_fallocate(self.file.fd, 0, size)
+            except OSError:
+                self.file.close()
+                raise
+
+    def write(self, tensor: torch.Tensor) -> None:
+        while len(self._pending) >= self.writes_in_flight:
+            self._pending.popleft()[1].wait()
+        staging = aligned_empty(tensor.numel() * tensor.element_size())
+        staging.copy_(tensor.detach().reshape(-1).view(torch.uint8))  # one copy, from wherever it lives
+        self.crc = zlib.crc32(memoryview(staging.numpy()), self.crc)
+        self._pending.append((staging, self.aio.write(self.file, staging, self.bytes)))
+        self.bytes += staging.numel()
+
+    def close(self) -> dict:
+        """Wait for every write, fsync and close; the file's record for the manifest."""
+        try:
+            while self._pending:
+                self._pending.popleft()[1].wait()
+            os.fsync(self.file.fd)
+        finally:
+            while self._pending:  # after a failed write: let the others land before their buffers go
+                try:
+                    self._pending.popleft()[1].wait()
+                except OSError:
+                    pass
+            self.file.close()
+        return {"bytes": self.bytes, "crc32": self.crc}
+
+
+def file_record(path: Path) -> dict:
+    """Size and CRC-32 of a file written by other means (fsynced here)."""
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+    return {"bytes": path.stat().st_size, "crc32": _crc32(path)}
+
+
+def _crc32(path: Path) -> int:
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(64 << 20):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+def verify_file(path: Path, expected: dict) -> None:
+    if not path.exists():
+        raise CheckpointError(f"{path}: missing (the manifest lists it); the checkpoint is incomplete")
+    size = path.stat().st_size
+    if size != expected["bytes"]:
+        raise CheckpointError(f"{path}: {size} bytes but the manifest says {expected['bytes']}: truncated or "
+                              "overwritten")
+    crc = _crc32(path)
+    if crc != expected["crc32"]:
+        raise CheckpointError(f"{path}: CRC-32 {crc:#010x} but the manifest says {expected['crc32']:#010x}: "
+                              "the file is corrupt")
+
+
+def out_of_space(error: OSError, path: Path, needed: int) -> CheckpointError | None:
+    """A clear error for a save that ran out of room (ENOSPC, EDQUOT, EFBIG), else None."""
+    if error.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+        return None
+    try:
+        free = f"{shutil.disk_usage(path).free:,} bytes free"
+    except OSError:
+        free = "free space unknown"
+    return CheckpointError(f"{path}: no room to save the checkpoint ({os.strerror(error.errno)}): this rank needs "
+                           f"{needed:,} bytes there and the filesystem has {free}; the previous checkpoint is "
+                           "unchanged. Free space or save to another directory")
+
+
+# ---------------------------------------------------------------------------------------------- manifests
+def write_manifest(directory: Path, manifest: dict) -> None:
+    """``manifest.json`` and its digest, both fsynced (the directory is not published yet)."""
+    data = json.dumps(manifest, indent=1).encode()
+    _write_durably(directory / MANIFEST, data)
+    _write_durably(directory / DIGEST, f"{hashlib.sha256(data).hexdigest()}  {MANIFEST}\n".encode())
+
+
+def load_manifest_json(directory: Path) -> dict:
+    """The manifest of a published tag directory, checked against its digest."""
+    path = directory / MANIFEST
+    try:
+        data = path.read_bytes()
+    except OSError as error:
+        raise CheckpointError(f"{path}: cannot be read ({error.strerror})") from None
+    digest_path = directory / DIGEST
+    if digest_path.exists():
+        expected = digest_path.read_text(errors="replace").split()[:1]
+        actual = hashlib.sha256(data).hexdigest()
+        if expected != [actual]:
+            raise CheckpointError(f"{path}: SHA-256 {actual} but {digest_path.name} says "
+                                  f"{expected[0] if expected else 'nothing'}: the manifest is corrupt")
+    else:
+        logger.warning("%s: no %s (a checkpoint from before manifests had digests): its manifest is not verified",
+                       directory, DIGEST)
+    try:
+        manifest = json.loads(data.decode())
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise CheckpointError(f"{path}: not a valid manifest ({error})") from None
+    if not isinstance(manifest, dict):
+        raise CheckpointError(f"{path}: not a valid manifest (a JSON {type(manifest).__name__}, not an object)")
+    return manifest
+
+
+# ---------------------------------------------------------------------------------------------- tags
+def resolve_tag(directory: Path, tag: str | None) -> Path:
+    """The published directory of ``tag`` (default: the one ``latest`` names), or of its copy set
+    aside by a save killed mid-publication (see [Note: publishing a tag])."""
+    if tag is None:
+        latest = directory / LATEST
+        if not latest.exists():
+            raise CheckpointError(f"{directory}: no '{LATEST}' file, so no complete checkpoint to load; pass a tag")
+        tag = latest.read_text(errors="replace").strip()
+    path = directory / tag
+    if not path.exists() and (directory / (tag + REPLACED) / MANIFEST).exists():
+        logger.warning("%s is missing but %s%s is complete (a save was killed while replacing it): loading that",
+                       path, tag, REPLACED)
+        path = directory / (tag + REPLACED)
+    if not (path / MANIFEST).exists():
+        raise CheckpointError(f"{path}: no {MANIFEST}: not a complete checkpoint (a save that did not finish "
+                              f"leaves only a {PARTIAL} directory)")
+    return path
+
+
+def recover(directory: Path) -> None:
+    """Undo what killed saves left: a tag set aside but never replaced moves back; leftover
+    ``.partial`` directories and ``.replaced`` copies of tags that were replaced go."""
+    for replaced in directory.glob("*" + REPLACED):
+        final = replaced.with_name(replaced.name.removesuffix(REPLACED))
+        if not final.exists():
+            logger.warning("%s is missing (a save was killed while replacing it): restoring it from %s", final,
+                           replaced.name)
+            os.replace(replaced, final)
+            fsync_dir(directory)
+    for leftover in [*directory.glob("*" + PARTIAL), *directory.glob("*" + REPLACED)]:
+        if leftover.is_dir():
+            logger.info("removing %s, left by a save that did not finish", leftover)
+            shutil.rmtree(leftover)
+
+
+def begin_partial(directory: Path, tag: str) -> Path:
+    """A fresh ``<tag>.partial`` directory to write into (after ``recover``)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    recover(directory)
+    partial = directory / (tag + PARTIAL)
+    partial.mkdir()
+    return partial
+
+
+def publish(partial: Path, tag: str) -> Path:
+    """Publish a complete, fsynced ``<tag>.partial`` as ``<tag>`` and point ``latest`` at it."""
+    directory = partial.parent
+    final, replaced = directory / tag, directory / (tag + REPLACED)
+    fsync_dir(partial)
+    if final.exists():  # set aside, not deleted, until the new one is in place (the loader finds it there)
+        os.replace(final, replaced)
+        fsync_dir(directory)
+    os.replace(partial, final)
+    fsync_dir(directory)
+    _write_text_atomically(directory / LATEST, tag)
+    if replaced.exists():
+        shutil.rmtree(replaced)
+    return final
