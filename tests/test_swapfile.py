@@ -1,7 +1,12 @@
-"""NVMe swap store on real files: reuse, striping, two stores on one path, stale files, cleanup, space."""
+"""NVMe swap store on real files: reuse, striping, two stores on one path, clashing names, stale files,
+cleanup at exit and on signals, space."""
 from __future__ import annotations
 
+import json
 import os
+import re
+import secrets
+import shutil
 import signal
 import stat
 import subprocess
@@ -102,10 +107,59 @@ def test_two_stores_on_one_path_do_not_share(tmp_path, aio):
         assert torch.equal(out, _random(8192, 1))
 
 
-_OWNER = textwrap.dedent("""
-    import sys, time
+_TWIN = textwrap.dedent("""
+    import os, socket, sys
+    import torch
     from zerooffload.io import AsyncIO
     from zerooffload.io.swapfile import SwapStore
+    socket.gethostname = lambda: "node"  # what a second container with the same hostname sees
+    os.getpid = lambda: 1
+    os.environ["TORCHELASTIC_RUN_ID"] = "job"
+    store = SwapStore(sys.argv[1], AsyncIO())
+    data = torch.arange(4096, dtype=torch.uint8)
+    store.write("k", data).wait()
+    back = torch.empty_like(data)
+    store.read("k", back).wait()
+    print(store.paths[0], torch.equal(back, data), flush=True)
+    sys.stdin.read()
+""")
+
+
+def test_same_host_job_and_pid_in_two_processes_get_their_own_files(tmp_path):
+    twins, lines = [], []
+    try:
+        for _ in range(2):  # one after the other: the second starts while the first holds its file
+            twins.append(subprocess.Popen([sys.executable, "-c", _TWIN, str(tmp_path)], stdin=subprocess.PIPE,
+                                          stdout=subprocess.PIPE, text=True))
+            line = twins[-1].stdout.readline()
+            assert line.endswith(" True\n"), line  # it wrote and read back through its own store
+            lines.append(line.split()[0])
+        one, two = lines
+        assert one != two and os.path.basename(one).startswith("node.job.rank0.1.")
+        assert os.path.exists(one) and os.path.exists(two)
+    finally:
+        for twin in twins:
+            twin.communicate("", timeout=60)
+    assert [twin.returncode for twin in twins] == [0, 0]
+
+
+def test_a_swap_file_locked_by_another_live_store_is_refused_by_name(tmp_path, aio, monkeypatch):
+    monkeypatch.setattr(secrets, "token_hex", lambda nbytes: "0" * 2 * nbytes)  # names now repeat
+    with SwapStore(str(tmp_path), aio) as held:
+        with pytest.raises(BlockingIOError, match=f"swap file {re.escape(str(held.paths[0]))} is locked by "
+                                                  "another live process"):
+            SwapStore(str(tmp_path), aio)
+        held.write("k", _random(8192, 1)).wait()  # the refused store left the holder's file alone
+        out = torch.empty(8192, dtype=torch.uint8)
+        held.read("k", out).wait()
+        assert torch.equal(out, _random(8192, 1))
+
+
+_OWNER = textwrap.dedent("""
+    import signal, sys, time
+    from zerooffload.io import AsyncIO
+    from zerooffload.io.swapfile import SwapStore
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # Python's own, even if SIGINT came in ignored
     store = SwapStore(sys.argv[1], AsyncIO())
     print(store.paths[0], flush=True)
     time.sleep(600)
@@ -132,12 +186,61 @@ def test_stale_file_of_a_killed_owner_is_cleaned_and_live_one_kept(tmp_path, aio
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
-def test_files_removed_on_signal(tmp_path, signum):
+def test_files_removed_on_a_signal_that_kills(tmp_path, signum):
     owner, path = _start_owner(tmp_path)
     assert os.path.exists(path)
-    owner.send_signal(signum)
-    owner.wait(timeout=30)
+    owner.send_signal(signum)  # SIGTERM's default kills; Python's uncaught KeyboardInterrupt re-raises SIGINT
+    assert owner.wait(timeout=30) == -signum
     assert not os.path.exists(path)
+
+
+_SURVIVOR = textwrap.dedent("""
+    import json, os, select, signal, sys, zlib
+    import torch
+    from zerooffload.io import AsyncIO
+    from zerooffload.io.swapfile import SwapStore
+    got = []
+    if sys.argv[2] == "handler":  # the preemption pattern: note it, save, exit when ready
+        signal.signal(signal.SIGTERM, lambda signum, frame: got.append("handler"))
+    elif sys.argv[2] == "ignore":  # as under nohup or `cmd &`
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    else:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    store = SwapStore(sys.argv[1], AsyncIO(), checksum=True)
+    before = torch.randint(0, 256, (1 << 20,), dtype=torch.uint8)
+    store.write("before", before).wait()
+    try:
+        print(store.paths[0], flush=True)
+        while not got and not select.select([sys.stdin], [], [], 0.01)[0]:
+            pass  # until the handler ran, or the parent says the (ignored) signal was sent
+    except KeyboardInterrupt:
+        got.append("KeyboardInterrupt")
+    after = torch.randint(0, 256, (3 << 20,), dtype=torch.uint8)
+    store.write("after", after).wait()
+    sums = []
+    for key, data in (("before", before), ("after", after)):
+        back = torch.empty_like(data)
+        store.read(key, back).wait()
+        sums.append([zlib.crc32(data.numpy()), zlib.crc32(back.numpy())])
+    print(json.dumps({"got": got, "sums": sums, "exists": store.paths[0].exists()}), flush=True)
+""")
+
+
+@pytest.mark.parametrize("mode, signum, got", [("handler", signal.SIGTERM, ["handler"]),
+                                               ("ignore", signal.SIGTERM, []),
+                                               ("interrupt", signal.SIGINT, ["KeyboardInterrupt"])])
+def test_a_signal_the_process_survives_leaves_its_files(tmp_path, mode, signum, got):
+    child = subprocess.Popen([sys.executable, "-c", _SURVIVOR, str(tmp_path), mode],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    path = child.stdout.readline().strip()
+    os.kill(child.pid, signum)
+    out, _ = child.communicate("sent\n" if mode == "ignore" else "", timeout=60)
+    assert child.returncode == 0
+    report = json.loads(out)
+    assert report["got"] == got
+    assert all(written == read for written, read in report["sums"])
+    assert report["exists"]  # while it ran on
+    assert path and not os.path.exists(path)  # removed at its exit
 
 
 def test_files_removed_at_exit(tmp_path):
@@ -148,9 +251,15 @@ def test_files_removed_at_exit(tmp_path):
     assert path and not os.path.exists(path)
 
 
-def test_preflight_refuses_with_the_numbers(tmp_path, aio):
-    with pytest.raises(SwapSpaceError, match=r"needs [0-9.]+ GB but has [0-9.]+ GB free"):
-        SwapStore(str(tmp_path), aio, reserve=1 << 60)
+def test_preflight_refuses_with_exact_byte_counts(tmp_path, aio):
+    reserve = shutil.disk_usage(tmp_path).free + 1
+    with pytest.raises(SwapSpaceError) as refused:
+        SwapStore(str(tmp_path), aio, reserve=reserve)
+    message = str(refused.value)
+    assert f"swap store of {reserve} bytes (" in message
+    numbers = re.search(r"needs (\d+) bytes \(.*\) but has (\d+) bytes \(.*\) free", message)
+    need, free = map(int, numbers.groups())
+    assert need == -(-reserve // 4096) * 4096 and free < need
     assert list((tmp_path / PRIVATE_DIR).glob("*.swap")) == []
     with SwapStore(str(tmp_path), aio, reserve=8 << 20) as store:
         assert store.paths[0].stat().st_blocks * 512 >= 8 << 20  # blocks really claimed

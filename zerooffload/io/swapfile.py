@@ -3,7 +3,9 @@
 [Note: swap store]
 - A *store* belongs to one process (one rank of one job). In each configured directory it owns one
   *stripe*: a swap file inside the private directory ``<dir>/zerooffload-swap`` (mode 0700), named
-  ``<host>.<job>.rank<rank>.<pid>.<n>.swap``, created 0600 and held under an exclusive ``flock``.
+  ``<host>.<job>.rank<rank>.<pid>.<token>.swap``, created 0600 and held under an exclusive ``flock``.
+  The random token keeps names apart where host, job and pid repeat: containers with the same
+  hostname each have a pid 1.
 - An *entry* is the bytes stored under one key: split into one contiguous, 4 KiB-aligned *extent*
   per stripe so that every disk works on every read and write (RAID-0 without a RAID).
 - Each stripe's space is handed out by an *extent allocator*: first fit from a sorted free list,
@@ -11,8 +13,10 @@
 - *Stale* files are those whose flock nobody holds: the kernel drops a lock when its process dies,
   even by SIGKILL, so a store removes them when it opens. A directory lock file serializes that
   sweep with creating and locking new files, so a sweep never takes a file being born.
-- Every store's files are removed on ``close()``, when the store is garbage-collected, at interpreter
-  exit (a ``weakref.finalize`` covers those two) and on SIGTERM/SIGINT.
+- Every store's files are removed on ``close()``, when the store is garbage-collected and at interpreter
+  exit (a ``weakref.finalize`` covers those two), and on a SIGTERM/SIGINT that kills the process (its
+  disposition was SIG_DFL). A signal the process survives (a handler of the user's, SIG_IGN, Python's
+  KeyboardInterrupt) leaves the files alone: the run goes on using them.
 - Files grow ahead of their extents in ``GROWTH`` steps with ``posix_fallocate``: writes that extend a
   file are serialized by ext4 and ran at half speed with io_uring at queue depth 32.
 """
@@ -20,9 +24,9 @@ from __future__ import annotations
 
 import bisect
 import fcntl
-import itertools
 import logging
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -44,7 +48,6 @@ ALIGN = 4096
 GROWTH = 64 << 20
 """Bytes a swap file is preallocated by when an extent passes its end."""
 PRIVATE_DIR = "zerooffload-swap"
-_serial = itertools.count()
 
 
 class SwapSpaceError(OSError):
@@ -137,7 +140,12 @@ class _Stripe:
         self.preallocated = 0
         with _directory_lock(directory):
             self.file = open_file(str(self.path), "rw", direct=direct, create=True)
-            fcntl.flock(self.file.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            try:
+                fcntl.flock(self.file.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError as exc:
+                self.file.close()  # the file is the other process's: leave it in place
+                raise BlockingIOError(exc.errno, f"swap file {self.path} is locked by another live process "
+                                      "(same host, job, rank, pid and token); not using it") from exc
 
     def allocate(self, length: int) -> int:
         """An extent of ``length`` bytes, the file's blocks claimed ahead of it (see GROWTH)."""
@@ -242,7 +250,7 @@ class SwapStore:
         for directory in dirs:
             sweep_stale(directory)
         _check_free_space(dirs, reserve)
-        name = f"{socket.gethostname()}.{job_id()}.rank{rank}.{os.getpid()}.{next(_serial)}.swap"
+        name = f"{socket.gethostname()}.{job_id()}.rank{rank}.{os.getpid()}.{secrets.token_hex(4)}.swap"
         self.stripes: list[_Stripe] = []
         self._entries: dict[str, _Entry] = {}
         self._lock = threading.Lock()
@@ -397,10 +405,15 @@ def _check_free_space(dirs: list[Path], reserve: int) -> None:
     for group in per_device.values():
         need, free = share * len(group), shutil.disk_usage(group[0]).free
         if free < need:
-            short.append(f"{', '.join(map(str, group))} needs {need / 1e9:.2f} GB but has {free / 1e9:.2f} GB free")
+            short.append(f"{', '.join(map(str, group))} needs {_size(need)} but has {_size(free)} free")
     if short:
-        raise SwapSpaceError(28, f"swap store of {reserve / 1e9:.2f} GB does not fit: " + "; ".join(short)
+        raise SwapSpaceError(28, f"swap store of {_size(reserve)} does not fit: " + "; ".join(short)
                                  + ". Free space, add directories to nvme.path, or keep more state in RAM")
+
+
+def _size(nbytes: int) -> str:
+    """Exact bytes, then GB: rounded figures alone can read "needs 0.01 GB but has 0.01 GB free"."""
+    return f"{nbytes} bytes ({nbytes / 1e9:.2f} GB)"
 
 
 # ---------------------------------------------------------------------- cleanup on signals
@@ -409,13 +422,18 @@ _previous_handlers: dict[int, Any] = {}
 
 
 def _on_signal(signum: int, frame: Any) -> None:
-    """Remove every live store's files, then do what the signal would have done."""
-    for finalizer in list(_live_finalizers):
-        finalizer()
-    previous = _previous_handlers.get(signum, signal.SIG_DFL)
+    """Do what the signal would have done; remove the files first only when that is to die.
+
+    A handler of the user's, SIG_IGN or Python's KeyboardInterrupt let the process run on (a
+    preemption handler that saves a checkpoint, ``nohup``, a caught Ctrl-C), and it still needs its
+    files; they go at exit with the finalizers.
+    """
+    previous = _previous_handlers[signum]
     if callable(previous):
         previous(signum, frame)
     elif previous == signal.SIG_DFL:
+        for finalizer in list(_live_finalizers):
+            finalizer()
         signal.signal(signum, signal.SIG_DFL)
         os.kill(os.getpid(), signum)
 
