@@ -1,14 +1,20 @@
 """``zerooffload train``: the main job, alone and under torchrun (the CI smoke test)."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
 import shutil
+import signal
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 
+from zerooffload.checkpoint import read_manifest
 from zerooffload.models import GPT, PRESETS
 
 
@@ -54,3 +60,118 @@ def test_train_resumes_from_its_checkpoint_exactly(tmp_path):
     again = subprocess.run([*common, "--steps", "5", "--resume", "--out", str(tmp_path / "b" / "out")],
                            capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert again.returncode == 0 and "nothing to train" in again.stdout, again.stderr[-2000:]
+
+
+# ------------------------------------------------------------------------- stopping on SIGTERM / SIGINT
+_TRAIN = [sys.executable, "-m", "zerooffload", "train", "train.micro_batch_size=4", "scheduler.type=constant"]
+_STOP_LINE = re.compile(r"^zerooffload: stopped by (SIG\w+) after step (\d+); (.*)$", re.MULTILINE)
+
+
+class _Started:
+    """A training process whose stdout and stderr go to files, so a test can watch them while it runs."""
+
+    def __init__(self, args: list[str], out: Path):
+        out.mkdir(parents=True, exist_ok=True)
+        self.out, self._stdout, self._stderr = out, out.parent / "stdout", out.parent / "stderr"
+        with open(self._stdout, "w") as stdout, open(self._stderr, "w") as stderr:
+            self.process = subprocess.Popen([*args, "--out", str(out)], stdout=stdout, stderr=stderr,
+                                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+    def output(self) -> str:
+        return self._stdout.read_text() + self._stderr.read_text()
+
+    def wait_until(self, ready, timeout: float = 120) -> None:
+        """Poll ``ready()`` until it holds; fail if the process ends first or the time runs out."""
+        deadline = time.monotonic() + timeout
+        while not ready():
+            assert self.process.poll() is None, f"ended early ({self.process.returncode}):\n{self.output()[-4000:]}"
+            assert time.monotonic() < deadline, self.output()[-4000:]
+            time.sleep(0.02)
+
+    def stop_with(self, signum: int, pid: int | None = None, timeout: float = 120) -> tuple[int, str, int, str]:
+        """Send ``signum`` (to ``pid``, default the process); return its status, output and stop line."""
+        os.kill(self.process.pid if pid is None else pid, signum)
+        returncode = self.process.wait(timeout=timeout)
+        output = self.output()
+        lines = _STOP_LINE.findall(output)
+        assert len(lines) == 1, output[-4000:]
+        name, step, kept = lines[0]
+        assert name == signal.Signals(signum).name, output[-4000:]
+        return returncode, output, int(step), kept
+
+
+@pytest.fixture
+def start():
+    """``start(args, out)`` runs a ``_Started``; one still running when the test ends (it failed) gets
+    SIGTERM, then SIGKILL, so no 1000-step run outlives its test (torchrun passes SIGTERM on)."""
+    started: list[_Started] = []
+
+    def start_one(args: list[str], out: Path) -> _Started:
+        started.append(_Started(args, out))
+        return started[-1]
+    yield start_one
+    for run in started:
+        if run.process.poll() is None:
+            run.process.terminate()
+            try:
+                run.process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                run.process.kill()
+                run.process.wait()
+
+
+def test_sigterm_saves_the_steps_done_and_resume_matches_an_uninterrupted_run(tmp_path, start):
+    """SIGTERM once a checkpoint exists: status 143, one line naming the checkpoint of the steps done
+    (``latest``, CRCs verified), summary.json of those steps; ``--resume`` then gives the losses of an
+    uninterrupted run (its 16 steps run alongside: a constant schedule does not depend on --steps)."""
+    straight = start([*_TRAIN, "--steps", "16"], tmp_path / "a" / "out")
+    run = start([*_TRAIN, "--steps", "1000", "--save-every", "1"], tmp_path / "b" / "out")
+    checkpoints = run.out / "checkpoints"
+    run.wait_until((checkpoints / "latest").exists)
+    returncode, output, done, kept = run.stop_with(signal.SIGTERM)
+    assert returncode == 143 and "Traceback" not in output and 1 <= done < 16, output[-4000:]
+    manifest = read_manifest(checkpoints)
+    assert kept == f"checkpoint saved to {manifest.directory}; resume with --resume"
+    assert manifest.data["client_state"] == {"next_step": done}
+    assert straight.process.wait(timeout=120) == 0, straight.output()[-4000:]
+    reference = json.loads((straight.out / "summary.json").read_text())["losses"]
+    assert json.loads((run.out / "summary.json").read_text())["losses"] == reference[:done]
+    resumed = _run([*_TRAIN, "--steps", "16", "--resume"], tmp_path / "b")
+    assert resumed["steps"] == 16 - done and resumed["losses"] == reference[done:]
+
+
+def test_sigint_without_save_every_stops_cleanly_with_130(tmp_path, start):
+    """Ctrl-C after the first step: status 130, one line saying nothing was saved, no KeyboardInterrupt."""
+    run = start([*_TRAIN, "--steps", "1000"], tmp_path / "out")
+    run.wait_until(lambda: "loss=" in run.output())  # the progress bar's first step
+    returncode, output, done, kept = run.stop_with(signal.SIGINT)
+    assert returncode == 130 and "Traceback" not in output and "KeyboardInterrupt" not in output, output[-4000:]
+    assert kept == "nothing saved (no --save-every)" and not (run.out / "checkpoints").exists()
+    assert json.loads((run.out / "summary.json").read_text())["steps"] == done
+
+
+def _worker_pid(launcher_pid: int, rank: int) -> int | None:
+    """The pid of torchrun's worker of ``rank``, read from /proc (None until it has started)."""
+    for task in Path(f"/proc/{launcher_pid}/task").iterdir():
+        for pid in (task / "children").read_text().split():
+            with contextlib.suppress(FileNotFoundError):
+                if f"RANK={rank}".encode() in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
+                    return int(pid)
+    return None
+
+
+def test_sigterm_to_one_rank_under_torchrun_stops_both_at_the_same_step(tmp_path, start):
+    """Only rank 1 gets SIGTERM; the ranks agree on the step, save together (no deadlock) and stop."""
+    torchrun = shutil.which("torchrun") or pytest.skip("torchrun not on PATH")
+    run = start([torchrun, "--standalone", "--nproc-per-node", "2", *_TRAIN[1:], "--steps", "1000",
+                 "--save-every", "1"], tmp_path / "out")
+    checkpoints = run.out / "checkpoints"
+    run.wait_until((checkpoints / "latest").exists)
+    rank1 = _worker_pid(run.process.pid, rank=1)
+    assert rank1 is not None, run.output()[-4000:]
+    returncode, output, done, kept = run.stop_with(signal.SIGTERM, pid=rank1)
+    assert returncode != 0 and re.search(r"exitcode\s*:\s*143", output), output[-4000:]  # torchrun's report
+    manifest = read_manifest(checkpoints)
+    assert kept == f"checkpoint saved to {manifest.directory}; resume with --resume"
+    assert manifest.data["client_state"] == {"next_step": done} and manifest.data["world_size"] == 2
+    assert json.loads((run.out / "summary.json").read_text())["steps"] == done

@@ -5,18 +5,37 @@ learning rate that make the small preset's loss fall visibly within a minute or 
 CPU. With ``--config`` the file alone decides (library defaults for what it leaves out). Overrides
 (``key.path=value``) apply last either way. ``scheduler.total_steps = 0`` with a decaying schedule
 means "the run's ``--steps``". Under ``torchrun`` every rank trains its slice and rank 0 reports.
+
+[Note: stopping on a signal]
+SIGTERM (a scheduler preempting the job; torchrun passes it on to its ranks) and SIGINT (Ctrl-C) stop
+the run at the end of the current optimizer step, not wherever the signal lands: the handler only
+records the signal, so no step, I/O request or collective is cut in half. Once per optimizer step the
+ranks combine what they received with one tiny control all-reduce, so every rank stops after the same
+step: the checkpoint that follows is a collective and would deadlock if one rank went on training.
+With ``--save-every`` that checkpoint holds the steps done (the same ``next_step`` client state and
+directory as the periodic saves, so ``--resume`` continues exactly); summary.json is written as at a
+normal end; rank 0 prints one line saying what was kept; the exit status is 128 + the signal number
+(143 for SIGTERM, 130 for SIGINT), the shell's convention, so a scheduler sees a run that did not
+finish. A second signal is noted and ignored: it arrives while the step or the save is finishing,
+which is exactly what must not be torn (torchrun itself sends SIGTERM after the terminal's SIGINT).
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
 import statistics
+import sys
+import threading
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
+from .comm import Comm, control_all_reduce
 from .config import Config, apply_override
 from .data import ByteCorpus
 from .engine import initialize
@@ -44,26 +63,60 @@ def load_train_config(config_path: str | None, overrides: list[str], steps: int)
 
 
 def run_training(args: argparse.Namespace) -> int:
-    """Train ``args.model`` for ``args.steps`` optimizer steps; print a summary and write it to ``--out``."""
+    """Train ``args.model`` for ``args.steps`` optimizer steps; print a summary and write it to ``--out``.
+
+    Returns the exit status: 0, or 128 + the signal that stopped the run early (see the note).
+    """
     config = load_train_config(args.config, args.overrides, args.steps)
     torch.manual_seed(config.train.seed)
     model_config = PRESETS[args.model]
     engine = initialize(GPT(model_config), config)
-    checkpoints = Path(args.out) / "checkpoints"
-    first_step = engine.load_checkpoint(checkpoints)["next_step"] if args.resume else 0
-    if first_step >= args.steps:
+    with _StopOnSignal(engine.comm.rank) as stop:
+        checkpoints = Path(args.out) / "checkpoints"
+        first_step = engine.load_checkpoint(checkpoints)["next_step"] if args.resume else 0
+        if first_step >= args.steps:
+            engine.close()
+            if engine.comm.rank == 0:
+                print(f"nothing to train: {checkpoints} is at step {first_step} and --steps is {args.steps}")
+            return 0
+        run = _train(args, engine, config, model_config.block_size, first_step, checkpoints, stop)
+        summary = _summary(args, engine, run.losses, run.seconds, run.tokens_per_step, model_config)
         engine.close()
-        if engine.comm.rank == 0:
-            print(f"nothing to train: {checkpoints} is at step {first_step} and --steps is {args.steps}")
-        return 0
+        if engine.comm.rank == 0:  # before the handlers go back: torchrun may SIGTERM a rank that is finishing
+            _print_summary(summary)
+            out = Path(args.out)
+            out.mkdir(parents=True, exist_ok=True)
+            (out / "summary.json").write_text(json.dumps(summary, indent=2))
+            if run.stopped_by is not None:
+                print(_stop_line(run), file=sys.stderr)
+    return 0 if run.stopped_by is None else 128 + run.stopped_by
+
+
+@dataclass(slots=True)
+class _Run:
+    """What the training loop did: the loss of each step it ran, and why it ended early, if it did."""
+
+    tokens_per_step: int
+    losses: list[float] = field(default_factory=list)
+    seconds: float = 0.0
+    last_step: int = 0
+    """The number of optimizer steps done when the loop ended (the resumed ones included)."""
+    stopped_by: signal.Signals | None = None
+    saved: Path | None = None
+    """The last checkpoint this loop wrote: after a signal, the one holding the steps done."""
+
+
+def _train(args, engine, config: Config, seq: int, first_step: int, checkpoints: Path,
+           stop: "_StopOnSignal") -> _Run:
+    """The loop: steps ``first_step`` .. ``--steps`` - 1, each followed by the periodic save when due,
+    until the steps are done or the ranks agree that a signal stops them (see the note)."""
     corpus = ByteCorpus()
     rank, world = engine.comm.rank, engine.comm.world_size
-    micro, accum, seq = config.train.micro_batch_size, config.train.grad_accum_steps, model_config.block_size
-    tokens_per_step = micro * accum * world * seq
-    losses, started = [], time.perf_counter()
-    progress = tqdm(range(first_step, args.steps), desc=f"train {args.model}", disable=rank != 0, unit="step",
-                    mininterval=1.0, initial=first_step, total=args.steps)
-    for step in progress:
+    micro, accum = config.train.micro_batch_size, config.train.grad_accum_steps
+    run, started = _Run(tokens_per_step=micro * accum * world * seq), time.perf_counter()
+    progress = tqdm(desc=f"train {args.model}", disable=rank != 0, unit="step", mininterval=1.0, initial=first_step,
+                    total=args.steps)  # counted by hand: a wrapped range left by ``break`` ends one step short
+    for step in range(first_step, args.steps):
         step_start, window_loss = time.perf_counter(), 0.0
         for micro_step in range(accum):
             x, y = corpus.batch(step * accum + micro_step, batch_size=micro, seq_len=seq, seed=config.train.seed,
@@ -72,20 +125,74 @@ def run_training(args: argparse.Namespace) -> int:
             engine.backward(loss)
             engine.step()
             window_loss += loss.item() / accum
-        losses.append(window_loss)
+        run.losses.append(window_loss)
+        run.last_step = step + 1
         elapsed = time.perf_counter() - step_start
-        progress.set_postfix(loss=f"{window_loss:.3f}", tok_s=f"{tokens_per_step / elapsed:,.0f}",
+        progress.update()
+        progress.set_postfix(loss=f"{window_loss:.3f}", tok_s=f"{run.tokens_per_step / elapsed:,.0f}",
                              step_s=f"{elapsed:.3f}", **_offload_postfix(engine.stats))
-        if args.save_every and ((step + 1) % args.save_every == 0 or step + 1 == args.steps):
-            engine.save_checkpoint(checkpoints, client_state={"next_step": step + 1})
-    summary = _summary(args, engine, losses, time.perf_counter() - started, tokens_per_step, model_config)
-    engine.close()
-    if rank == 0:
-        _print_summary(summary)
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "summary.json").write_text(json.dumps(summary, indent=2))
-    return 0
+        run.stopped_by = stop.agreed(engine.comm)
+        if args.save_every and (run.stopped_by is not None or run.last_step % args.save_every == 0
+                                or run.last_step == args.steps):
+            run.saved = engine.save_checkpoint(checkpoints, client_state={"next_step": run.last_step})
+        if run.stopped_by is not None:
+            break
+    progress.close()
+    run.seconds = time.perf_counter() - started
+    return run
+
+
+def _stop_line(run: _Run) -> str:
+    """The one line rank 0 prints when a signal ended the run: what was kept and how to go on."""
+    kept = f"checkpoint saved to {run.saved}; resume with --resume" if run.saved else "nothing saved (no --save-every)"
+    return f"zerooffload: stopped by {run.stopped_by.name} after step {run.last_step}; {kept}"
+
+
+class _StopOnSignal:
+    """SIGTERM and SIGINT handlers that only record the signal, installed for a ``with`` block and then
+    put back as they were (see [Note: stopping on a signal]).
+
+    Python runs signal handlers in the main thread only, so elsewhere (a training loop in a thread)
+    nothing is installed and signals keep their previous meaning.
+    """
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self, rank: int):
+        self._rank = rank
+        self._previous: dict[int, object] = {}
+        self.received: signal.Signals | None = None
+        """The first of ``SIGNALS`` this process received, if any."""
+
+    def __enter__(self) -> "_StopOnSignal":
+        if threading.current_thread() is threading.main_thread():
+            self._previous = {signum: signal.signal(signum, self._record) for signum in self.SIGNALS}
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for signum, previous in self._previous.items():  # None: a handler installed outside Python
+            signal.signal(signum, signal.SIG_DFL if previous is None else previous)
+
+    def _record(self, signum: int, frame: object) -> None:
+        if self.received is None:
+            self.received = signal.Signals(signum)
+        elif self._rank == 0:  # os.write, not print: the main thread may be inside a write to stderr
+            os.write(2, f"\nzerooffload: {signal.Signals(signum).name} ignored: already stopping at the end of "
+                        "this step\n".encode())
+
+    def agreed(self, comm: Comm) -> signal.Signals | None:
+        """The signal that stops every rank after this step, or None; collective when several ranks run.
+
+        Each rank reads its flag once, and ranks sum one count per signal, so all of them see the same
+        counts and take the same decision (a sum of 0/1 flags is nonzero exactly when their MAX is 1);
+        a rank that received nothing itself stops for the first signal some peer received.
+        """
+        mine = self.received
+        if comm.world_size == 1:
+            return mine
+        counts = torch.tensor([float(mine == s) for s in self.SIGNALS], dtype=torch.float64)
+        counts = control_all_reduce(comm, counts.to(comm.device)).cpu().tolist()
+        return mine or next((s for s, n in zip(self.SIGNALS, counts) if n > 0), None)
 
 
 def _offload_postfix(stats) -> dict[str, str]:
