@@ -11,10 +11,12 @@
  *   backend  how pieces move: ZO_URING (io_uring, aio_uring.c) or ZO_POOL (pthreads running
  *            pread/pwrite, aio_pool.c). Both share the batch bookkeeping in aio_engine.c.
  *
- * Every function returns 0 or a negative errno. A failed batch reports the first error any of
- * its pieces met, with the index of its request and the file offset where it failed, so the
- * caller can name file, offset and errno. A read that meets end of file before its length is
- * an error of its own, -ZO_EEOF. No function here aborts or exits the process.
+ * Every function returns 0 or a negative errno. A failed batch reports the error of its failed
+ * piece that comes first (lowest request index, then lowest file offset), with the index of its
+ * request and the file offset where it failed, so the caller can name file, offset and errno; the
+ * order pieces happened to finish in does not change the report. A read that meets end of file
+ * before its length is an error of its own, -ZO_EEOF. No function here aborts or exits the
+ * process.
  */
 #ifndef ZO_AIO_H
 #define ZO_AIO_H
@@ -51,7 +53,7 @@ struct zo_config {
 #define ZO_MAX_THREADS 1024u
 
 struct zo_status {
-    int64_t result;         /* total bytes of the batch, or -errno of its first failure */
+    int64_t result;         /* total bytes of the batch, or -errno of its first failed piece */
     size_t failed_index;    /* on failure: index of the failed request within the batch */
     int64_t failed_offset;  /* on failure: file offset the failed piece had reached */
 };

@@ -294,19 +294,26 @@ void zo_chain_finish(struct zo_piece *p, int error)
     }
 }
 
+/* Whether a failure of request `index` at file offset `at` comes before the one s reports (see
+ * aio.h): pieces finish in whatever order the disk completes them. */
+static int comes_first(size_t index, int64_t at, const struct zo_status *s)
+{
+    return s->result >= 0 || index < s->failed_index ||
+           (index == s->failed_index && at < s->failed_offset);
+}
+
 void zo_piece_finish(struct zo_piece *p, int error)
 {
     struct zo_batch *b = p->batch;
     struct zo_engine *e = b->engine;
+    int64_t at = p->offset + (int64_t)p->done;
     pthread_mutex_lock(&e->lock);
-    if (b->status.result >= 0) {
-        if (error < 0) {
-            b->status.result = error;
-            b->status.failed_index = p->index;
-            b->status.failed_offset = p->offset + (int64_t)p->done;
-        } else {
-            b->status.result += (int64_t)p->len;
-        }
+    if (error < 0 && comes_first(p->index, at, &b->status)) {
+        b->status.result = error;
+        b->status.failed_index = p->index;
+        b->status.failed_offset = at;
+    } else if (error == 0 && b->status.result >= 0) {
+        b->status.result += (int64_t)p->len;
     }
     if (--b->pending == 0) {
         b->done = 1;

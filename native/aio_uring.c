@@ -14,6 +14,10 @@
  *            a failed ring can finish every piece it holds. user_data 0 is the wake read.
  *   wake     a read of an eventfd that the owner keeps in the ring: submitters write the
  *            eventfd after queueing, which completes that read and wakes the owner.
+ *   failure  io_uring_enter returned an error it cannot retry. The ring then takes no more work,
+ *            but pieces the kernel already holds finish only when their completions arrive:
+ *            until then the kernel may still read or write their buffers, and finishing a piece
+ *            is what lets its caller free or reuse that memory (see fail_all).
  *
  * Why one owner thread rather than a mutex around ring operations: completions of requests
  * are posted through task_work of the task that submitted them, so if any Python thread could
@@ -31,6 +35,7 @@
 #include <sys/eventfd.h>
 #include <sys/mman.h>
 #include <sys/syscall.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "aio.h"
@@ -65,7 +70,8 @@ struct uring {
     pthread_mutex_t lock;
     struct zo_piece *queue_head, *queue_tail;
     int stopping;
-    int broken;  /* -errno once io_uring_enter failed for good: later enqueues get it */
+    int broken;  /* -errno once the ring failed: later enqueues get it. Written by the owner only,
+                  * which therefore reads it without the lock. */
 };
 
 /* ---------------------------------------------------------------- the ring itself */
@@ -219,7 +225,7 @@ static struct zo_piece *chain_pop(struct zo_piece **head, struct zo_piece **tail
     return p;
 }
 
-/* Finish every piece of a chain with error (next is read first: finishing may free a piece). */
+/* Give p a free slot and an SQE for the part of it not done yet. */
 static void prep_piece(struct uring *u, struct zo_piece *p)
 {
     unsigned slot = u->free_slots[--u->nfree];
@@ -247,14 +253,24 @@ static int fill(struct uring *u)
     return stopping;
 }
 
-static void complete(struct uring *u, unsigned slot, int result)
+static struct zo_piece *release_slot(struct uring *u, unsigned slot)
 {
     struct zo_piece *p = u->slots[slot];
     u->slots[slot] = NULL;
     u->free_slots[u->nfree++] = slot;
+    return p;
+}
+
+/* Apply a completion to its piece: finish it, or queue the rest of it to be submitted again, which
+ * a failed ring no longer does (the rest fails with the ring's error). */
+static void complete(struct uring *u, unsigned slot, int result)
+{
+    struct zo_piece *p = release_slot(u, slot);
     int state = zo_piece_progress(p, result);
-    if (state == ZO_PIECE_AGAIN)
+    if (state == ZO_PIECE_AGAIN && !u->broken)
         chain_push(&u->retry_head, &u->retry_tail, p);
+    else if (state == ZO_PIECE_AGAIN)
+        zo_piece_finish(p, u->broken);
     else
         zo_piece_finish(p, state == ZO_PIECE_DONE ? 0 : state);
 }
@@ -274,7 +290,52 @@ static void reap(struct uring *u)
     __atomic_store_n(r->cq_head, head, __ATOMIC_RELEASE);
 }
 
-/* The ring failed for good: fail the queue, the retry list and every piece in a slot. */
+/* SQEs the failed io_uring_enter left unconsumed (at sq_head and after) never reach the kernel,
+ * so no completion will come for them: their pieces finish with the error now; the SQ empties. */
+static void fail_unconsumed(struct uring *u, int error)
+{
+    struct ring *r = &u->ring;
+    unsigned head = __atomic_load_n(r->sq_head, __ATOMIC_ACQUIRE);
+    for (unsigned at = head; at != r->sqe_tail; at++) {
+        uint64_t tag = r->sqes[at & *r->sq_mask].user_data;
+        if (tag == WAKE_TAG)
+            u->wake_armed = 0;
+        else
+            zo_piece_finish(release_slot(u, (unsigned)(tag - 1)), error);
+    }
+    r->sqe_tail = head;
+    __atomic_store_n(r->sq_tail, head, __ATOMIC_RELEASE);
+}
+
+/* Our eventfd is non-blocking, so writing it fails only with EAGAIN when its counter is
+ * saturated: a wake is pending already, which is all a write asks for. */
+static void wake(struct uring *u)
+{
+    while (eventfd_write(u->wake_fd, 1) < 0 && errno == EINTR)
+        ;
+}
+
+/* Reap until the kernel holds nothing of ours: every slot's piece and the wake read, whose buffer
+ * is freed with u (writing the eventfd completes it). The ring is not entered again: after the
+ * failure it may not take io_uring_enter at all. Completions still land in the CQ (our mappings
+ * keep the ring alive), and each return from the sleep runs the task_work that posts them. The
+ * files are regular ones, whose transfers always complete. */
+static void drain(struct uring *u)
+{
+    const struct timespec millisecond = {.tv_sec = 0, .tv_nsec = 1000000};
+    if (u->wake_armed)
+        wake(u);
+    for (;;) {
+        reap(u);
+        if (u->nfree == u->depth && !u->wake_armed)
+            return;
+        nanosleep(&millisecond, NULL);  /* an interrupted sleep only looks again sooner */
+    }
+}
+
+/* The ring failed for good with error. Later enqueues get it; pieces the kernel never saw (queued,
+ * waiting to be retried, or in unconsumed SQEs) finish with it at once, and those it holds as
+ * their completions arrive (drain), never before. */
 static void fail_all(struct uring *u, int error)
 {
     pthread_mutex_lock(&u->lock);
@@ -285,17 +346,19 @@ static void fail_all(struct uring *u, int error)
     zo_chain_finish(queued, error);
     zo_chain_finish(u->retry_head, error);
     u->retry_head = u->retry_tail = NULL;
-    for (unsigned slot = 0; slot < u->depth; slot++)
-        if (u->slots[slot])
-            zo_piece_finish(u->slots[slot], error);
+    fail_unconsumed(u, error);
+    drain(u);
 }
 
+/* Runs until stopping with nothing left in the kernel: no piece in a slot and no wake read armed
+ * (stop writes the eventfd after setting stopping, so an armed one completes), or until the ring
+ * fails and fail_all has drained it. */
 static void *owner_main(void *arg)
 {
     struct uring *u = arg;
     for (;;) {
         int stopping = fill(u);
-        if (stopping && u->nfree == u->depth && !u->retry_head)
+        if (stopping && u->nfree == u->depth && !u->retry_head && !u->wake_armed)
             return NULL;
         int rc = ring_enter(&u->ring);
         if (rc < 0) {
@@ -307,14 +370,6 @@ static void *owner_main(void *arg)
 }
 
 /* ---------------------------------------------------------------- the backend contract */
-
-/* Our eventfd is non-blocking, so writing it fails only with EAGAIN when its counter is
- * saturated: a wake is pending already, which is all a write asks for. */
-static void wake(struct uring *u)
-{
-    while (eventfd_write(u->wake_fd, 1) < 0 && errno == EINTR)
-        ;
-}
 
 static int uring_enqueue(struct zo_backend *b, struct zo_piece *first, struct zo_piece *last)
 {

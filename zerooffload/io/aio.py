@@ -46,9 +46,9 @@ class _Context:
     def __init__(self, op: Op, path: str, offset: int, length: int):
         self.op, self.path, self.offset, self.length = op, path, offset, length
 
-    def error(self, code: int, detail: str = "") -> AioError:
+    def error(self, code: int, detail: str = "", failed_offset: int | None = None) -> AioError:
         return AioError(code, describe_errno(code) + detail, self.path, op=self.op.name.lower(),
-                        offset=self.offset, length=self.length)
+                        offset=self.offset, length=self.length, failed_offset=failed_offset)
 
 
 class Handle:
@@ -92,7 +92,7 @@ class Handle:
         try:
             result = self._ticket.wait(timeout)
         except TransferFailed as failure:
-            self._error = self._context.error(failure.errno)
+            self._error = self._context.error(failure.errno, failed_offset=failure.offset)
         else:
             if result is None:
                 return False

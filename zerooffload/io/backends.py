@@ -8,8 +8,9 @@
   wants. Short transfers continue from where they stopped; a read that meets end of file before its
   length fails with ``EEOF``.
 - A *ticket* answers ``wait(timeout)`` with the batch's total bytes, or ``None`` when the timeout
-  passes first, or raises ``TransferFailed`` (the first failure of any piece); ``done()`` says whether
-  ``wait`` would return at once.
+  passes first, or raises ``TransferFailed`` (of the failed piece that comes first: lowest request
+  index, then lowest offset, whatever order the pieces finished in, as in the native engine);
+  ``done()`` says whether ``wait`` would return at once.
 - The backends: ``uring`` (native io_uring, queue_depth pieces in flight), ``pool`` (native pthreads
   running pread/pwrite, ``threads`` pieces in flight), ``python`` (os.preadv/os.pwritev on a
   ThreadPoolExecutor of ``threads`` workers) and ``aiofiles`` (aiofiles' executor wrappers on an
@@ -213,8 +214,16 @@ def _move(piece: _Piece) -> int:
     return done
 
 
+def _comes_first(failure: BaseException, kept: BaseException | None) -> bool:
+    """Whether ``failure`` is the one to report rather than ``kept`` (see [Note: backend vocabulary])."""
+    if kept is None:
+        return True
+    both = isinstance(failure, TransferFailed) and isinstance(kept, TransferFailed)
+    return both and (failure.index, failure.offset) < (kept.index, kept.offset)
+
+
 class _CountdownTicket:
-    """Done when all of its pieces have finished; keeps the first failure."""
+    """Done when all of its pieces have finished; keeps the failure that comes first."""
 
     def __init__(self, pieces: int):
         self._lock = threading.Lock()
@@ -228,7 +237,8 @@ class _CountdownTicket:
     def finish(self, nbytes: int, failure: BaseException | None) -> None:
         with self._lock:
             self._bytes += nbytes
-            self._failure = self._failure or failure
+            if failure is not None and _comes_first(failure, self._failure):
+                self._failure = failure
             self._left -= 1
             if self._left == 0:
                 self._done.set()

@@ -133,12 +133,16 @@ def _read(backend: Backend, pool: HostBufferPool, chunk: int, t: _Transfer) -> i
 
 
 def _move(backend: Backend, pool: HostBufferPool, chunk: int, t: _Transfer, requests: list[Request]) -> None:
-    """Move ``requests`` and the interior together: one batch, plus chunks if the memory is unaligned."""
+    """Move ``requests`` and the interior together: one batch, plus chunks if the memory is unaligned.
+
+    The batch is in file order, so that a failure it reports is the one at the lowest offset (a
+    backend reports the failed request that comes first).
+    """
     lo, hi = _up(t.offset), _down(t.end)
     chunked = hi > lo and not is_aligned(t.user(lo))
     if hi > lo and not chunked:
         requests = [*requests, Request(t.op, t.fd, t.user(lo), hi - lo, lo)]
-    ticket = backend.submit(requests) if requests else None
+    ticket = backend.submit(sorted(requests, key=lambda r: r.offset)) if requests else None
     try:
         if chunked:
             _chunks(backend, pool, chunk, t, lo, hi)

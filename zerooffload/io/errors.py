@@ -5,8 +5,9 @@
   batch and the file offset the failed piece had reached. Backends see descriptors, not paths, so it
   names no file.
 - ``AioError`` is what users see: an ``OSError`` naming the operation, the file, the offset and length
-  of the transfer they asked for, and the errno, e.g. ``write of 4194304 bytes at offset 1048576 in
-  /nvme/swap failed: [Errno 27] File too large``.
+  of the transfer they asked for, the file offset where it failed when a backend got that far, and the
+  errno, e.g. ``write of 4194304 bytes at offset 1048576 in /nvme/swap failed at offset 2097152:
+  [Errno 27] File too large``.
 - ``EEOF`` (``ENODATA``) is the errno of a read that met end of file before its length; its message is
   "unexpected end of file" rather than the C library's "No data available".
 """
@@ -39,23 +40,27 @@ class TransferFailed(Exception):
 
 
 class AioError(OSError):
-    """A failed open, read or write, naming ``filename``, ``offset``, ``length`` and ``errno``.
+    """A failed open, read or write: ``filename``, ``offset``, ``length``, ``failed_offset``, ``errno``.
 
     ``op`` is ``"open"``, ``"read"`` or ``"write"``; ``offset`` and ``length`` are those of the transfer
-    the user asked for (``None`` for an open). It pickles with all of them, so an error raised on one rank
-    can be reported by another.
+    the user asked for (``None`` for an open). ``failed_offset`` is the file offset where the transfer
+    failed, which for a large one is what tells a bad block or a size limit from a bad request (``None``
+    when it failed before any backend ran it: a refused mode, a negative offset, a closed engine). It
+    pickles with all of them, so an error raised on one rank can be reported by another.
     """
 
     def __init__(self, code: int, strerror: str, filename: str, op: str = "I/O",
-                 offset: int | None = None, length: int | None = None):
+                 offset: int | None = None, length: int | None = None, failed_offset: int | None = None):
         super().__init__(code, strerror, filename)
         self.op = op
         self.offset = offset
         self.length = length
+        self.failed_offset = failed_offset
 
     def __str__(self) -> str:
         if self.length is None:
             what = f"{self.op} of {self.filename}"
         else:
             what = f"{self.op} of {self.length} bytes at offset {self.offset} in {self.filename}"
-        return f"{what} failed: [Errno {self.errno}] {self.strerror}"
+        where = "" if self.failed_offset is None else f" at offset {self.failed_offset}"
+        return f"{what} failed{where}: [Errno {self.errno}] {self.strerror}"
