@@ -230,7 +230,7 @@ def fail_on_rank_1_mid_backward() -> None:
 
 def test_an_error_on_one_rank_makes_every_rank_raise_at_once(rank_pools):
     """comm's [Note: failing together]: rank 1 raises in backward; rank 0, left in a collective, raises
-    too within seconds (the group's timeout is 60 s; the pool gives peers 3 s after a failure)."""
+    too, naming rank 1's error, within seconds (the group's timeout is 60 s; the pool gives peers 3 s after a failure)."""
     from harness import RankFailure
 
     start = time.monotonic()
@@ -239,6 +239,6 @@ def test_an_error_on_one_rank_makes_every_rank_raise_at_once(rank_pools):
     report = str(info.value)
     rank_0, rank_1 = report.split("--- rank 1:")
     assert "planted failure in backward" in rank_1
-    assert "FAILED" in rank_0 and "Connection closed by peer" in rank_0, rank_0
+    assert "EngineGroupEnded: stopped because rank 1: RuntimeError: planted failure in backward" in rank_0, rank_0
     assert time.monotonic() - start < 30
     assert rank_pools(2).run(dist.get_world_size) == [2, 2]  # the pool starts afresh

@@ -20,18 +20,23 @@ its own collectives.
 
 [Note: failing together]
 A rank that raises while its peers are inside a collective, or about to enter one, would leave them
-blocked until the process group's timeout (10 minutes by default). So an error that leaves an engine
-call on one rank (``failing_together``) first ends the process group there: on gloo its connections
-close, and every peer's pending or next collective fails at once ("Connection closed by peer"), so
-all ranks raise within a second or so, each with its own traceback. The group is gone after that:
-the job must restart (from its last checkpoint). NCCL cannot be interrupted this way; there the
-peers raise when the collective timeout expires.
+blocked until the process group's timeout (10 minutes by default). So the engine runs its collectives
+on a group of its own (``new_group`` over the user's ranks, made in ``init_comm``), and an error that
+leaves an engine call on one rank (``failing_together``) first records what went wrong in the job's
+store, then ends that group there: on gloo its connections close, and every peer's pending or next
+collective fails at once, so all ranks raise within a second or so; each peer raises an
+``EngineGroupEnded`` that carries the first failure's message (the file and offset of an I/O error,
+say), chained to its own "Connection closed by peer". The user's own process group is left as it
+was; the engine's is gone, so the engine refuses every later call: restart it (from the last
+checkpoint). NCCL cannot be interrupted this way; there the peers raise when the collective timeout
+expires.
 """
 from __future__ import annotations
 
 import contextlib
 import logging
 import os
+import traceback
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Callable, Iterator
@@ -39,8 +44,8 @@ from typing import Callable, Iterator
 import torch
 import torch.distributed as dist
 
-__all__ = ["Comm", "CommCounters", "ExchangeWork", "init_comm", "failing_together", "all_reduce", "reduce_scatter",
-           "all_gather", "control_all_reduce", "broadcast"]
+__all__ = ["Comm", "CommCounters", "EngineGroupEnded", "ExchangeWork", "init_comm", "failing_together", "end_group",
+           "all_reduce", "reduce_scatter", "all_gather", "control_all_reduce", "broadcast"]
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +73,8 @@ class Comm:
     counters: CommCounters = field(default_factory=CommCounters)
     sequence: int = 0
     """Collectives run as direct exchanges so far: the next one's message tag."""
+    ended: str | None = None
+    """Why the engine's group was ended after a failure ([Note: failing together]); None while alive."""
 
     @property
     def direct_exchange(self) -> bool:
@@ -133,23 +140,64 @@ def init_comm(timeout: timedelta = timedelta(minutes=10)) -> Comm:
         dist.init_process_group(backend, timeout=timeout)
         logger.info("started a %s process group of %d ranks", backend, dist.get_world_size())
     if dist.is_initialized() and dist.get_world_size() > 1:
-        return Comm(dist.group.WORLD, dist.get_rank(), dist.get_world_size(), device)
+        world = dist.get_world_size()
+        group = dist.new_group(list(range(world)), timeout=_default_group_timeout(device))
+        return Comm(group, dist.get_rank(), world, device)
     return Comm(None, 0, 1, device)
+
+
+def _default_group_timeout(device: torch.device) -> timedelta | None:
+    """The user's group's collective timeout, for the engine's group too (``new_group`` would take
+    torch's 30-minute default); None (torch's default) where the backend does not say."""
+    try:
+        return dist.distributed_c10d._get_default_group()._get_backend(device).options._timeout
+    except (AttributeError, RuntimeError):
+        return None
+
+
+class EngineGroupEnded(RuntimeError):
+    """Another rank failed, so this rank's engine stopped too; the message is that rank's error."""
 
 
 @contextlib.contextmanager
 def failing_together(comm: Comm) -> Iterator[None]:
-    """Run an engine call; if it raises on this rank, end the process group first (see [Note: failing
+    """Run an engine call; if it raises on this rank, end the engine's group first (see [Note: failing
     together]) so that no peer waits for this rank in a collective."""
     try:
         yield
     except BaseException as error:
-        if comm.world_size > 1 and dist.is_initialized():
-            logger.error("rank %d failed (%s: %s); ending the process group so that the other ranks stop too",
-                         comm.rank, type(error).__name__, error)
-            with contextlib.suppress(Exception):  # the error to see is the one that brought us here
-                dist.destroy_process_group()
+        if comm.world_size == 1 or comm.group is None:
+            raise
+        first = _record_failure(comm, f"rank {comm.rank}: {type(error).__name__}: {error}")
+        # The frames between the raise and here hold collectives in flight, and those hold the group's
+        # connections open: drop their locals (the traceback's text stays), then the group.
+        traceback.clear_frames(error.__traceback__)
+        end_group(comm, first)
+        if first is not None and not first.startswith(f"rank {comm.rank}: "):
+            raise EngineGroupEnded(f"stopped because {first}") from error
         raise
+
+
+def end_group(comm: Comm, reason: str | None = None) -> None:
+    """Destroy the engine's group and drop this process's reference to it, which is what closes
+    gloo's connections (idempotent)."""
+    group, comm.group = comm.group, None
+    comm.ended = reason or "the engine's process group was ended"
+    if group is not None and dist.is_initialized():
+        logger.error("rank %d: ending the engine's process group (%s) so that the other ranks stop too",
+                     comm.rank, comm.ended)
+        with contextlib.suppress(Exception):  # the error to see is the one that brought us here
+            dist.destroy_process_group(group)
+
+
+def _record_failure(comm: Comm, message: str) -> str | None:
+    """The job's first failure of this engine group: ours if no rank recorded one before (the store's
+    compare-and-set decides), else the other rank's; None where the store cannot be reached."""
+    key = f"zerooffload/failure/{comm.group.group_name}"
+    with contextlib.suppress(Exception):
+        store = dist.distributed_c10d._get_default_store()
+        return store.compare_set(key, "", message[:4000]).decode(errors="replace")
+    return None
 
 
 def _count(comm: Comm, elements: int, tensor: torch.Tensor) -> None:

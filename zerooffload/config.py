@@ -239,6 +239,9 @@ class TrainConfig(_Section):
     grad_clip: float = _opt(0.0, "clip the global gradient norm to this; 0 = off", min=0)
     seed: int = _opt(0, "seed of parameter init and data order", min=0)
     activation_checkpointing: bool = _opt(False, "recompute each unit's activations in backward")
+    skip_nonfinite: bool = _opt(True, "skip a window whose loss or gradient norm is inf/NaN on any rank, as fp16 "
+                                      "skips overflows (counted in stats.skipped_steps); false: update anyway, "
+                                      "as plain PyTorch does")
     loss_scale: float = _opt(0.0, "fp16 static loss scale; 0 = dynamic", min=0)
     initial_scale_power: int = _opt(16, "fp16 dynamic scale starts at 2**this", min=0, max=64)
     loss_scale_window: int = _opt(2000, "fp16: steps without overflow before the scale doubles", min=1)

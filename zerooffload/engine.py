@@ -59,6 +59,7 @@ from .config import Config, dtype_bytes
 from .lazy_init import initial_values, is_lazy, swap_in_placeholders
 from .memory_plan import plan_memory
 from .optim import ZeroOptimizer, build_scheduler, moment_names
+from .param_groups import normalize_param_groups
 from .param_hooks import register_param_hooks
 from .partition import FlatUnit, Piece, UnitLayout, find_units, masters_alias_params
 from .publication import Publication
@@ -101,11 +102,12 @@ def initialize(model: nn.Module, config: Config | dict | str | None = None, para
         return Engine(model, config, comm, param_groups, lazy_init_fn=init_fn if lazy else _EAGER)
 
 
-def _fails_together(method: Any) -> Any:
-    """An engine call after which no peer is left waiting in a collective when this rank raises
-    (comm's [Note: failing together])."""
+def _engine_call(method: Any) -> Any:
+    """A public engine call: refused on a closed engine, and after which no peer is left waiting in a
+    collective when this rank raises (comm's [Note: failing together])."""
     @functools.wraps(method)
     def guarded(self: "Engine", *args: Any, **kwargs: Any) -> Any:
+        self.ensure_open(method.__name__)
         with failing_together(self.comm):
             return method(self, *args, **kwargs)
     return guarded
@@ -213,13 +215,17 @@ class Engine:
         self.global_steps = 0
         self.skipped_steps = 0
         self._stats: StepStats | None = None
+        self._window_skipped: str | None = None
+        """Why this accumulation window will not update (``train.skip_nonfinite``), once it is known."""
+        self._last_checkpoint: str | None = None
+        """The checkpoint this engine last saved or loaded: where to go back to after poisoned updates."""
+        self._closed = False
         self._start_window()
 
     # ------------------------------------------------------------------ construction
     def _groups(self, param_groups: list[dict] | None) -> list[dict]:
         """torch-style groups over model parameters, rewritten over this rank's master pieces."""
-        trainable = [s.param for u in self.units for s in u.layout.slots if s.trainable]
-        groups = param_groups if param_groups is not None else [{"params": trainable}]
+        groups = normalize_param_groups(param_groups, self.module)
         group_of = {id(p): index for index, group in enumerate(groups) for p in group["params"]}
         out = [{**{k: v for k, v in g.items() if k != "params"}, "params": []} for g in groups]
         for unit, state in zip(self.units, self.opt_states):
@@ -344,7 +350,7 @@ class Engine:
         return blocks[::-1] + [u for u in self.units if not u.layout.name]
 
     # ------------------------------------------------------------------ forward and backward
-    @_fails_together
+    @_engine_call
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.compute_dtype != torch.float32:
             args, kwargs = _cast_floats(args, self.compute_dtype), _cast_floats(kwargs, self.compute_dtype)
@@ -356,10 +362,20 @@ class Engine:
         if complete and self.stage >= 2 and self.config.zero.overlap_comm:
             self.reducer.mark_ready(unit)  # without overlap_comm, flush() reduces after backward
 
-    @_fails_together
+    @_engine_call
     def backward(self, output: Any) -> None:
-        """Backward of a loss (or of ``output.loss``), scaled by loss scale / ``grad_accum_steps``."""
+        """Backward of a loss (or of ``output.loss``), scaled by loss scale / ``grad_accum_steps``.
+
+        With ``train.skip_nonfinite``, a loss that is inf/NaN on any rank (one flag, all-reduced here)
+        marks the window skipped and runs no backward at all: its gradients would be discarded."""
         loss = output if isinstance(output, torch.Tensor) else output.loss
+        self._check_step_called()
+        if self.config.train.skip_nonfinite and self._window_skipped is None:
+            self._window_skipped = self._nonfinite_loss(loss)
+        if self._window_skipped is not None:
+            self.param_scheduler.abandon_pass()
+            self.micro_steps += 1
+            return
         for unit in self.units:
             unit.begin_backward()
         self._in_backward = self._start_backward_updates()
@@ -375,26 +391,50 @@ class Engine:
         self.param_scheduler.end_pass()
         self.micro_steps += 1
 
+    def _check_step_called(self) -> None:
+        """A backward after the one that closed a window, with no ``step()`` between, would fold two
+        windows into one update (or apply two, where units update in backward): refused."""
+        if self.is_accumulation_boundary and self._stepped_at != self.micro_steps:
+            accum = self.config.train.grad_accum_steps
+            raise RuntimeError(f"backward() called again before step(): with train.grad_accum_steps = {accum}, "
+                               f"backward number {self.micro_steps} closed an accumulation window; call "
+                               "engine.step() after every backward(), or raise train.grad_accum_steps to "
+                               "accumulate more micro-batches per update")
+
+    def _nonfinite_loss(self, loss: torch.Tensor) -> str | None:
+        """Why the window is skipped, if this loss is inf/NaN on any rank (one control all-reduce)."""
+        bad = torch.tensor([0.0 if bool(torch.isfinite(loss.detach()).all()) else 1.0], dtype=torch.float64)
+        if self.comm.world_size > 1:
+            bad = control_all_reduce(self.comm, bad.to(self.comm.device)).cpu()
+        return None if bad.item() == 0 else f"non-finite loss on {int(bad.item())} rank(s)"
+
     @property
     def is_accumulation_boundary(self) -> bool:
         """True when the next ``step()`` updates: the last backward closed an accumulation window."""
         return self.micro_steps > 0 and self.micro_steps % self.config.train.grad_accum_steps == 0
 
     # ------------------------------------------------------------------ the step
-    @_fails_together
+    @_engine_call
     def step(self) -> bool:
         """Call after every backward; updates at accumulation boundaries and returns whether it did."""
         if not self.is_accumulation_boundary or self._stepped_at == self.micro_steps:
             return False
         self._stepped_at = self.micro_steps
-        if self.stage <= 1:
-            self.reducer.flush()
-        norms = [self._grad_norm(unit) for unit in self.units]
-        norm_sq, had_grad = self._global_norm_and_flags(norms)
-        norm_sq /= self.scaler.scale ** 2
-        overflow = self.scaler.enabled and not math.isfinite(norm_sq)
+        norm_sq = math.inf
+        if self._window_skipped is None:
+            if self.stage <= 1:
+                self.reducer.flush()
+            norms = [self._grad_norm(unit) for unit in self.units]
+            norm_sq, had_grad = self._global_norm_and_flags(norms)
+            norm_sq /= self.scaler.scale ** 2
+            if not math.isfinite(norm_sq) and (self.scaler.enabled or self.config.train.skip_nonfinite):
+                self._window_skipped = "inf/NaN gradients" if self.scaler.enabled else "non-finite gradient norm"
+        overflow = self._window_skipped is not None
         if overflow:
             self.skipped_steps += 1
+            logger.warning("step %d skipped (%s); %d skipped so far", self.global_steps + 1, self._window_skipped,
+                           self.skipped_steps)
+            self._window_skipped = None
         else:
             self._update(had_grad, self._grad_scale(norm_sq))
         for unit in self.units:
@@ -492,6 +532,8 @@ class Engine:
     def _on_reduced(self, unit: FlatUnit, shard: torch.Tensor) -> None:
         """The reducer's hand-off of ``unit``'s reduced shard: updated at once, or kept for the step."""
         updates = self._in_backward
+        if self._window_skipped is not None:
+            return  # the window will not update: its gradients are not kept
         if unit.grad_leaves:  # for the tier or for the update
             self._link.device_to_host_bytes += shard.numel() * unit.compute_dtype.itemsize
         if updates is None or not unit.grad_leaves:
@@ -499,11 +541,31 @@ class Engine:
             return
         state = next(updates.states)  # loaded ahead while the previous unit updated
         assert state.unit is unit, "reduced shards arrive in the reducer's fixed order"
-        self._prefetch_window_part(self._backward_units.index(unit) + 1)  # the next unit's, during this update
-        flags = control_all_reduce(self.comm, torch.tensor(unit.has_grad, dtype=torch.float64).to(self.comm.device))
+        position = self._backward_units.index(unit)
+        self._prefetch_window_part(position + 1)  # the next unit's, during this update
         with self._window_grad(unit, shard) as grad:
-            self._update_unit(state, flags.cpu(), grad, 1.0 / self.scaler.scale, updates.publication)
-            unit.backward_update_norm = torch.linalg.vector_norm(grad, dtype=torch.float32)
+            norm = torch.linalg.vector_norm(grad, dtype=torch.float32)
+            flags = torch.tensor([*unit.has_grad, 0.0 if torch.isfinite(norm) else 1.0], dtype=torch.float64)
+            flags = control_all_reduce(self.comm, flags.to(self.comm.device)).cpu()
+            if flags[-1] > 0 and self.config.train.skip_nonfinite:
+                self._refuse_poisoned_update(unit, position)
+                return
+            self._update_unit(state, flags[:-1], grad, 1.0 / self.scaler.scale, updates.publication)
+            unit.backward_update_norm = norm
+
+    def _refuse_poisoned_update(self, unit: FlatUnit, position: int) -> None:
+        """A non-finite gradient reached an update in backward. Before the first unit's update the
+        window is skipped like any other (the stream closed, later shards discarded); after it, weights
+        have changed and the step cannot be undone, so every rank raises (the flag was all-reduced)."""
+        name = unit.layout.name or "<root>"
+        if position > 0:
+            raise RuntimeError(
+                f"unit {name!r} has a non-finite (inf/NaN) gradient on some rank, found after {position} unit(s) "
+                "were already updated in this backward: those weights have changed, so this engine must not go "
+                f"on. Restart from the last good checkpoint ({self._last_checkpoint or 'none saved or loaded'}); "
+                "with train.grad_clip > 0 updates wait for the global norm and such a window is skipped instead")
+        self._window_skipped = f"non-finite gradient of unit {name!r}"
+        self._abandon_backward_updates()
 
     @contextlib.contextmanager
     def _window_grad(self, unit: FlatUnit, shard: torch.Tensor) -> Iterator[torch.Tensor]:
@@ -540,6 +602,7 @@ class Engine:
             updates.states.close()
             updates.publication.abandon()
 
+    @_engine_call
     def set_optimizer_states(self, fill: Callable[[UnitOptimizerState], None], *, whole: bool) -> None:
         """Set masters (and moments) from outside the step — a checkpoint or pretrained weights — and
         publish the new compute weights, in one pass over the optimizer blocks: ``fill(state)`` on each
@@ -592,10 +655,11 @@ class Engine:
         """The last optimizer step's telemetry (None before the first)."""
         return self._stats
 
+    @_engine_call
     def memory_report(self) -> MemoryReport:
         return memory_report(self.tiers)
 
-    @_fails_together
+    @_engine_call
     def full_state_dict(self, all_ranks: bool = False) -> dict[str, torch.Tensor]:
         """``model.state_dict()``'s keys with fp32 CPU parameters (from the masters) and buffers as they are.
 
@@ -625,35 +689,46 @@ class Engine:
         full fp32 precision under bf16/fp16. At stage 3 every unit is gathered for the duration (not
         bounded by ``zero.max_live_size``) and freed on exit.
         """
-        self.param_scheduler.gather_all()
-        before = [u.flat_param[u.shard_range].clone() for u in self.units]  # only this rank's masters matter
-        try:
-            yield self.module
-            for state, old in zip(self.visit_optimizer_states(write=True), before):
-                unit = state.unit
-                broadcast(self.comm, unit.flat_param, src=modifier_rank)
-                new = unit.flat_param[unit.shard_range]
-                changed = new != old
-                if unit.partitioned and unit.param_block.writable:
-                    write_block(unit.param_block, new, self.tiers["host"])
-                if not unit.master_is_param:
-                    unit.master[changed.to(unit.master.device)] = new[changed].float().to(unit.master.device)
-        finally:
-            self.param_scheduler.free_all()
+        self.ensure_open("gathered")
+        with failing_together(self.comm):  # the user's block raising on one rank must not strand the others
+            self.param_scheduler.gather_all()
+            before = [u.flat_param[u.shard_range].clone() for u in self.units]  # only this rank's masters matter
+            try:
+                yield self.module
+                for state, old in zip(self.visit_optimizer_states(write=True), before):
+                    self._write_gathered(state.unit, old, modifier_rank)
+            finally:
+                self.param_scheduler.free_all()
 
-    @_fails_together
+    def _write_gathered(self, unit: FlatUnit, old: torch.Tensor, modifier_rank: int) -> None:
+        """``modifier_rank``'s full parameters of ``unit`` to every rank, and the changed values of this
+        rank's shard into its masters (and its shard home)."""
+        broadcast(self.comm, unit.flat_param, src=modifier_rank)
+        new = unit.flat_param[unit.shard_range]
+        changed = new != old
+        if unit.partitioned and unit.param_block.writable:
+            write_block(unit.param_block, new, self.tiers["host"])
+        if not unit.master_is_param:
+            unit.master[changed.to(unit.master.device)] = new[changed].float().to(unit.master.device)
+
+    @_engine_call
     def save_checkpoint(self, directory: str | os.PathLike, tag: str | None = None,
                         client_state: dict | None = None) -> Path:
         """Write the whole training state under ``directory/tag`` (default ``step00000042``) and point
         ``directory/latest`` at it, atomically; collective. ``client_state``: JSON-serializable."""
-        return checkpoint.save_checkpoint(self, directory, tag, client_state)
+        path = checkpoint.save_checkpoint(self, directory, tag, client_state)
+        self._last_checkpoint = str(path)
+        return path
 
-    @_fails_together
+    @_engine_call
     def load_checkpoint(self, directory: str | os.PathLike, tag: str | None = None) -> dict | None:
         """Restore from ``directory/tag`` (default: ``latest``), whatever world size, stage or tiers
         saved it; returns the saved client state. Collective."""
-        return checkpoint.load_checkpoint(self, directory, tag)
+        client_state = checkpoint.load_checkpoint(self, directory, tag)
+        self._last_checkpoint = f"{directory} ({tag or 'latest'})"
+        return client_state
 
+    @_engine_call
     def train(self, mode: bool = True) -> "Engine":
         self.module.train(mode)
         return self
@@ -661,8 +736,21 @@ class Engine:
     def eval(self) -> "Engine":
         return self.train(False)
 
+    def ensure_open(self, call: str) -> None:
+        """Refuse ``call`` on a closed engine, or on one whose process group a failure ended."""
+        if self._closed:
+            raise RuntimeError(f"engine is closed: {call}() needs a live engine (close() released its buffers "
+                               "and swap files); build a new one with zo.initialize")
+        if self.comm.ended is not None:
+            raise RuntimeError(f"engine stopped after a failure ({self.comm.ended}): {call}() cannot run; build a "
+                               f"new engine and load the last good checkpoint ({self._last_checkpoint or 'none'})")
+
     def close(self) -> None:
-        """Remove the hooks and stop accounting the engine's tensors."""
+        """Remove the hooks, stop accounting the engine's tensors, release its swap files and its
+        process group; every later call raises. Safe to call twice."""
+        if self._closed:
+            return
+        self._closed = True
         for hook in self._hooks:
             hook.remove()
         self._hooks = []

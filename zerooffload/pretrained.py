@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from .comm import failing_together
 from .io import OffsetReader
 
 __all__ = ["load_safetensors", "SafetensorsSource"]
@@ -73,12 +74,14 @@ def _files(source: Path) -> list[Path]:
 def load_safetensors(engine: Any, source: str | os.PathLike, prefix: str = "", strict: bool = True) -> None:
     """Set ``engine``'s parameters from safetensors (see the note); collective. With ``strict`` every
     parameter must be found and every ``prefix`` key used; shapes must match either way."""
-    files = SafetensorsSource(source)
-    try:
-        keys = _match(engine, files, prefix, strict)
-        engine.set_optimizer_states(lambda state: _fill_master(state, files, keys), whole=False)
-    finally:
-        files.close()
+    engine.ensure_open("load_safetensors")
+    with failing_together(engine.comm):  # a rank that cannot read its files must not strand the others
+        files = SafetensorsSource(source)
+        try:
+            keys = _match(engine, files, prefix, strict)
+            engine.set_optimizer_states(lambda state: _fill_master(state, files, keys), whole=False)
+        finally:
+            files.close()
 
 
 def _match(engine: Any, files: SafetensorsSource, prefix: str, strict: bool) -> dict[int, str]:

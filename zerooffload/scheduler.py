@@ -127,6 +127,14 @@ class ParamScheduler:
         self._training = False
         self.free_all()
 
+    def abandon_pass(self) -> None:
+        """A training forward whose backward will not run (the engine skips a window): a trace being
+        recorded is dropped, since one without backward would mislead the next pass, and every live
+        unit is freed."""
+        self._recording = None
+        self._training = False
+        self.free_all()
+
     # ------------------------------------------------------------------ uses
     def acquire(self, unit: FlatUnit) -> None:
         """``unit`` is about to compute: make it gathered, then fetch ahead along the trace."""

@@ -51,7 +51,7 @@ class StepStats:
     """Optimizer steps attempted so far (updates plus skipped)."""
     updated: bool
     skipped_steps: int
-    """fp16 steps skipped for inf/NaN gradients, in total."""
+    """Steps skipped in total: fp16 overflows, and inf/NaN losses or gradients (``train.skip_nonfinite``)."""
     grad_norm: float | None
     """Global gradient norm before clipping (None before the first step)."""
     loss_scale: float
