@@ -49,9 +49,10 @@ def test_doctor_passes_on_a_usable_swap_path(tmp_path):
 def test_doctor_fails_with_a_line_per_problem(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")
-    run = _cli("doctor", f"nvme.path={blocker}/swap")
+    run = _cli("doctor", f"nvme.path=['{blocker}', '{blocker}/swap']")
     assert run.returncode == 1
-    assert re.search(rf"FAIL\s+swap path {blocker}/swap\s+cannot create it: Not a directory; set nvme.path", run.stdout)
+    assert re.search(rf"FAIL\s+swap path {blocker}\s+is not a directory: set nvme.path to a directory", run.stdout)
+    assert re.search(rf"FAIL\s+swap path {blocker}/swap\s+does not exist: .* or set nvme.path", run.stdout)
 
 
 def test_config_errors_exit_2_naming_the_key(tmp_path):

@@ -40,6 +40,7 @@ PROMPT_S = PROCESS_GROUP_TIMEOUT.total_seconds() / 4
 
 def _config(nvme: Path) -> dict:
     """Stage 3, parameters and optimizer states on NVMe; clipping keeps every update in ``step``."""
+    nvme.mkdir(exist_ok=True)  # the swap directory must exist: the engine creates only its subdirectory
     return {"zero": {"stage": 3}, "train": {"grad_clip": 0.05}, "optimizer": {"lr": 1e-2},
             "offload": {"param": {"tier": "nvme"}, "optimizer": {"tier": "nvme"}}, "nvme": {"path": str(nvme)}}
 

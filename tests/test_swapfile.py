@@ -66,8 +66,22 @@ def test_files_are_private_and_named(tmp_path, aio):
     assert not path.exists()
 
 
+def test_a_missing_directory_is_refused_not_created(tmp_path, aio):
+    """An unmounted disk's mount point must not become a directory on the root disk that swap fills."""
+    missing = tmp_path / "mnt" / "nvme"
+    with pytest.raises(FileNotFoundError, match=rf"swap directory {missing} does not exist: mount the disk meant "
+                                                r"to be there or create the directory, or set nvme\.path"):
+        SwapStore(str(missing), aio)
+    assert list(tmp_path.iterdir()) == []
+    missing.mkdir(parents=True)  # what the message asks for: then only the private directory is created
+    with SwapStore(str(missing), aio) as store:
+        assert store.paths[0].parent == missing / PRIVATE_DIR
+
+
 def test_striping_spreads_each_tensor_over_every_directory(tmp_path, aio):
     dirs = [str(tmp_path / "a"), str(tmp_path / "b"), str(tmp_path / "c")]
+    for directory in dirs:
+        os.mkdir(directory)
     with SwapStore(dirs, aio) as store:
         data = _random(3 * 4096 * 100 + 17, 1)
         store.write("x", data).wait()
@@ -82,6 +96,8 @@ def test_striping_spreads_each_tensor_over_every_directory(tmp_path, aio):
 
 
 def test_a_prefix_read_returns_the_first_bytes_across_stripes(tmp_path, aio):
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
     with SwapStore([str(tmp_path / "a"), str(tmp_path / "b")], aio) as store:
         data = _random(4096 * 30, 2)
         store.write("x", data).wait()

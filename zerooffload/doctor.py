@@ -7,6 +7,8 @@ fine from version numbers. A *fail* makes the tool unusable as configured; a *wa
 from __future__ import annotations
 
 import enum
+import errno
+import os
 import platform
 import shutil
 import sys
@@ -14,12 +16,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .config import Config
-from .io.probe import probe_io_uring, probe_o_direct
+from .io.probe import mount_of, probe_io_uring, probe_o_direct
+from .io.swapfile import PRIVATE_DIR
 
 __all__ = ["Status", "Check", "run_checks"]
 
 _SIMD_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "asimd", "sve")
 _MIN_FREE_BYTES = 1 << 30
+_UNWRITABLE = {errno.EROFS: "read-only filesystem", errno.EACCES: "permission denied",
+               errno.EPERM: "permission denied"}
+"""Errnos of a probe that could not create its file, and the words for them."""
 
 
 class Status(enum.Enum):
@@ -91,26 +97,47 @@ def _aio_backend(config: Config) -> Check:
 
 
 def _swap_paths(config: Config) -> list[Check]:
-    """O_DIRECT and free space in every swap directory the config names (created if missing)."""
-    dirs = dict.fromkeys([*config.nvme.paths, config.offload.param.path, config.offload.optimizer.path])
-    checks = []
-    for directory in (d for d in dirs if d):
-        try:
-            Path(directory).mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            checks.append(Check(f"swap path {directory}", Status.FAIL,
-                                f"cannot create it: {exc.strerror}; set nvme.path to a writable directory"))
-            continue
-        probe = probe_o_direct(directory)
-        free = shutil.disk_usage(directory).free
-        status = Status.OK if probe.ok and free >= _MIN_FREE_BYTES else Status.WARN if probe.ok else Status.FAIL
-        detail = f"{probe.detail}; {free / 1e9:.1f} GB free"
-        if not probe.ok:
-            detail += "; set nvme.path to a directory on a disk filesystem (ext4, xfs), or aio.direct = false"
-        elif free < _MIN_FREE_BYTES:
-            detail += " (less than 1GiB: NVMe offload will not fit)"
-        checks.append(Check(f"swap path {directory}", status, detail))
-    return checks
+    """Every swap directory the config names, each under the key that names it; nothing is created."""
+    keys = dict.fromkeys(config.nvme.paths, "nvme.path")
+    for name in ("param", "optimizer"):
+        if path := getattr(config.offload, name).path:
+            keys.setdefault(path, f"offload.{name}.path")
+    return [_swap_path(directory, key) for directory, key in keys.items()]
+
+
+def _swap_path(directory: str, key: str) -> Check:
+    """What the swap store would meet in ``directory``, and the free space of the filesystem it is on.
+
+    The directory must exist (the store never creates it: a disk that is not mounted would send the swap
+    to the root disk). The O_DIRECT probe writes where the store writes, in ``zerooffload-swap/`` when that
+    already exists, and removes its file, so the filesystem is left as it was found.
+    """
+    name = f"swap path {directory}"
+    if not os.path.exists(directory):
+        return Check(name, Status.FAIL, f"does not exist: mount the disk meant to be there or create the directory, "
+                                        f"or set {key} to an existing one")
+    if not os.path.isdir(directory):
+        return Check(name, Status.FAIL, f"is not a directory: set {key} to a directory")
+    private = os.path.join(directory, PRIVATE_DIR)
+    target = private if os.path.isdir(private) else directory
+    probe = probe_o_direct(target)
+    if probe.errno in _UNWRITABLE:
+        return Check(name, Status.FAIL, f"{target} is not writable ({_UNWRITABLE[probe.errno]}): choose a "
+                                        f"writable {key}")
+    free = shutil.disk_usage(directory).free
+    detail = f"{probe.detail}; {_filesystem(directory)}: {free / 1e9:.1f} GB free"
+    if not probe.ok:
+        return Check(name, Status.FAIL, detail + f"; set {key} to a directory on a disk filesystem (ext4, xfs), "
+                                                 "or aio.direct = false")
+    if free < _MIN_FREE_BYTES:
+        return Check(name, Status.WARN, detail + " (less than 1GiB: NVMe offload will not fit)")
+    return Check(name, Status.OK, detail)
+
+
+def _filesystem(directory: str) -> str:
+    """``ext4 at /mnt/nvme (device /dev/nvme0n1)``: which disk the free space is measured on."""
+    mount = mount_of(directory)
+    return "unknown filesystem" if mount is None else f"{mount.fstype} at {mount.point} (device {mount.source})"
 
 
 def _cuda() -> Check:

@@ -23,6 +23,7 @@
 from __future__ import annotations
 
 import bisect
+import errno
 import fcntl
 import logging
 import os
@@ -185,10 +186,18 @@ class _directory_lock:
 
 
 def _private_dir(path: str) -> Path:
-    """``<path>/zerooffload-swap``, created 0700; refuses one that others may write to."""
+    """``<path>/zerooffload-swap``, created 0700; refuses one that others may write to.
+
+    ``path`` itself must exist: a missing one is most often a disk that is not mounted (a DeepSpeed
+    config's ``/mnt/nvme``), and creating it would quietly send the swap to the root disk.
+    """
     directory = Path(path) / PRIVATE_DIR
     try:
-        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        directory.mkdir(mode=0o700, exist_ok=True)
+    except FileNotFoundError as exc:
+        raise FileNotFoundError(errno.ENOENT, f"swap directory {path} does not exist: mount the disk meant to be "
+                                              "there or create the directory, or set nvme.path (offload.*.path) "
+                                              "to an existing one") from exc
     except OSError as exc:
         raise OSError(exc.errno, f"cannot create swap directory {directory}: {exc.strerror}; "
                                  "set nvme.path to a writable directory", str(directory)) from exc

@@ -1,0 +1,137 @@
+"""``zerooffload doctor`` on real swap directories: it invents none, leaves the tree as it found it, names
+the filesystem it measured, and tells an unwritable directory (permission, read-only mount) from a
+filesystem without O_DIRECT. CI runs as root, which no mode stops: the permission case drops to nobody
+(65534) in a subprocess; the read-only case mounts a read-only tmpfs where ``mount`` is permitted."""
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from aio_helpers import run_python
+from zerooffload.io.swapfile import PRIVATE_DIR
+
+
+def _doctor(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "zerooffload", "doctor", *args], capture_output=True, text=True,
+                          timeout=120)
+
+
+def _tree(root: Path) -> list[tuple[str, int, int]]:
+    """Every path under ``root`` with its mode and size: what doctor must leave as it was."""
+    return sorted((str(p.relative_to(root)), p.lstat().st_mode, p.lstat().st_size) for p in root.rglob("*"))
+
+
+def _swap_line(stdout: str, directory: Path | str) -> str:
+    line, = [line for line in stdout.splitlines() if f"swap path {directory} " in line]
+    return line
+
+
+def _findmnt(directory: Path) -> str:
+    """``<fstype> at <mount point> (device <source>)`` as util-linux's findmnt sees it: an independent oracle."""
+    if shutil.which("findmnt") is None:
+        pytest.skip("findmnt not installed")
+    out = subprocess.run(["findmnt", "-n", "-r", "-T", str(directory), "-o", "FSTYPE,TARGET,SOURCE"],
+                         capture_output=True, text=True, check=True).stdout.split()
+    return f"{out[0]} at {out[1]} (device {out[2]})"
+
+
+def _make(root: Path, state: str) -> Path:
+    """The swap directory ``root/nvme`` as it is before doctor runs: absent, empty, or already used by a store."""
+    nvme = root / "nvme"
+    if state != "missing":
+        nvme.mkdir()
+    if state == "used":
+        (nvme / PRIVATE_DIR).mkdir(mode=0o700)
+        (nvme / PRIVATE_DIR / ".lock").write_bytes(b"")
+    return nvme
+
+
+@pytest.mark.parametrize("state", ["missing", "empty", "used"])
+def test_doctor_leaves_the_tree_as_it_found_it(tmp_path, state):
+    nvme = _make(tmp_path, state)
+    before = _tree(tmp_path)
+    run = _doctor(f"nvme.path={nvme}")
+    assert _tree(tmp_path) == before, run.stdout
+    line = _swap_line(run.stdout, nvme)
+    if state == "missing":
+        assert run.returncode == 1
+        assert re.fullmatch(rf"FAIL\s+swap path {nvme}\s+does not exist: mount the disk meant to be there or create "
+                            r"the directory, or set nvme\.path to an existing one", line), line
+    else:
+        assert run.returncode == 0, run.stdout + run.stderr
+        probed = nvme / PRIVATE_DIR if state == "used" else nvme  # where the swap store would write
+        assert re.fullmatch(rf"\s*ok\s+swap path {nvme}\s+O_DIRECT write\+read works in {probed}; "
+                            rf"{re.escape(_findmnt(nvme))}: \d+\.\d GB free", line), line
+
+
+def test_doctor_names_the_offload_key_of_a_missing_directory(tmp_path):
+    run = _doctor(f"nvme.path={tmp_path}", f"offload.optimizer.path={tmp_path}/gone")
+    assert run.returncode == 1 and not (tmp_path / "gone").exists()
+    assert "or set offload.optimizer.path to an existing one" in _swap_line(run.stdout, f"{tmp_path}/gone")
+
+
+_AS_NOBODY = """
+import os, sys
+from zerooffload.cli import main
+if os.geteuid() == 0:
+    os.setgid(65534)
+    os.setuid(65534)
+sys.exit(main(["doctor", f"nvme.path={sys.argv[1]}"]))
+"""
+
+
+def test_doctor_says_a_directory_it_may_not_write_is_not_writable():
+    """A 0o555 directory, seen by nobody (root drops to it): permission denied, not an O_DIRECT problem."""
+    top = Path(tempfile.mkdtemp(prefix="zo-doctor-"))
+    try:
+        top.chmod(0o755)  # nobody may pass through, not write into what lies below
+        locked = top / "locked"
+        locked.mkdir(mode=0o555)
+        before = _tree(top)
+        run = run_python(_AS_NOBODY, str(locked))
+        assert _tree(top) == before
+    finally:
+        shutil.rmtree(top)
+    assert run.returncode == 1, run.stdout + run.stderr
+    assert re.fullmatch(rf"FAIL\s+swap path {locked}\s+{locked} is not writable \(permission denied\): choose a "
+                        r"writable nvme\.path", _swap_line(run.stdout, locked))
+
+
+@contextlib.contextmanager
+def _tmpfs(point: Path, options: str):
+    """A 1 MiB tmpfs mounted at ``point`` (made here) with ``options``; skips where this process may not mount."""
+    point.mkdir()
+    mount = subprocess.run(["mount", "-t", "tmpfs", "-o", f"{options},size=1m", "tmpfs", str(point)],
+                           capture_output=True, text=True)
+    if mount.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mount.stderr.strip()}")
+    try:
+        yield point
+    finally:
+        subprocess.run(["umount", str(point)], check=True)
+
+
+def test_doctor_says_a_read_only_filesystem_is_not_writable(tmp_path):
+    with _tmpfs(tmp_path / "ro", "ro") as point:
+        run = _doctor(f"nvme.path={point}")
+        assert os.listdir(point) == []
+    assert run.returncode == 1
+    assert re.fullmatch(rf"FAIL\s+swap path {point}\s+{point} is not writable \(read-only filesystem\): choose a "
+                        r"writable nvme\.path", _swap_line(run.stdout, point))
+
+
+def test_doctor_names_the_mount_a_swap_directory_is_on(tmp_path):
+    """The mount point has a space, which /proc/self/mountinfo writes as \\040. (A warn for its 1 MiB, or a
+    FAIL where tmpfs has no O_DIRECT, before Linux 6.6: the line names the filesystem either way.)"""
+    with _tmpfs(tmp_path / "fast disk", "rw") as point:
+        (point / "swap").mkdir()
+        run = _doctor(f"nvme.path={point}/swap")
+    assert f"; tmpfs at {point} (device tmpfs): " in _swap_line(run.stdout, f"{point}/swap")
