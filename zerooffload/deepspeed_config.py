@@ -2,22 +2,44 @@
 
 [Note: DeepSpeed mapping]
 - A DeepSpeed config is recognized by ``zero_optimization`` or ``train_micro_batch_size_per_gpu``.
+- Keys are *paths* (``zero_optimization.offload_param.device``). A few have a second spelling DeepSpeed
+  also reads (``max_live_parameters`` for ``stage3_max_live_parameters``: its pydantic field names,
+  ``aio.thread_count`` from before ``intra_op_parallelism``, ``bfloat16`` for ``bf16``); both map alike,
+  and every message names the spelling the user wrote.
 - *Direct* keys copy their value to one of ours; *element* keys count elements and become bytes of the
   compute dtype (2 for bf16/fp16, 4 for fp32); a few keys (precision, optimizer and scheduler types,
-  offload devices, batch sizes) need a rule of their own.
-- ``"auto"`` (as Hugging Face writes it) resolves to our default for that key.
-- Every other key is kept in one of three lists, reported together in one ``DeepSpeedConfigWarning``:
-  *not needed* (DeepSpeed tuning knobs our design makes unnecessary), *approximated* (mapped with a
-  difference the user should know), *not supported* (ignored). Nothing is dropped silently.
+  offload devices and paths, batch sizes, the stage-3 live bound) need a rule of their own.
+- Zeros mean what they mean to DeepSpeed: ``reduce_bucket_size = 0`` reduces each gradient alone (ours:
+  ``zero.bucket_size = 1`` byte, each unit alone); ``stage3_prefetch_bucket_size = 0`` prefetches nothing;
+  ``stage3_max_live_parameters = 0`` gathers only what is in use, so nothing is prefetched.
+- Every error names the DeepSpeed key as written, its value, then our reason in our key names.
+- Every other key is kept in one of three lists, reported together in one ``DeepSpeedConfigWarning``
+  with the ``"auto"`` values: *not needed* (DeepSpeed tuning knobs our design makes unnecessary),
+  *approximated* (mapped with a difference the user should know), *not supported* (ignored, with a
+  "did you mean" for near misses). Nothing is dropped silently.
+
+[Note: "auto" and absent keys]
+``"auto"`` is a request to the Hugging Face Trainer or Accelerate to fill the value in; DeepSpeed's own
+config classes drop it, so the key counts as absent. zerooffload does the same, and lists each ``"auto"``
+in the warning with the value it resolved to. An absent key takes zerooffload's default, except where
+DeepSpeed's default would change what training computes; there DeepSpeed's default applies, as a run
+under DeepSpeed would get it (``_DEEPSPEED_DEFAULTS``): clipping at 1.0 (DeepSpeed >= 0.19.3), no weight
+decay in the optimizers DeepSpeed builds (torch's 0.01 for ``torch_adam`` AdamW), fp16's
+``loss_scale_window`` 1000, and the schedulers' 1000 warmup steps and WarmupDecayLR's peak 0.001. Sizes
+of buckets, prefetch and persistence keep zerooffload's defaults: they size zerooffload's own buffers.
+A ``null`` counts as absent too, as it does for DeepSpeed's optional fields.
 """
 from __future__ import annotations
 
+import difflib
 import logging
 import os
+import re
 import warnings
+from functools import reduce
 from typing import Any
 
-from .config import ConfigError, dtype_bytes
+from .config import Config, ConfigError, dtype_bytes, format_size
 
 __all__ = ["DeepSpeedConfigWarning", "is_deepspeed", "from_deepspeed"]
 
@@ -28,6 +50,7 @@ class DeepSpeedConfigWarning(UserWarning):
     """Keys of a DeepSpeed config that zerooffload reads differently or not at all."""
 
 
+_Z = "zero_optimization."
 _DIRECT = {
     "train_micro_batch_size_per_gpu": "train.micro_batch_size",
     "gradient_accumulation_steps": "train.grad_accum_steps",
@@ -37,6 +60,7 @@ _DIRECT = {
     "fp16.loss_scale_window": "train.loss_scale_window",
     "fp16.hysteresis": "train.hysteresis",
     "fp16.min_loss_scale": "train.min_loss_scale",
+    "bf16.check_grad_overflow": "train.skip_nonfinite",
     "optimizer.params.lr": "optimizer.lr",
     "optimizer.params.betas": "optimizer.betas",
     "optimizer.params.eps": "optimizer.eps",
@@ -46,43 +70,66 @@ _DIRECT = {
     "scheduler.params.total_num_steps": "scheduler.total_steps",
     "scheduler.params.warmup_min_lr": "scheduler.min_lr",
     "scheduler.params.warmup_max_lr": "optimizer.lr",
-    "zero_optimization.stage": "zero.stage",
-    "zero_optimization.overlap_comm": "zero.overlap_comm",
-    "zero_optimization.stage3_param_persistence_threshold": "zero.persist_threshold",
-    "zero_optimization.offload_param.nvme_path": "offload.param.path",
-    "zero_optimization.offload_optimizer.nvme_path": "offload.optimizer.path",
-    "zero_optimization.offload_optimizer.ratio": "offload.optimizer.fraction",
+    _Z + "stage": "zero.stage",
+    _Z + "overlap_comm": "zero.overlap_comm",
+    _Z + "stage3_param_persistence_threshold": "zero.persist_threshold",
+    _Z + "offload_optimizer.ratio": "offload.optimizer.fraction",
     "aio.block_size": "aio.block_size",
     "aio.queue_depth": "aio.queue_depth",
-    "aio.thread_count": "aio.threads",
     "aio.intra_op_parallelism": "aio.threads",
 }
 _ELEMENTS = {
-    "zero_optimization.reduce_bucket_size": "zero.bucket_size",
-    "zero_optimization.allgather_bucket_size": "zero.bucket_size",
-    "zero_optimization.stage3_prefetch_bucket_size": "zero.prefetch_size",
-    "zero_optimization.stage3_max_live_parameters": "zero.max_live_size",
+    _Z + "reduce_bucket_size": "zero.bucket_size",
+    _Z + "allgather_bucket_size": "zero.bucket_size",
+    _Z + "stage3_prefetch_bucket_size": "zero.prefetch_size",
+    _Z + "stage3_max_live_parameters": "zero.max_live_size",
 }
+_ALIASES = {
+    **{_Z + name: _Z + "stage3_" + name for name in (
+        "prefetch_bucket_size", "param_persistence_threshold", "model_persistence_threshold", "max_live_parameters",
+        "max_reuse_distance", "gather_16bit_weights_on_model_save", "module_granularity_threshold",
+        "use_all_reduce_for_fetch_params", "allgather_sequential")},
+    "aio.thread_count": "aio.intra_op_parallelism",  # its name before DeepSpeed 0.16.4 (#7056)
+}
+"""Second spellings DeepSpeed reads: pydantic field names beside their ``stage3_`` aliases, old names."""
+_PREFIX_ALIASES = {"bfloat16.": "bf16.", _Z + "aio.": "aio."}
 _NOT_NEEDED = {
     "steps_per_print", "wall_clock_breakdown", "memory_breakdown", "dump_state", "zero_allow_untested_optimizer",
-    "zero_force_ds_cpu_optimizer", "fp16.auto_cast", "bf16.immediate_grad_update", "optimizer.params.torch_adam",
-    "aio.single_submit", "aio.overlap_events", "aio.use_gds",
-    *(f"zero_optimization.{k}" for k in (
+    "zero_force_ds_cpu_optimizer", "fp16.auto_cast", "bf16.immediate_grad_update", "aio.single_submit",
+    "aio.overlap_events", "aio.use_gds", "scheduler.params.last_batch_iteration",
+    *(_Z + k for k in (
         "contiguous_gradients", "sub_group_size", "reduce_scatter", "allgather_partitions", "round_robin_gradients",
-        "stage3_max_reuse_distance", "stage3_gather_16bit_weights_on_model_save", "elastic_checkpoint",
+        "stage3_max_reuse_distance", "stage3_gather_16bit_weights_on_model_save",
+        "stage3_gather_fp16_weights_on_model_save", "stage3_module_granularity_threshold",
+        "stage3_use_all_reduce_for_fetch_params", "stage3_allgather_sequential", "elastic_checkpoint",
         "load_from_fp32_weights", "ignore_unused_parameters", "use_multi_rank_bucket_allreduce",
-        "memory_efficient_linear", "cpu_offload", "cpu_offload_params", "cpu_offload_use_pin_memory")),
-    *(f"zero_optimization.offload_{s}.{k}" for s in ("param", "optimizer") for k in (
+        "memory_efficient_linear", "override_module_apply", "log_trace_cache_warnings", "enable_sanity_checks",
+        "cpu_offload", "cpu_offload_params", "cpu_offload_use_pin_memory")),
+    *(f"{_Z}offload_{s}.{k}" for s in ("param", "optimizer") for k in (
         "buffer_count", "buffer_size", "max_in_cpu", "pin_memory", "pipeline", "pipeline_read", "pipeline_write",
-        "fast_init")),
+        "fast_init", "super_offload", "cpuadam_cores_perc")),
 }
 _OPTIMIZERS = {"adam": "adam", "adamw": "adamw", "sgd": "sgd"}
 _SCHEDULERS = {"warmuplr": "constant", "warmupdecaylr": "warmup_linear", "warmupcosinelr": "warmup_cosine"}
 _OFFLOAD_DEVICES = {"none": "device", "cpu": "host", "nvme": "nvme"}
 _SPECIAL = {"train_batch_size", "bf16.enabled", "fp16.enabled", "optimizer.type", "optimizer.params.adam_w_mode",
-            "scheduler.type", "scheduler.params.warmup_type", "scheduler.params.cos_min_ratio",
-            "scheduler.params.warmup_min_ratio", "zero_optimization.offload_param.device",
-            "zero_optimization.offload_optimizer.device"}
+            "optimizer.params.torch_adam", "scheduler.type", "scheduler.params.warmup_type",
+            "scheduler.params.cos_min_ratio", "scheduler.params.warmup_min_ratio",
+            *(f"{_Z}offload_{s}.{k}" for s in ("param", "optimizer") for k in ("device", "nvme_path"))}
+_TARGETS = {**_DIRECT, **_ELEMENTS, "train_batch_size": "train.micro_batch_size", "bf16.enabled": "train.precision",
+            "fp16.enabled": "train.precision", "optimizer.type": "optimizer.type",
+            _Z + "offload_param.device": "offload.param.tier",
+            _Z + "offload_optimizer.device": "offload.optimizer.tier"}
+"""The key of ours each DeepSpeed key sets: where an ``"auto"`` is reported as resolved."""
+_DEEPSPEED_DEFAULTS = {
+    "gradient_clipping": 1.0,  # DeepSpeed >= 0.19.3 (#8068); 0 (off) before
+    "fp16.loss_scale_window": 1000,
+    "optimizer.params.weight_decay": 0.0,  # FusedAdam, DeepSpeedCPUAdam, torch Adam and SGD; not torch AdamW
+    "scheduler.params.warmup_num_steps": 1000,
+    "scheduler.params.warmup_max_lr": 0.001,  # WarmupDecayLR's; WarmupLR's is the optimizer's lr
+}
+"""DeepSpeed's defaults that change what training computes where ours differ ([Note: "auto" and absent keys])."""
+_SIZES = {"zero.bucket_size", "zero.prefetch_size", "zero.max_live_size"}
 
 
 def is_deepspeed(data: dict) -> bool:
@@ -91,12 +138,22 @@ def is_deepspeed(data: dict) -> bool:
 
 
 def _leaves(data: dict, prefix: str = "") -> dict[str, Any]:
-    """Flatten nested tables to ``{"a.b.c": value}``."""
+    """Flatten nested tables to ``{"a.b.c": value}``; empty tables and nulls count as absent."""
     out = {}
     for key, value in data.items():
         path = f"{prefix}{key}"
-        out.update(_leaves(value, path + ".") if isinstance(value, dict) and value else {path: value})
+        if isinstance(value, dict):
+            out.update(_leaves(value, path + "."))
+        elif value is not None:
+            out[path] = value
     return out
+
+
+def _canonical(path: str) -> str:
+    for old, new in _PREFIX_ALIASES.items():
+        if path.startswith(old):
+            path = new + path[len(old):]
+    return _ALIASES.get(path, path)
 
 
 def _set(tree: dict, path: str, value: Any) -> None:
@@ -107,40 +164,86 @@ def _set(tree: dict, path: str, value: Any) -> None:
 
 
 class _Mapping:
-    """One DeepSpeed config being translated: the flat input, our nested output, and the notes."""
+    """One DeepSpeed config being translated: the flat input by canonical key, our nested output, where
+    each of our values came from, and the notes for the warning."""
 
     def __init__(self, data: dict):
-        self.ds = {k: v for k, v in _leaves(data).items() if v != "auto"}
-        self.auto = sorted(k for k, v in _leaves(data).items() if v == "auto")
+        self.ds: dict[str, Any] = {}
+        self.written: dict[str, str] = {}
+        self.auto: list[str] = []
+        for path, value in _leaves(data).items():
+            key = _canonical(path)
+            if key in self.written:
+                raise ConfigError(f"{self.written[key]} and {path} are the same DeepSpeed setting: give one of them")
+            self.written[key] = path
+            if value == "auto":
+                self.auto.append(key)
+            else:
+                self.ds[key] = value
         self.ours: dict = {}
+        self.source: dict[str, str] = {}
+        self.defaults: dict[str, str] = {}
         self.approximated: list[str] = []
+        self.ignored: list[str] = []
+        self.unused: list[str] = []
+
+    def name(self, key: str) -> str:
+        """The key as the user wrote it."""
+        return self.written.get(key, key)
 
     def get(self, key: str, default: Any = None) -> Any:
         return self.ds.get(key, default)
+
+    def put(self, our_key: str, value: Any, ds_key: str) -> None:
+        _set(self.ours, our_key, value)
+        self.source[our_key] = ds_key
+
+    def default(self, ds_key: str, value: Any) -> None:
+        """DeepSpeed's own default for an absent (or "auto") key, where it differs from ours."""
+        our_key = _TARGETS[ds_key]
+        self.put(our_key, value, ds_key)
+        self.defaults[our_key] = f"{ds_key} = {value!r}"
+
+    def count(self, key: str) -> int | None:
+        """A whole number >= 0 (DeepSpeed writes ``5e8``), None when absent."""
+        value = self.ds.get(key)
+        if value is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0 or value != int(value):
+            raise ConfigError(f"{self.name(key)} = {value!r}: expected a whole number >= 0")
+        return int(value)
+
+    def flag(self, key: str, default: bool) -> bool:
+        value = self.ds.get(key, default)
+        if not isinstance(value, bool):
+            raise ConfigError(f'{self.name(key)} = {value!r}: expected true, false or "auto"')
+        return value
 
     def choice(self, key: str, table: dict, default: str) -> str:
         """Map a DeepSpeed enum value (case-insensitive) or fail naming the key and the choices."""
         value = self.get(key, default)
         mapped = table.get(str(value).lower())
         if mapped is None:
-            raise ConfigError(f"{key} = {value!r}: zerooffload supports {', '.join(table)} (DeepSpeed spelling, "
-                              "any case)")
+            raise ConfigError(f"{self.name(key)} = {value!r}: zerooffload supports {', '.join(table)} (DeepSpeed "
+                              "spelling, any case)")
         return mapped
 
 
 def _map_precision(m: _Mapping) -> str:
-    bf16, fp16 = bool(m.get("bf16.enabled", False)), bool(m.get("fp16.enabled", False))
+    bf16, fp16 = m.flag("bf16.enabled", False), m.flag("fp16.enabled", False)
     if bf16 and fp16:
-        raise ConfigError("bf16.enabled and fp16.enabled are both true: enable at most one")
+        raise ConfigError(f"{m.name('bf16.enabled')} and {m.name('fp16.enabled')} are both true: enable at most one")
     precision = "bf16" if bf16 else "fp16" if fp16 else "fp32"
-    m.ours.setdefault("train", {})["precision"] = precision
+    m.put("train.precision", precision, "bf16.enabled" if bf16 else "fp16.enabled")
+    if fp16 and "fp16.loss_scale_window" not in m.ds:
+        m.default("fp16.loss_scale_window", _DEEPSPEED_DEFAULTS["fp16.loss_scale_window"])
     return precision
 
 
 def _map_batch(m: _Mapping, world_size: int) -> None:
     """DeepSpeed's rule: train_batch_size = micro × accumulation × world; a missing one is derived."""
-    total = m.get("train_batch_size")
-    micro, accum = m.get("train_micro_batch_size_per_gpu"), m.get("gradient_accumulation_steps")
+    total = m.count("train_batch_size")
+    micro, accum = m.count("train_micro_batch_size_per_gpu"), m.count("gradient_accumulation_steps")
     if total is None:
         return
     if micro is None:
@@ -152,83 +255,210 @@ def _map_batch(m: _Mapping, world_size: int) -> None:
             f"train_batch_size = {total}: must equal train_micro_batch_size_per_gpu ({micro}) × "
             f"gradient_accumulation_steps ({accum}) × world size ({world_size}); fix one of them or drop "
             "train_batch_size")
-    m.ours.setdefault("train", {}).update(micro_batch_size=micro, grad_accum_steps=accum)
+    m.put("train.micro_batch_size", micro, "train_batch_size")
+    m.put("train.grad_accum_steps", accum, "train_batch_size")
 
 
 def _map_optimizer(m: _Mapping) -> None:
+    """DeepSpeed builds FusedAdam, DeepSpeedCPUAdam or a torch optimizer, all without weight decay by
+    default but torch's AdamW (``torch_adam``); without an ``optimizer`` it uses the script's own."""
     if "optimizer.type" not in m.ds:
+        if not any(k.startswith("optimizer.") for k in m.written):
+            m.approximated.append("optimizer (absent: DeepSpeed trains with the optimizer the script passes; "
+                                  "zerooffload builds the one optimizer.* describes)")
         return
     kind = m.choice("optimizer.type", _OPTIMIZERS, "adamw")
-    if kind == "adam" and m.get("optimizer.params.adam_w_mode", True):
+    torch_adam = m.flag("optimizer.params.torch_adam", False)
+    if kind == "adam" and m.flag("optimizer.params.adam_w_mode", True):
         kind = "adamw"  # DeepSpeed's "Adam" decouples weight decay unless adam_w_mode is false
-    _set(m.ours, "optimizer.type", kind)
+    m.put("optimizer.type", kind, "optimizer.type")
+    if "optimizer.params.weight_decay" not in m.ds:
+        torch_adamw = torch_adam and kind == "adamw"
+        m.default("optimizer.params.weight_decay", 0.01 if torch_adamw else _DEEPSPEED_DEFAULTS[
+            "optimizer.params.weight_decay"])
 
 
 def _map_scheduler(m: _Mapping) -> None:
     if "scheduler.type" not in m.ds:
         return
-    _set(m.ours, "scheduler.type", m.choice("scheduler.type", _SCHEDULERS, "warmuplr"))
-    if m.get("scheduler.params.warmup_type", "log") != "linear":
-        m.approximated.append(f"scheduler.params.warmup_type = {m.get('scheduler.params.warmup_type', 'log')!r} "
-                              "(DeepSpeed's default is 'log'; zerooffload warms up linearly)")
-    if "scheduler.params.cos_min_ratio" in m.ds or m.ds["scheduler.type"].lower() == "warmupcosinelr":
+    kind = m.choice("scheduler.type", _SCHEDULERS, "warmuplr")
+    m.put("scheduler.type", kind, "scheduler.type")
+    if "scheduler.params.warmup_num_steps" not in m.ds:
+        m.default("scheduler.params.warmup_num_steps", _DEEPSPEED_DEFAULTS["scheduler.params.warmup_num_steps"])
+    if kind == "warmup_linear" and "scheduler.params.warmup_max_lr" not in m.ds:
+        m.default("scheduler.params.warmup_max_lr", _DEEPSPEED_DEFAULTS["scheduler.params.warmup_max_lr"])
+    if kind != "constant" and "scheduler.params.total_num_steps" not in m.ds:
+        m.put("scheduler.type", "constant", "scheduler.params.total_num_steps")
+        m.approximated.append(f"{m.name('scheduler.type')} = {m.ds['scheduler.type']!r} without "
+                              "scheduler.params.total_num_steps (no total to decay over: warmup, then constant; "
+                              "set scheduler.type and scheduler.total_steps to decay)")
+    warmup_type = m.get("scheduler.params.warmup_type", "log")
+    if warmup_type != "linear":
+        m.approximated.append(f"{m.name('scheduler.params.warmup_type')} = {warmup_type!r} (DeepSpeed's default "
+                              "is 'log'; zerooffload warms up linearly)")
+    if kind == "warmup_cosine":
         lr = m.ours.get("optimizer", {}).get("lr", 1e-3)
         cos_min, warm_min = m.get("scheduler.params.cos_min_ratio", 1e-4), m.get("scheduler.params.warmup_min_ratio", 0)
-        _set(m.ours, "scheduler.min_lr", cos_min * lr)
+        m.put("scheduler.min_lr", cos_min * lr, "scheduler.params.cos_min_ratio")
         if warm_min != cos_min:
-            m.approximated.append(f"scheduler.params.warmup_min_ratio = {warm_min} (zerooffload warms up from "
-                                  f"min_lr = cos_min_ratio × lr = {cos_min * lr:g})")
+            m.approximated.append(f"{m.name('scheduler.params.warmup_min_ratio')} = {warm_min} (zerooffload warms "
+                                  f"up from min_lr = cos_min_ratio × lr = {cos_min * lr:g})")
 
 
-def _map_offload(m: _Mapping, stage: int) -> list[str]:
-    """Offload devices; an offload_param below stage 3 is ignored as DeepSpeed ignores it."""
-    ignored = []
+def _map_sizes(m: _Mapping, precision: str) -> None:
+    """Element counts as bytes; the live bound caps prefetching, as DeepSpeed's does."""
+    nbytes = dtype_bytes(precision)
+    for ds_key, our_key in _ELEMENTS.items():
+        elements = m.count(ds_key)
+        if elements is not None and our_key not in m.source:  # reduce_bucket_size before allgather_bucket_size
+            m.put(our_key, elements * nbytes, ds_key)
+    if m.ours.get("zero", {}).get("bucket_size") == 0:  # zerooffload's smallest bucket: every unit goes alone
+        m.put("zero.bucket_size", 1, m.source["zero.bucket_size"])
+        m.approximated.append(f"{m.name(m.source['zero.bucket_size'])} = 0 (DeepSpeed reduces each gradient alone, "
+                              "zerooffload each unit alone: zero.bucket_size = 1 byte)")
+    live_key = _Z + "stage3_max_live_parameters"
+    live = m.count(live_key)
+    if live == 0:
+        del m.ours["zero"]["max_live_size"], m.source["zero.max_live_size"]
+        m.put("zero.prefetch_size", 0, live_key)
+        m.approximated.append(f"{m.name(live_key)} = 0 (DeepSpeed then gathers only the modules in use: "
+                              "zerooffload prefetches nothing, zero.prefetch_size = 0, and keeps its default "
+                              "zero.max_live_size)")
+    elif live is not None:
+        prefetch = m.ours["zero"].get("prefetch_size", Config().zero.prefetch_size)
+        m.put("zero.prefetch_size", min(prefetch, live * nbytes), m.source.get("zero.prefetch_size", live_key))
+        m.approximated.append(f"{m.name(live_key)} = {_shown(m.ds[live_key])} (zero.max_live_size = "
+                              f"{_size(live * nbytes)}: a bound zerooffload keeps, refusing at initialize a "
+                              "unit that alone needs more; DeepSpeed gathers the module in use regardless)")
+    threshold_key = _Z + "stage3_param_persistence_threshold"
+    if m.get(threshold_key):
+        m.approximated.append(f"{m.name(threshold_key)} = {_shown(m.ds[threshold_key])} (zerooffload counts the "
+                              "parameters of a unit, DeepSpeed those of each tensor)")
+
+
+def _map_offload(m: _Mapping, stage: int) -> None:
+    """Offload devices and swap paths; an offload_param below stage 3 is ignored as DeepSpeed ignores it,
+    and an nvme_path for a device other than nvme is unused, as in DeepSpeed."""
+    paths: dict[str, str] = {}
     for kind in ("param", "optimizer"):
-        key = f"zero_optimization.offload_{kind}.device"
-        if key not in m.ds:
-            continue
-        tier = m.choice(key, _OFFLOAD_DEVICES, "none")
+        device_key, path_key = f"{_Z}offload_{kind}.device", f"{_Z}offload_{kind}.nvme_path"
+        tier = m.choice(device_key, _OFFLOAD_DEVICES, "none")
         if kind == "param" and stage < 3 and tier != "device":
-            ignored.append(f"{key} = {m.ds[key]!r} (parameters are offloaded only at stage 3)")
-            m.ours.get("offload", {}).pop("param", None)
+            m.ignored.append(f"{m.name(device_key)} = {m.ds[device_key]!r} (parameters are offloaded only at "
+                             "stage 3)")
+            tier = "device"
+        elif device_key in m.ds:
+            m.put(f"offload.{kind}.tier", tier, device_key)
+        if path_key not in m.ds:
             continue
-        _set(m.ours, f"offload.{kind}.tier", tier)
-    return ignored
+        if tier != "nvme":
+            m.unused.append(f"{m.name(path_key)} (the device is not nvme)")
+        elif not isinstance(m.ds[path_key], str) or not m.ds[path_key]:
+            raise ConfigError(f"{m.name(path_key)} = {m.ds[path_key]!r}: expected a directory")
+        else:
+            paths[path_key] = m.ds[path_key]
+    if len(set(paths.values())) == 1:  # one swap directory: nvme.path, which an override can move
+        key, path = next(iter(paths.items()))
+        m.put("nvme.path", path, key)
+    else:
+        for key, path in paths.items():
+            m.put(f"offload.{key.split('.')[1].removeprefix('offload_')}.path", path, key)
 
 
 def from_deepspeed(data: dict, *, world_size: int | None = None) -> dict:
     """Our config dict from a DeepSpeed one; warns once about every key not mapped exactly."""
     world_size = world_size or int(os.environ.get("WORLD_SIZE", "1"))
+    if isinstance(data.get("zero_optimization"), bool):  # DeepSpeed's oldest form: true = stage 1
+        data = {**data, "zero_optimization": {"stage": int(data["zero_optimization"])}}
     m = _Mapping(data)
     for ds_key, our_key in _DIRECT.items():
         if ds_key in m.ds:
-            _set(m.ours, our_key, m.ds[ds_key])
+            m.put(our_key, m.ds[ds_key], ds_key)
+    if "gradient_clipping" not in m.ds:
+        m.default("gradient_clipping", _DEEPSPEED_DEFAULTS["gradient_clipping"])
     precision = _map_precision(m)
-    for ds_key, our_key in _ELEMENTS.items():
-        if ds_key in m.ds and not (our_key == "zero.bucket_size" and "bucket_size" in m.ours.get("zero", {})):
-            _set(m.ours, our_key, _elements_to_bytes(ds_key, m.ds[ds_key], precision))
+    _map_sizes(m, precision)
     _map_batch(m, world_size)
     _map_optimizer(m)
     _map_scheduler(m)
-    unsupported = _map_offload(m, m.ours.get("zero", {}).get("stage", 0))
-    mapped = set(_DIRECT) | set(_ELEMENTS) | _SPECIAL
-    not_needed = sorted(k for k in m.ds if k in _NOT_NEEDED)
-    unsupported += sorted(k for k in m.ds if k not in mapped and k not in _NOT_NEEDED)
-    _warn(not_needed, m.approximated, unsupported)
-    if m.auto:
-        logger.info("DeepSpeed config: 'auto' resolved to zerooffload defaults for %s", ", ".join(m.auto))
+    stage = m.count(_Z + "stage")
+    _map_offload(m, Config().zero.stage if stage is None else stage)
+    if any(m.written[k] != k and m.written[k].startswith(_Z + "aio.") for k in m.written):
+        m.approximated.append(f"{_Z}aio (DeepSpeed reads aio at the top level only; read as aio)")
+    config = _validated(m)
+    _warn(m, config)
     return m.ours
 
 
-def _elements_to_bytes(key: str, value: Any, precision: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0 or value != int(value):
-        raise ConfigError(f"{key} = {value!r}: expected a whole number of elements")
-    return int(value) * dtype_bytes(precision)
+def _validated(m: _Mapping) -> Config:
+    """The mapped config validated now, so that an error names the DeepSpeed key it came from."""
+    try:
+        return Config.from_dict(m.ours)
+    except ConfigError as exc:
+        message = str(exc)
+    found = [(match.start(), ours) for ours in m.source if (match := _mention(ours, message))]
+    if not found:
+        raise ConfigError(message) from None
+    ours = min(found)[1]
+    ds_key = m.source[ours]
+    applied = [note for other, note in m.defaults.items() if other != ours and _mention(other.split(".")[-1], message)]
+    tail = f" (DeepSpeed's default {', '.join(applied)} applies)" if applied else ""
+    if ds_key in m.ds or ds_key in m.auto:
+        said = f"{m.name(ds_key)} = {_shown(m.ds.get(ds_key, 'auto'))}"
+        raise ConfigError(message + tail if message.startswith(said) else f"{said}: {message}{tail}") from None
+    raise ConfigError(f"DeepSpeed's default {m.defaults.get(ours, ds_key)}: {message}{tail}") from None
 
 
-def _warn(not_needed: list[str], approximated: list[str], unsupported: list[str]) -> None:
-    parts = [f"{title} ({len(keys)}): {', '.join(keys)}" for title, keys in (
-        ("not supported, ignored", unsupported), ("approximated", approximated),
-        ("accepted but not needed by zerooffload", not_needed)) if keys]
+def _mention(name: str, message: str) -> re.Match | None:
+    """Where ``name`` occurs in ``message`` as a whole key (not inside a longer one)."""
+    return re.search(rf"(?<![\w.]){re.escape(name)}(?!\w)", message)
+
+
+def _resolved_autos(m: _Mapping, config: Config) -> list[str]:
+    """``"auto"`` keys grouped by the key of ours they set, with the value it holds now."""
+    by_target: dict[str, list[str]] = {}
+    for key in sorted(m.auto):
+        if key in _TARGETS:
+            by_target.setdefault(_TARGETS[key], []).append(m.name(key))
+    out = []
+    for target, keys in by_target.items():
+        value = reduce(getattr, target.split("."), config)
+        out.append(f"{', '.join(keys)} -> {target} = {_size(value) if target in _SIZES else repr(value)}")
+    return out
+
+
+def _warn(m: _Mapping, config: Config) -> None:
+    mapped = set(_DIRECT) | set(_ELEMENTS) | _SPECIAL
+    keys = [k for k in m.written if k not in mapped and not (k in m.auto and k in _TARGETS)]
+    not_needed = sorted(m.name(k) for k in keys if k in _NOT_NEEDED) + m.unused
+    unsupported = m.ignored + sorted(_near_miss(m.name(k), mapped | _NOT_NEEDED) for k in keys if k not in _NOT_NEEDED)
+    autos = _resolved_autos(m, config)
+    parts = [f"{title} ({len(items)}): {', '.join(items)}" for title, items in (
+        ("not supported, ignored", unsupported), ("approximated", m.approximated),
+        ('"auto" (no Hugging Face Trainer fills it in: the default applies)',
+         autos), ("accepted but not needed by zerooffload", not_needed)) if items]
     if parts:
-        warnings.warn("DeepSpeed config keys " + "; ".join(parts), DeepSpeedConfigWarning, stacklevel=3)
+        warnings.warn("DeepSpeed config keys " + "; ".join(parts), DeepSpeedConfigWarning, stacklevel=4)
+    if m.defaults:
+        logger.info("DeepSpeed config: DeepSpeed's defaults applied for %s", ", ".join(m.defaults.values()))
+
+
+def _shown(value: Any) -> str:
+    """A value as the user would write it: ``1e9`` read from JSON shows as 1000000000, not 1000000000.0."""
+    return repr(int(value)) if isinstance(value, float) and value.is_integer() else repr(value)
+
+
+def _size(nbytes: int) -> str:
+    """Bytes in the unit that divides them: "32MiB", "400MB", else the integer."""
+    binary = format_size(nbytes)
+    if isinstance(binary, str) and not binary.endswith("KiB"):
+        return binary
+    for unit, scale in (("TB", 10**12), ("GB", 10**9), ("MB", 10**6)):
+        if nbytes >= scale and nbytes % scale == 0:
+            return f"{nbytes // scale}{unit}"
+    return str(binary)
+
+
+def _near_miss(key: str, known: set[str]) -> str:
+    hint = difflib.get_close_matches(key, known, n=1, cutoff=0.9)
+    return f"{key} (did you mean {hint[0]}?)" if hint else key
