@@ -5,6 +5,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -228,3 +229,22 @@ def test_fraction_splits_optimizer_state_between_the_tier_and_the_device():
     assert report.bytes("device", "optimizer") == 12 * sum(shards[2:])
     _one_step(engine)
     engine.close()
+
+
+def test_a_model_larger_than_ram_is_refused_before_anything_is_allocated():
+    """memory.*_budget = "auto" on CPU: device and host share the RAM the machine really has. A model
+    built under init_context whose states need ~40x this machine's RAM is refused in seconds, with
+    the bytes per tier, before its units are materialized (RSS barely moves)."""
+    import psutil
+    from torch import nn
+
+    layers = max(1, int(40 * psutil.virtual_memory().total / 16 / (8192 * 8192)))
+    with zo.init_context():
+        model = nn.Sequential(*(nn.Linear(8192, 8192, bias=False) for _ in range(layers)))
+    rss, start = psutil.Process().memory_info().rss, time.monotonic()
+    with pytest.raises(BudgetError, match=r"the run needs [\d,]+ bytes of RAM per rank \(device tier [\d,]+ \(param "
+                                          r"[\d,]+, grad .*\) but this machine has [\d,]+ for it \([\d,]+ available, "
+                                          r"less [\d,]+ kept for activations.*no layout of this model fits here"):
+        zo.initialize(model, {"zero": {"stage": 1}})
+    assert time.monotonic() - start < 30
+    assert psutil.Process().memory_info().rss - rss < 200 << 20

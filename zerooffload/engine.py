@@ -55,9 +55,9 @@ from torch import nn
 
 from . import checkpoint
 from .comm import Comm, all_gather, broadcast, control_all_reduce, failing_together, init_comm
-from .config import Config, dtype_bytes
+from .config import Config
 from .lazy_init import initial_values, is_lazy, swap_in_placeholders
-from .memory_plan import plan_memory
+from .memory_plan import fitting_layout, grads_kept_for_step, plan_for_config, updates_in_backward
 from .optim import ZeroOptimizer, build_scheduler, moment_names
 from .param_groups import normalize_param_groups
 from .param_hooks import register_param_hooks
@@ -69,8 +69,8 @@ from .scheduler import ParamScheduler, check_live_bound
 from .offloaded_grads import OffloadedGrad
 from .optim.state import UnitOptimizerState, units_to_offload
 from .telemetry import MemoryReport, StepStats, memory_report
-from .tiers import (Block, BlockWriter, DeviceCopier, IOStats, Kind, LinkStats, NvmeTier, Tier, check_plan, make_tiers,
-                    stream_blocks, write_block)
+from .tiers import (Block, BlockWriter, DeviceCopier, IOStats, Kind, LinkStats, NvmeTier, Tier, check_plan, check_ram,
+                    make_tiers, stream_blocks, write_block)
 
 __all__ = ["Engine", "initialize"]
 
@@ -111,6 +111,19 @@ def _engine_call(method: Any) -> Any:
         with failing_together(self.comm):
             return method(self, *args, **kwargs)
     return guarded
+
+
+def _storage_bytes(module: nn.Module) -> int:
+    """Bytes the module's parameters hold now, each storage once: what flattening them gives back
+    (an eager build's weights; a lazy build's placeholders hold next to nothing)."""
+    storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in module.parameters()
+                if not p.is_meta and p.device.type == "cpu"}
+    return sum(storages.values())
+
+
+def _local_ranks(comm: Comm) -> int:
+    """Ranks sharing this machine's RAM (torchrun's LOCAL_WORLD_SIZE; all of them without it)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", comm.world_size))
 
 
 def _cast_floats(value: Any, dtype: torch.dtype) -> Any:
@@ -169,15 +182,16 @@ class Engine:
                       for layout in layouts]
         partitioned = [u for u in self.units if u.partitioned]
         self._offloaded = units_to_offload(layouts, config.offload.optimizer.fraction)
-        train = config.train
-        self._updates_in_backward = train.grad_clip == 0 and train.precision != "fp16"
+        self._updates_in_backward = updates_in_backward(config.train)
         """Whether units whose gradients leave the device are updated in the backward that closes a window
         ([Note: updates in backward])."""
-        self._grads_kept = train.grad_accum_steps > 1 or not self._updates_in_backward
+        self._grads_kept = grads_kept_for_step(config.train)
         """Whether reduced shards leaving the device wait on the optimizer's tier (``offloaded_grads``)."""
         check_live_bound(partitioned, config.zero.max_live_size)
-        plan = self._plan(layouts)
+        plan = plan_for_config(layouts, config, comm.world_size)
         check_plan(plan, self.tiers)  # memory budgets first: they are cheap to check, swap space is not
+        check_ram(plan, config.memory, comm.device, released=_storage_bytes(module), local_ranks=_local_ranks(comm),
+                  suggestion=lambda fits: fitting_layout(module, config, comm.world_size, fits))
         if "nvme" in plan:
             self.tiers["nvme"] = NvmeTier(config, comm.rank, reserve=sum(plan["nvme"].values()))
         self._io = self.tiers["nvme"].io if "nvme" in self.tiers else IOStats()
@@ -269,19 +283,6 @@ class Engine:
     def _update_tier(self, state: UnitOptimizerState) -> Tier:
         """Where a unit's update runs: its optimizer tier's memory, or host memory for NVMe blocks."""
         return state.tier if state.tier.resident else self.tiers["host"]
-
-    def _plan(self, layouts) -> dict:
-        return plan_memory(layouts, stage=self.stage, compute_bytes=dtype_bytes(self.config.train.precision),
-                           optimizer_tier=self.config.offload.optimizer.tier, param_tier=self.config.offload.param.tier,
-                           offloaded=[layout for layout, moved in zip(layouts, self._offloaded) if moved],
-                           master_is_param=self._master_is_param("device"),
-                           params_in_masters=self._params_in_masters(self.config.offload.optimizer.tier),
-                           grads_kept_for_step=self._grads_kept,
-                           moments=len(moment_names(self.config.optimizer)), bucket_bytes=self.config.zero.bucket_size,
-                           world_size=self.comm.world_size,
-                           partitioned=[u.layout for u in self.units if u.partitioned],
-                           max_live_bytes=self.config.zero.max_live_size,
-                           prefetch_bytes=self.config.zero.prefetch_size)
 
     def _materialize(self, lazy_init_fn: Any) -> list[UnitOptimizerState]:
         """Unit by unit: rank 0's values broadcast (as DDP does), flattened onto their tiers, and the

@@ -7,11 +7,72 @@ and optimizer step, and the larger phase counts.
 """
 from __future__ import annotations
 
-from .partition import UnitLayout
+from typing import Callable
+
+from torch import nn
+
+from .config import Config, ConfigError, TrainConfig, apply_override, dtype_bytes
+from .optim.optimizer import moment_names
+from .optim.state import units_to_offload
+from .partition import UnitLayout, find_units
 from .reduction import MAX_BUCKETS_IN_FLIGHT, REDUCE_DTYPE
 from .tiers import STREAM_BUFFERS, Kind, Plan
 
-__all__ = ["plan_memory"]
+__all__ = ["plan_memory", "plan_for_config", "fitting_layout", "updates_in_backward", "grads_kept_for_step",
+           "LAYOUTS_TO_TRY"]
+
+LAYOUTS_TO_TRY = (
+    ("offload.optimizer.tier=host",),
+    ("offload.optimizer.tier=nvme",),
+    ("zero.stage=3", "offload.optimizer.tier=nvme"),
+    ("zero.stage=3", "offload.optimizer.tier=nvme", "offload.param.tier=nvme"),
+)
+"""Layouts a refusal may suggest, in the order they give up speed for memory."""
+
+
+def updates_in_backward(train: TrainConfig) -> bool:
+    """Whether units whose gradients leave the device are updated in the backward that closes a window
+    (engine's [Note: updates in backward]): only when the update needs nothing global."""
+    return train.grad_clip == 0 and train.precision != "fp16"
+
+
+def grads_kept_for_step(train: TrainConfig) -> bool:
+    """Whether reduced shards leaving the device wait on the optimizer's tier for the step."""
+    return train.grad_accum_steps > 1 or not updates_in_backward(train)
+
+
+def plan_for_config(layouts: list[UnitLayout], config: Config, world_size: int) -> Plan:
+    """``plan_memory`` for the placement ``config`` makes of ``layouts``."""
+    stage, train, offload = config.zero.stage, config.train, config.offload
+    fp32 = train.precision == "fp32"
+    moved = units_to_offload(layouts, offload.optimizer.fraction)
+    return plan_memory(
+        layouts, stage=stage, compute_bytes=dtype_bytes(train.precision), optimizer_tier=offload.optimizer.tier,
+        param_tier=offload.param.tier, offloaded=[layout for layout, m in zip(layouts, moved) if m],
+        master_is_param=fp32 and offload.param.tier == "device",
+        params_in_masters=(fp32 and offload.param.tier == "nvme" and offload.optimizer.tier == "nvme"
+                           and not config.nvme.checksum),
+        grads_kept_for_step=grads_kept_for_step(train), moments=len(moment_names(config.optimizer)),
+        bucket_bytes=config.zero.bucket_size, world_size=world_size,
+        partitioned=[layout for layout in layouts if stage == 3 and layout.numel >= config.zero.persist_threshold],
+        max_live_bytes=config.zero.max_live_size, prefetch_bytes=config.zero.prefetch_size)
+
+
+def fitting_layout(module: nn.Module, config: Config, world_size: int, fits: Callable[[Plan], bool]) -> str | None:
+    """The first of ``LAYOUTS_TO_TRY`` (as overrides) whose plan ``fits``, or None."""
+    for overrides in LAYOUTS_TO_TRY:
+        data = config.to_dict()
+        for override in overrides:
+            data = apply_override(data, override)
+        try:
+            candidate = Config.load(data)
+        except ConfigError:  # not a layout this config's other keys allow
+            continue
+        shards = world_size if candidate.zero.stage >= 1 else 1
+        layouts = find_units(module, candidate.zero.unit_modules, shards)
+        if fits(plan_for_config(layouts, candidate, world_size)):
+            return " ".join(overrides)
+    return None
 
 
 def plan_memory(layouts: list[UnitLayout], *, stage: int, compute_bytes: int, optimizer_tier: str, param_tier: str,

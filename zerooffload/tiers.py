@@ -36,6 +36,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
+import psutil
 import torch
 
 from .config import Config, ConfigError, MemoryConfig
@@ -490,6 +491,55 @@ def make_tiers(memory: MemoryConfig, device: torch.device) -> dict[str, Tier]:
     host_budget = None if memory.host_budget == "auto" else int(memory.host_budget)
     return {"device": DeviceTier("device", device, _device_budget(memory.device_budget, device)),
             "host": HostTier("host", torch.device("cpu"), host_budget)}
+
+
+RAM_MARGIN = 0.10
+"""Share of RAM (at least ``RAM_MARGIN_MIN``) kept out of the "auto" budgets: activations, the
+allocator's slack, torch and the interpreter are not the engine's tensors but live in the same RAM."""
+RAM_MARGIN_MIN = 1 << 30
+
+
+def available_ram() -> int:
+    """Bytes of RAM this process can still take: the kernel's estimate (MemAvailable), lowered to
+    what the cgroup limit leaves when a container has one (the OOM killer acts on that)."""
+    available = psutil.virtual_memory().available
+    for limit_path, usage_path in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+                                   ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
+                                    "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+        with contextlib.suppress(OSError, ValueError):
+            with open(limit_path) as limit, open(usage_path) as usage:
+                available = min(available, int(limit.read()) - int(usage.read()))  # "max" raises ValueError
+    return max(available, 0)
+
+
+def check_ram(plan: Plan, memory: MemoryConfig, device: torch.device, *, released: int = 0, local_ranks: int = 1,
+              suggestion: Callable[[Callable[[Plan], bool]], str | None] = lambda fits: None) -> None:
+    """Refuse a run whose "auto" tiers cannot fit in the RAM the machine really has, before anything
+    is allocated. The host tier lives in RAM; so does the device tier on a CPU-only machine, so there
+    the two plans share it. ``released``: bytes the model holds now that its flattening gives back
+    (an eagerly built model's parameters). ``local_ranks`` processes of the job share this RAM, each
+    with a plan like ``plan``. ``suggestion(fits)`` names a layout that would fit."""
+    in_ram = [name for name, auto in (("host", memory.host_budget == "auto"),
+                                      ("device", device.type == "cpu" and memory.device_budget == "auto")) if auto]
+    available, margin = available_ram(), max(RAM_MARGIN_MIN, int(RAM_MARGIN * psutil.virtual_memory().total))
+    room = (available - margin) // local_ranks + released
+
+    def fits(candidate: Plan) -> bool:
+        return sum(sum(candidate.get(name, {}).values()) for name in in_ram) <= room
+
+    if not in_ram or fits(plan):
+        return
+    need = {name: sum(plan.get(name, {}).values()) for name in in_ram}
+    parts = "; ".join(f"{name} tier {n:,} ({', '.join(f'{k.value} {b:,}' for k, b in plan[name].items() if b)})"
+                      for name, n in need.items() if n)
+    layout = suggestion(fits)
+    fix = (f"a layout that fits: {layout}" if layout else "no layout of this model fits here: use a machine with "
+           "more RAM, or set memory.device_budget/host_budget if you know better")
+    shared = f", shared by {local_ranks} ranks" if local_ranks > 1 else ""
+    given_back = f", plus {released:,} the model's weights give back" if released else ""
+    raise BudgetError(f"the run needs {sum(need.values()):,} bytes of RAM per rank ({parts}) but this machine has "
+                      f"{max(room, 0):,} for it ({available:,} available, less {margin:,} kept for activations, "
+                      f"the allocator and torch{shared}{given_back}; memory.*_budget = \"auto\"); {fix}")
 
 
 def check_plan(plan: Plan, tiers: dict[str, Tier]) -> None:
