@@ -61,3 +61,24 @@ def test_config_errors_exit_2_naming_the_key(tmp_path):
     run = _cli("doctor", "--config", str(config))
     assert run.returncode == 2
     assert "unknown key 'zero.stgae'; did you mean 'zero.stage'?" in run.stderr
+
+
+def test_readme_cites_only_files_in_the_repository():
+    readme = (ROOT / "README.md").read_text()
+    assert "DESIGN" not in readme and "../" not in readme
+    cited = set(re.findall(r"(?<![\w/.-])((?:zerooffload|tests|bench|native|examples|\.ci)/[\w./-]*\w)", readme))
+    assert cited and not [path for path in cited if not (ROOT / path).exists()]
+
+
+def test_help_says_what_the_tool_does_and_lists_the_commands():
+    run = _cli("--help")
+    assert run.returncode == 0 and "Train PyTorch models whose parameters, gradients and optimizer" in run.stdout
+    for command in ("train", "checkpoint", "doctor", "estimate", "bench", "--debug", "Exit status"):
+        assert command in run.stdout
+
+
+def test_estimate_takes_suffixed_parameter_counts():
+    suffixed = _cli("estimate", "--params", "1.5B", "--dp", "8")
+    plain = _cli("estimate", "--params", "1.5e9", "--dp", "8")
+    assert suffixed.returncode == 0 and suffixed.stdout == plain.stdout
+    assert "1.5e+09 parameters over 8" in suffixed.stdout

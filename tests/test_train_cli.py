@@ -18,20 +18,32 @@ from zerooffload.checkpoint import read_manifest
 from zerooffload.models import GPT, PRESETS
 
 
-def _run(args: list[str], tmp_path, timeout: int = 300) -> dict:
-    out = tmp_path / "out"
+def _completed(args: list[str], out: Path, timeout: int = 300) -> subprocess.CompletedProcess:
     run = subprocess.run([*args, "--out", str(out)], capture_output=True, text=True, timeout=timeout,
                          env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
+    return run
+
+
+def _run(args: list[str], tmp_path, timeout: int = 300) -> dict:
+    run = _completed(args, tmp_path / "out", timeout)
     assert "trained nano" in run.stdout
-    return json.loads((out / "summary.json").read_text())
+    return json.loads((tmp_path / "out" / "summary.json").read_text())
+
+
+_PROGRESS_LINE = re.compile(r"^step (\d+)/(\d+) loss=\d+\.\d{3} tok_s=[\d,]+ step_s=\d+\.\d{3}", re.MULTILINE)
 
 
 def test_train_smoke_30_steps(tmp_path):
-    summary = _run([sys.executable, "-m", "zerooffload", "train", "--steps", "30"], tmp_path)
+    """The default run; off a terminal its progress is plain lines: the first step, every tenth, the last."""
+    run = _completed([sys.executable, "-m", "zerooffload", "train", "--steps", "30"], tmp_path / "out")
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert summary["steps"] == 30 and summary["stage"] == 2 and summary["world_size"] == 1
     assert summary["loss_ratio"] < 0.9  # the loss falls even in 30 steps
     assert all(0 < loss < 6 for loss in summary["losses"])
+    steps = [int(step) for step, _ in _PROGRESS_LINE.findall(run.stderr)]
+    assert steps[0] == 1 and steps[-1] == 30 and {3, 6, 9, 27} <= set(steps), run.stderr[-2000:]
+    assert len(steps) < 20 and "\r" not in run.stderr  # not a line a step (only lines 10 s apart come extra)
 
 
 @pytest.mark.parametrize("stage", [1, 3])
@@ -51,12 +63,14 @@ def test_presets_span_1m_to_2b_and_the_largest_outgrows_this_machine():
 
 
 def test_train_resumes_from_its_checkpoint_exactly(tmp_path):
-    """10 steps straight == 5 steps with --save-every 5, then --resume to 10 (a fresh process)."""
+    """10 steps straight == 5 steps with --save-every 5, then --resume to 10 (a fresh process); the
+    resumed summary covers all 10 steps."""
     common = [sys.executable, "-m", "zerooffload", "train", "train.micro_batch_size=4", "scheduler.type=constant"]
     straight = _run([*common, "--steps", "10"], tmp_path / "a")
     _run([*common, "--steps", "5", "--save-every", "5"], tmp_path / "b")
     resumed = _run([*common, "--steps", "10", "--resume"], tmp_path / "b")
-    assert resumed["steps"] == 5 and resumed["losses"] == straight["losses"][5:]
+    assert resumed["steps"] == 10 and resumed["first_step"] == 5 and resumed["losses"] == straight["losses"]
+    assert resumed["first_loss_mean"] == straight["first_loss_mean"]
     again = subprocess.run([*common, "--steps", "5", "--resume", "--out", str(tmp_path / "b" / "out")],
                            capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert again.returncode == 0 and "nothing to train" in again.stdout, again.stderr[-2000:]
@@ -132,12 +146,13 @@ def test_sigterm_saves_the_steps_done_and_resume_matches_an_uninterrupted_run(tm
     assert returncode == 143 and "Traceback" not in output and 1 <= done < 16, output[-4000:]
     manifest = read_manifest(checkpoints)
     assert kept == f"checkpoint saved to {manifest.directory}; resume with --resume"
-    assert manifest.data["client_state"] == {"next_step": done}
+    assert manifest.data["client_state"]["next_step"] == done
     assert straight.process.wait(timeout=120) == 0, straight.output()[-4000:]
     reference = json.loads((straight.out / "summary.json").read_text())["losses"]
+    assert manifest.data["client_state"]["losses"] == reference[:done]
     assert json.loads((run.out / "summary.json").read_text())["losses"] == reference[:done]
     resumed = _run([*_TRAIN, "--steps", "16", "--resume"], tmp_path / "b")
-    assert resumed["steps"] == 16 - done and resumed["losses"] == reference[done:]
+    assert resumed["steps"] == 16 and resumed["first_step"] == done and resumed["losses"] == reference
 
 
 def test_sigint_without_save_every_stops_cleanly_with_130(tmp_path, start):
@@ -173,5 +188,59 @@ def test_sigterm_to_one_rank_under_torchrun_stops_both_at_the_same_step(tmp_path
     assert returncode != 0 and re.search(r"exitcode\s*:\s*143", output), output[-4000:]  # torchrun's report
     manifest = read_manifest(checkpoints)
     assert kept == f"checkpoint saved to {manifest.directory}; resume with --resume"
-    assert manifest.data["client_state"] == {"next_step": done} and manifest.data["world_size"] == 2
+    assert manifest.data["client_state"]["next_step"] == done and manifest.data["world_size"] == 2
     assert json.loads((run.out / "summary.json").read_text())["steps"] == done
+
+
+# ------------------------------------------------------------------------------ resume, tags, progress
+def _train_cli(args: list[str], out: Path) -> subprocess.CompletedProcess:
+    return _completed([*_TRAIN, *args], out)
+
+
+def _tags(checkpoints: Path) -> set[str]:
+    return {p.name for p in checkpoints.iterdir() if p.is_dir()}
+
+
+def test_keep_last_prunes_old_step_tags_and_resume_falls_back_past_a_corrupt_latest(tmp_path):
+    """--keep-last 2 keeps the newest two step tags and a user's own directory; a corrupt ``latest``
+    makes --resume fall back, saying so, to the newest tag that verifies; --tag picks an older one and
+    the tag ``latest`` then names survives pruning though newer ones exist. Every resumed summary
+    holds the losses of steps 0..N of the uninterrupted run."""
+    out = tmp_path / "out"
+    checkpoints = out / "checkpoints"
+    first = _train_cli(["--steps", "6", "--save-every", "2", "--keep-last", "2"], out)
+    reference = json.loads((out / "summary.json").read_text())["losses"]
+    assert _tags(checkpoints) == {"step00000004", "step00000006"}, first.stderr[-2000:]
+    (checkpoints / "mine").mkdir()
+    (checkpoints / "mine" / "notes.txt").write_text("a user's own directory")
+
+    with open(checkpoints / "step00000006" / "manifest.json", "ab") as manifest:
+        manifest.write(b" ")
+    fell_back = _train_cli(["--steps", "6", "--save-every", "2", "--keep-last", "2", "--resume"], out)
+    warnings = [line for line in fell_back.stderr.splitlines() if line.startswith("zerooffload: warning:")]
+    assert len(warnings) == 1 and "manifest is corrupt" in warnings[0], fell_back.stderr[-2000:]
+    assert warnings[0].endswith("resuming from step00000004, the newest step tag that verifies")
+    assert "resumed from step 4 (tag step00000004)" in fell_back.stdout
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 6 and summary["first_step"] == 4 and summary["losses"] == reference
+
+    older = _train_cli(["--steps", "5", "--save-every", "5", "--keep-last", "1", "--resume", "--tag", "step00000004"],
+                       out)
+    assert "resumed from step 4 (tag step00000004)" in older.stdout
+    assert (checkpoints / "latest").read_text().strip() == "step00000005"
+    assert _tags(checkpoints) == {"step00000005", "step00000006", "mine"}  # newest 1, latest's, the user's
+    assert (checkpoints / "mine" / "notes.txt").exists()
+    assert json.loads((out / "summary.json").read_text())["losses"] == reference[:5]
+
+
+def test_fp16_run_with_every_step_skipped_says_so_and_progress_is_plain_lines(tmp_path):
+    """Off a terminal the progress is one plain line a step here (fewer than 20 steps), with the skipped
+    count; a run whose every step overflowed ends with one warning naming the setting to lower."""
+    run = _train_cli(["--steps", "2", "train.precision=fp16", "train.initial_scale_power=64"], tmp_path / "out")
+    lines = _PROGRESS_LINE.findall(run.stderr)
+    assert lines == [("1", "2"), ("2", "2")] and "\r" not in run.stderr, run.stderr[-2000:]
+    assert re.search(r"^step 2/2 .* skipped=2$", run.stderr, re.MULTILINE), run.stderr[-2000:]
+    assert run.stderr.splitlines()[-1] == ("zerooffload: warning: all 2 steps were skipped (fp16 overflow): lower "
+                                           "train.initial_scale_power (now 64), or use train.precision=bf16")
+    assert json.loads((tmp_path / "out" / "summary.json").read_text())["skipped_steps"] == 2
+

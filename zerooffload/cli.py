@@ -1,17 +1,85 @@
 """The ``zerooffload`` command: parse arguments, call one library function, print its result.
 
 Each subcommand is a ``_cmd_*`` function taking the parsed arguments and returning an exit
-status; no training or I/O logic lives here (DESIGN §3: the CLI is a face).
+status; no training or I/O logic lives here (the CLI is a face over the library).
+
+[Note: user errors]
+A mistake the user can fix (a bad flag or config value, a checkpoint that does not verify, a swap
+path that cannot be written, no room for the swap files, a peer rank that failed, Ctrl-C) ends the
+command with one line on stderr, ``zerooffload: <what>: <fix>``, and no traceback: a traceback
+says "bug", and these are not bugs. Exit status 2: the command line or the config is wrong (nothing
+ran); 1: it ran and hit a problem in the files or the machine; 130: interrupted. Anything else (the
+engine's RuntimeErrors for API misuse, a bug) keeps Python's traceback. ``--debug`` or
+``ZEROOFFLOAD_DEBUG=1`` prints the traceback of a user error too, above the same line, with the
+same status.
 """
 from __future__ import annotations
 
 import argparse
+import errno
+import os
 import sys
+import traceback
+import warnings
+from typing import Callable
 
+from .checkpoint_files import CheckpointError
+from .comm import EngineGroupEnded
 from .config import Config, ConfigError
-from .log import configure_logging
+from .deepspeed_config import DeepSpeedConfigWarning
+from .estimate import parse_count
+from .log import configure_logging, current_rank
 
 __all__ = ["main"]
+
+USAGE_ERROR, RUNTIME_ERROR, INTERRUPTED = 2, 1, 130
+"""Exit statuses of user errors (see [Note: user errors])."""
+
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+
+_DESCRIPTION = """\
+Train PyTorch models whose parameters, gradients and optimizer states do not fit in accelerator
+memory: ZeRO stages 1-3 over torch.distributed, each kind of state kept on the device, in host RAM
+or on NVMe and moved ahead of need. Runs alone or under torchrun with the same arguments."""
+
+_EPILOG = """\
+examples:
+  zerooffload train --steps 100 --model nano      train the built-in GPT for 100 steps
+  zerooffload train --resume --save-every 50      continue from OUT/checkpoints/latest
+  zerooffload estimate --params 1.5B --dp 8       memory per GPU by stage
+  zerooffload doctor nvme.path=/mnt/nvme          can this machine run it?
+
+Run 'zerooffload COMMAND --help' for a command's flags. Exit status: 0 done, 1 a runtime problem
+(checkpoint, disk, another rank), 2 a usage or config error, 130/143 stopped by SIGINT/SIGTERM.
+--debug (or ZEROOFFLOAD_DEBUG=1) adds the traceback to an error's one line."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse whose errors are one line (see [Note: user errors]) instead of the usage and a message."""
+
+    def error(self, message: str) -> None:
+        self.exit(USAGE_ERROR, f"zerooffload: {message}: see '{self.prog} --help'\n")
+
+
+def _number(parse: Callable[[str], float], minimum: float, meaning: str) -> Callable[[str], float]:
+    """An argparse ``type`` for a number >= ``minimum``, whose error says what the flag takes."""
+    def checked(text: str) -> float:
+        try:
+            value = parse(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(f"{text!r}: expected {meaning}") from exc
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"{text!r}: expected {meaning}")
+        return value
+    return checked
+
+
+def _params(text: str) -> float:
+    """``--params`` of ``estimate``: a count with an optional K/M/B/T suffix (see ``parse_count``)."""
+    try:
+        return parse_count(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _load_config(args: argparse.Namespace) -> Config:
@@ -41,6 +109,8 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
 def _cmd_train(args: argparse.Namespace) -> int:
     from .train import run_training
 
+    if args.tag and not args.resume:
+        args.usage_error("--tag NAME needs --resume (it names the checkpoint to continue from)")
     return run_training(args)
 
 
@@ -90,7 +160,7 @@ def _add_bench(commands) -> None:
     adam.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16", help="dtype of the copies (default bf16)")
     adam.add_argument("--threads", type=int, default=0, metavar="N", help="threads of our pass (default 0: all CPUs)")
     adam.add_argument("--deepspeed-python", metavar="PATH",
-                      help="python of a DeepSpeed venv (e.g. /tmp/anchors/dsvenv/bin/python): adds DeepSpeedCPUAdam")
+                      help="python of a venv with DeepSpeed installed: adds DeepSpeedCPUAdam")
     adam.set_defaults(run=_cmd_bench_adam)
 
 
@@ -98,7 +168,10 @@ def _cmd_consolidate(args: argparse.Namespace) -> int:
     from .checkpoint import consolidate
     from .precision import COMPUTE_DTYPES
 
-    path = consolidate(args.checkpoint, args.out, COMPUTE_DTYPES[args.dtype], args.tag)
+    try:
+        path = consolidate(args.checkpoint, args.out, COMPUTE_DTYPES[args.dtype], args.tag)
+    except CheckpointError as exc:
+        raise CheckpointError(f"{exc}; consolidate another tag with --tag NAME") from exc
     print(f"wrote {path} ({path.stat().st_size / 1e6:.1f} MB)")
     return 0
 
@@ -114,40 +187,129 @@ def _add_checkpoint(commands) -> None:
     merge.set_defaults(run=_cmd_consolidate)
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="zerooffload", description=__doc__.splitlines()[0])
-    parser.add_argument("--log-level", default="WARNING", help="logging level (DEBUG, INFO, WARNING)")
-    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+def _add_train(commands) -> None:
     from .models import PRESETS
 
     train = commands.add_parser("train", help="train the built-in GPT on the offline byte corpus")
-    train.add_argument("--steps", type=int, default=300, help="optimizer steps (default 300)")
+    train.add_argument("--steps", type=_number(int, 1, "a whole number of steps >= 1"), default=300,
+                       help="optimizer steps in all, the resumed ones included (default 300)")
     train.add_argument("--model", default="nano", choices=list(PRESETS), help="GPT preset (default nano)")
     train.add_argument("--out", default="zerooffload-out", help="directory for summary.json and checkpoints/")
-    train.add_argument("--save-every", type=int, default=0, metavar="N",
-                       help="save a checkpoint to OUT/checkpoints every N steps (and at the end)")
-    train.add_argument("--resume", action="store_true", help="continue from OUT/checkpoints/latest")
+    train.add_argument("--save-every", type=_number(int, 0, "a whole number >= 0 (0: no checkpoints)"), default=0,
+                       metavar="N", help="save a checkpoint to OUT/checkpoints every N steps (and at the end)")
+    train.add_argument("--keep-last", type=_number(int, 0, "a whole number >= 0 (0: keep every one)"), default=3,
+                       metavar="K", help="after each save keep only the newest K step tags (default 3; 0: all)")
+    train.add_argument("--resume", action="store_true",
+                       help="continue from OUT/checkpoints/latest (or the newest step tag that verifies)")
+    train.add_argument("--tag", metavar="NAME", help="with --resume: continue from this tag instead")
     _add_config_arguments(train)
-    train.set_defaults(run=_cmd_train)
+    train.set_defaults(run=_cmd_train, usage_error=train.error)
+
+
+def _add_estimate(commands) -> None:
+    estimate = commands.add_parser("estimate", help="model-state memory per device by the ZeRO paper's formulas")
+    estimate.add_argument("--params", type=_params, required=True, help="parameter count, e.g. 7.5e9 or 1.5B")
+    estimate.add_argument("--dp", type=_number(int, 1, "a whole number of ranks >= 1"), required=True,
+                          help="data-parallel ranks")
+    estimate.add_argument("--stage", type=int, choices=range(4), help="show one stage only")
+    estimate.set_defaults(run=_cmd_estimate)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="zerooffload", description=_DESCRIPTION, epilog=_EPILOG,
+                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--log-level", default="WARNING", type=str.upper, choices=LOG_LEVELS,
+                        help="logging level: " + ", ".join(LOG_LEVELS) + " (default WARNING)")
+    parser.add_argument("--debug", action="store_true",
+                        help="show the traceback of an error too (also: ZEROOFFLOAD_DEBUG=1)")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_train(commands)
     _add_checkpoint(commands)
     doctor = commands.add_parser("doctor", help="check the native backend, io_uring, O_DIRECT, CUDA, free space")
     _add_config_arguments(doctor)
     doctor.set_defaults(run=_cmd_doctor)
-    estimate = commands.add_parser("estimate", help="model-state memory per device by the ZeRO paper's formulas")
-    estimate.add_argument("--params", type=float, required=True, help="parameter count, e.g. 7.5e9")
-    estimate.add_argument("--dp", type=int, required=True, help="data-parallel ranks")
-    estimate.add_argument("--stage", type=int, choices=range(4), help="show one stage only")
-    estimate.set_defaults(run=_cmd_estimate)
+    _add_estimate(commands)
     _add_bench(commands)
     return parser
 
 
+def _parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """Parse ``argv``, taking ``key.path=value`` overrides wherever they stand: argparse alone takes them
+    only as one run, so ``train a=1 --steps 5 b=2`` would refuse ``b=2``."""
+    args, extra = parser.parse_known_args(argv)
+    stray = [a for a in extra if a.startswith("-") or "=" not in a or not hasattr(args, "overrides")]
+    if stray:
+        parser.error(f"unrecognized arguments: {' '.join(stray)}")
+    if extra:
+        args.overrides = [*args.overrides, *extra]
+    return args
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())
+
+
+def _os_error_line(exc: OSError) -> str:
+    """An OSError's line. The library words its own (a swap directory that cannot be made, no room for
+    the swap files: SwapSpaceError) with the fix; a bare system message gets what to check."""
+    if exc.errno is None or exc.strerror != os.strerror(exc.errno):
+        return exc.strerror or str(exc)
+    if type(exc).__str__ is not OSError.__str__:  # AioError: the operation, file and offset
+        text = str(exc)
+    else:
+        text = exc.strerror if exc.filename is None else f"{exc.strerror}: {exc.filename}"
+    if exc.errno == errno.ENOSPC:
+        return f"{text}; free space there, or point nvme.path or --out at another disk"
+    return f"{text}; check that the path exists and is writable (nvme.path, offload.*.path, --out)"
+
+
+def _user_error(exc: Exception) -> tuple[int, str] | None:
+    """The exit status and line of a user error (see [Note: user errors]); None for anything else."""
+    if isinstance(exc, ConfigError):
+        return USAGE_ERROR, f"config error: {exc}"
+    if isinstance(exc, CheckpointError):
+        return RUNTIME_ERROR, f"checkpoint error: {exc}"
+    if isinstance(exc, EngineGroupEnded):
+        return RUNTIME_ERROR, f"{exc}; fix that rank's error (its own line) and run again"
+    if isinstance(exc, OSError):
+        return RUNTIME_ERROR, _os_error_line(exc)
+    return None
+
+
+def _fail(status: int, line: str, debug: bool) -> int:
+    """Print a user error's line (after its traceback with ``debug``); return its exit status."""
+    if debug:
+        traceback.print_exc()
+    rank = f"rank {current_rank()}: " if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
+    print(f"zerooffload: {rank}{_one_line(line)}", file=sys.stderr)
+    return status
+
+
+def _warning_printer(python_showwarning: Callable) -> Callable:
+    """A ``warnings.showwarning`` printing ours as ``zerooffload: warning: <message>`` (a user reads the
+    message, not the library line that raised it); other warnings as Python shows them."""
+    def show(message, category, filename, lineno, file=None, line=None) -> None:
+        if issubclass(category, DeepSpeedConfigWarning):
+            print(f"zerooffload: warning: {_one_line(str(message))}", file=sys.stderr if file is None else file)
+        else:
+            python_showwarning(message, category, filename, lineno, file, line)
+    return show
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the console script and ``python -m zerooffload``."""
-    args = _parser().parse_args(argv)
-    configure_logging(args.log_level.upper())
+    debug = os.environ.get("ZEROOFFLOAD_DEBUG", "0") not in ("", "0")
     try:
-        return args.run(args)
-    except ConfigError as exc:
-        print(f"zerooffload: config error: {exc}", file=sys.stderr)
-        return 2
+        args = _parse(_parser(), argv)
+        debug = debug or args.debug
+        configure_logging(args.log_level)
+        with warnings.catch_warnings():  # puts showwarning back afterwards (main may run inside a test)
+            warnings.showwarning = _warning_printer(warnings.showwarning)
+            return args.run(args)
+    except KeyboardInterrupt:
+        return _fail(INTERRUPTED, "interrupted (Ctrl-C); nothing was saved by this command", debug)
+    except Exception as exc:
+        error = _user_error(exc)
+        if error is None:
+            raise
+        return _fail(*error, debug)

@@ -432,16 +432,15 @@ def _read_file(path: Path) -> dict:
         text = path.read_text()
     except OSError as exc:
         raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from exc
-    parsers = {".toml": [tomllib.loads], ".json": [json.loads]}.get(path.suffix.lower(),
-                                                                   [json.loads, tomllib.loads])
+    formats = {".toml": {"TOML": tomllib.loads}, ".json": {"JSON": json.loads}}.get(
+        path.suffix.lower(), {"JSON": json.loads, "TOML": tomllib.loads})
     errors = []
-    for parse in parsers:
+    for name, parse in formats.items():
         try:
             return parse(text)
-        except (ValueError, tomllib.TOMLDecodeError) as exc:
-            errors.append(str(exc))
-    raise ConfigError(f"config file {path} is not valid {'/'.join(p.__module__ for p in parsers)}: "
-                      + "; ".join(errors))
+        except (ValueError, tomllib.TOMLDecodeError) as exc:  # both messages give the line and column
+            errors.append(f"{name}: {exc}" if len(formats) > 1 else str(exc))
+    raise ConfigError(f"config file {path} is not valid {' or '.join(formats)}: " + "; ".join(errors))
 
 
 def apply_override(data: dict, override: str) -> dict:

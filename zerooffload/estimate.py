@@ -14,12 +14,31 @@ model states only: activations, buffers and fragmentation come on top.
 """
 from __future__ import annotations
 
+import math
+import re
 from dataclasses import dataclass
 
-__all__ = ["K_ADAM", "StageEstimate", "estimate", "format_table"]
+__all__ = ["K_ADAM", "StageEstimate", "estimate", "format_table", "parse_count"]
 
 K_ADAM = 12
 """Bytes of optimizer state per parameter for mixed-precision Adam: fp32 master, m and v."""
+
+
+_COUNT_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([kmbt]?)\s*$", re.IGNORECASE)
+_COUNT_SUFFIXES = {"": 1, "k": 1e3, "m": 1e6, "b": 1e9, "t": 1e12}
+
+
+def parse_count(text: str) -> float:
+    """A parameter count as people write it: ``7.5e9``, ``1500000``, ``1.5B``, ``350M``, ``2k``.
+
+    Suffixes are decimal (K = 1e3, M = 1e6, B = 1e9, T = 1e12), as model sizes are quoted. A ``ValueError``
+    that shows the accepted forms otherwise: a count is never guessed from a byte unit such as ``G``.
+    """
+    match = _COUNT_RE.match(text)
+    value = float(match.group(1)) * _COUNT_SUFFIXES[match.group(2).lower()] if match else math.nan
+    if not value > 0 or math.isinf(value):
+        raise ValueError(f"{text!r} is not a positive parameter count: write it like 7.5e9, 1.5B, 350M or 2K")
+    return value
 
 
 @dataclass(frozen=True, slots=True)

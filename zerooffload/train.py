@@ -18,12 +18,29 @@ normal end; rank 0 prints one line saying what was kept; the exit status is 128 
 (143 for SIGTERM, 130 for SIGINT), the shell's convention, so a scheduler sees a run that did not
 finish. A second signal is noted and ignored: it arrives while the step or the save is finishing,
 which is exactly what must not be torn (torchrun itself sends SIGTERM after the terminal's SIGINT).
+
+[Note: resuming]
+Every save's client state holds ``next_step`` (the data position) and ``losses``, the loss of every
+step so far: the history travels inside the checkpoint it belongs to, so whichever tag a run resumes
+from, summary.json's ``steps`` and ``losses`` describe steps 0..N of one run (a summary.json beside
+it could be newer or older than that tag). ``--resume`` loads ``--tag``, else the tag ``latest``
+names; when ``latest`` is missing or its checkpoint does not verify (``read_manifest``: digest,
+format, sizes and CRCs), the newest ``stepNNNNNNNN`` tag that does, said in one line. Every rank
+chooses alone, from the same files, so they agree without a collective before the load (a collective
+that one rank left by raising would end the engine's group). The check reads the files once more
+than the load does; a resume is rare enough to pay that for not dying on one bad tag. After each
+save rank 0 keeps the newest ``--keep-last`` step tags (step order is name order): older ones go,
+never the tag ``latest`` names and never a tag of another name (someone's own save). A doomed tag is
+renamed ``<tag>.partial`` first, so a prune cut short leaves what the next save's recovery removes,
+never a tag that looks complete.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import re
+import shutil
 import signal
 import statistics
 import sys
@@ -35,10 +52,13 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from .checkpoint import read_manifest
+from .checkpoint_files import LATEST, PARTIAL, CheckpointError
 from .comm import Comm, control_all_reduce
 from .config import Config, apply_override
 from .data import ByteCorpus
 from .engine import initialize
+from .lazy_init import init_context
 from .models import GPT, PRESETS
 
 __all__ = ["TRAIN_DEFAULTS", "load_train_config", "run_training"]
@@ -63,60 +83,68 @@ def load_train_config(config_path: str | None, overrides: list[str], steps: int)
 
 
 def run_training(args: argparse.Namespace) -> int:
-    """Train ``args.model`` for ``args.steps`` optimizer steps; print a summary and write it to ``--out``.
+    """Train ``args.model`` up to ``args.steps`` optimizer steps; print a summary and write it to ``--out``.
 
     Returns the exit status: 0, or 128 + the signal that stopped the run early (see the note).
     """
     config = load_train_config(args.config, args.overrides, args.steps)
+    Path(args.out).mkdir(parents=True, exist_ok=True)  # an --out that cannot be written fails now, not at the end
     torch.manual_seed(config.train.seed)
     model_config = PRESETS[args.model]
-    engine = initialize(GPT(model_config), config)
+    with init_context(config):  # nothing is allocated before the engine checks that the run fits
+        model = GPT(model_config)
+    engine = initialize(model, config, init_fn=model.init_fn())
     with _StopOnSignal(engine.comm.rank) as stop:
         checkpoints = Path(args.out) / "checkpoints"
-        first_step = engine.load_checkpoint(checkpoints)["next_step"] if args.resume else 0
+        first_step, losses = _resume(engine, checkpoints, args.tag) if args.resume else (0, [])
         if first_step >= args.steps:
             engine.close()
             if engine.comm.rank == 0:
                 print(f"nothing to train: {checkpoints} is at step {first_step} and --steps is {args.steps}")
             return 0
-        run = _train(args, engine, config, model_config.block_size, first_step, checkpoints, stop)
-        summary = _summary(args, engine, run.losses, run.seconds, run.tokens_per_step, model_config)
+        run = _train(args, engine, config, model_config.block_size, (first_step, losses), checkpoints, stop)
+        summary = _summary(args, engine, run, model_config)
         engine.close()
         if engine.comm.rank == 0:  # before the handlers go back: torchrun may SIGTERM a rank that is finishing
             _print_summary(summary)
-            out = Path(args.out)
-            out.mkdir(parents=True, exist_ok=True)
-            (out / "summary.json").write_text(json.dumps(summary, indent=2))
-            if run.stopped_by is not None:
-                print(_stop_line(run), file=sys.stderr)
+            (Path(args.out) / "summary.json").write_text(json.dumps(summary, indent=2))
+            for line in (_all_skipped_line(engine, config), run.stopped_by and _stop_line(run)):
+                if line:
+                    print(line, file=sys.stderr)
     return 0 if run.stopped_by is None else 128 + run.stopped_by
 
 
 @dataclass(slots=True)
 class _Run:
-    """What the training loop did: the loss of each step it ran, and why it ended early, if it did."""
+    """What the training loop did: the loss of each step, and why it ended early, if it did."""
 
     tokens_per_step: int
+    first_step: int
+    """The step this process started at: 0, or where ``--resume`` continued."""
+    last_step: int
+    """The number of optimizer steps done (the resumed ones included)."""
     losses: list[float] = field(default_factory=list)
+    """Rank 0's loss of every step from step 0 (the resumed ones from the checkpoint: see [Note: resuming])."""
     seconds: float = 0.0
-    last_step: int = 0
-    """The number of optimizer steps done when the loop ended (the resumed ones included)."""
+    """Wall time of this process's steps."""
     stopped_by: signal.Signals | None = None
     saved: Path | None = None
     """The last checkpoint this loop wrote: after a signal, the one holding the steps done."""
 
 
-def _train(args, engine, config: Config, seq: int, first_step: int, checkpoints: Path,
+def _train(args, engine, config: Config, seq: int, resumed: tuple[int, list[float]], checkpoints: Path,
            stop: "_StopOnSignal") -> _Run:
-    """The loop: steps ``first_step`` .. ``--steps`` - 1, each followed by the periodic save when due,
-    until the steps are done or the ranks agree that a signal stops them (see the note)."""
+    """The loop: steps ``first_step`` .. ``--steps`` - 1 (``resumed``: the first step and the losses
+    before it), each followed by the periodic save when due, until the steps are done or the ranks
+    agree that a signal stops them (see the notes)."""
     corpus = ByteCorpus()
     rank, world = engine.comm.rank, engine.comm.world_size
     micro, accum = config.train.micro_batch_size, config.train.grad_accum_steps
-    run, started = _Run(tokens_per_step=micro * accum * world * seq), time.perf_counter()
-    progress = tqdm(desc=f"train {args.model}", disable=rank != 0, unit="step", mininterval=1.0, initial=first_step,
-                    total=args.steps)  # counted by hand: a wrapped range left by ``break`` ends one step short
-    for step in range(first_step, args.steps):
+    first_step, losses = resumed
+    run = _Run(tokens_per_step=micro * accum * world * seq, first_step=first_step, last_step=first_step, losses=losses)
+    started = time.perf_counter()
+    progress = _Progress(args, run.first_step, rank)
+    for step in range(run.first_step, args.steps):
         step_start, window_loss = time.perf_counter(), 0.0
         for micro_step in range(accum):
             x, y = corpus.batch(step * accum + micro_step, batch_size=micro, seq_len=seq, seed=config.train.seed,
@@ -128,18 +156,78 @@ def _train(args, engine, config: Config, seq: int, first_step: int, checkpoints:
         run.losses.append(window_loss)
         run.last_step = step + 1
         elapsed = time.perf_counter() - step_start
-        progress.update()
-        progress.set_postfix(loss=f"{window_loss:.3f}", tok_s=f"{run.tokens_per_step / elapsed:,.0f}",
-                             step_s=f"{elapsed:.3f}", **_offload_postfix(engine.stats))
+        progress.update(run.last_step, {"loss": f"{window_loss:.3f}", "tok_s": f"{run.tokens_per_step / elapsed:,.0f}",
+                                        "step_s": f"{elapsed:.3f}", **_engine_postfix(engine.stats)})
         run.stopped_by = stop.agreed(engine.comm)
         if args.save_every and (run.stopped_by is not None or run.last_step % args.save_every == 0
                                 or run.last_step == args.steps):
-            run.saved = engine.save_checkpoint(checkpoints, client_state={"next_step": run.last_step})
+            run.saved = engine.save_checkpoint(checkpoints, client_state={"next_step": run.last_step,
+                                                                          "losses": run.losses})
+            if rank == 0:
+                _prune(checkpoints, args.keep_last)
         if run.stopped_by is not None:
             break
     progress.close()
     run.seconds = time.perf_counter() - started
     return run
+
+
+# ------------------------------------------------------------------------------------ resume and prune
+_STEP_TAG = re.compile(r"step\d{8}")
+"""The tags train saves (``checkpoint.default_tag``): the only ones it falls back to or prunes."""
+
+
+def _resume(engine, checkpoints: Path, tag: str | None) -> tuple[int, list[float]]:
+    """Load the checkpoint ``--resume`` continues from (see [Note: resuming]); the step it ends at and
+    the losses of the steps before it."""
+    tag = tag or _loadable_tag(checkpoints, engine.comm.rank)
+    try:
+        client = engine.load_checkpoint(checkpoints, tag)
+    except CheckpointError as error:
+        raise CheckpointError(f"{error}; resume from another tag with --tag NAME, or start again without "
+                              "--resume") from error
+    if not isinstance(client, dict) or not isinstance(client.get("next_step"), int):
+        raise CheckpointError(f"{checkpoints / tag}: its client state has no 'next_step' (not saved by zerooffload "
+                              "train); resume from one of train's stepNNNNNNNN tags")
+    if engine.comm.rank == 0:
+        print(f"resumed from step {client['next_step']} (tag {tag})")
+    return client["next_step"], list(client.get("losses", []))
+
+
+def _loadable_tag(checkpoints: Path, rank: int) -> str:
+    """The tag ``latest`` names, or when it does not verify the newest step tag that does."""
+    if not checkpoints.is_dir():
+        raise CheckpointError(f"{checkpoints} does not exist, so there is nothing to resume from; start without "
+                              "--resume, or pass the --out of the run to continue")
+    try:
+        read_manifest(checkpoints)
+        return (checkpoints / LATEST).read_text().strip()
+    except CheckpointError as error:
+        problem = error
+    for tag in sorted((p.name for p in checkpoints.iterdir() if _STEP_TAG.fullmatch(p.name)), reverse=True):
+        try:
+            read_manifest(checkpoints, tag)
+        except CheckpointError:
+            continue
+        if rank == 0:
+            print(f"zerooffload: warning: not resuming from latest ({problem}); resuming from {tag}, the newest "
+                  "step tag that verifies", file=sys.stderr)
+        return tag
+    raise CheckpointError(f"{problem}; no stepNNNNNNNN tag in {checkpoints} verifies either: start without --resume")
+
+
+def _prune(checkpoints: Path, keep: int) -> None:
+    """Remove train's step tags older than the newest ``keep`` (0: keep all), sparing the one ``latest``
+    names (see [Note: resuming])."""
+    if not keep:
+        return
+    latest = (checkpoints / LATEST).read_text().strip()
+    tags = sorted(p.name for p in checkpoints.iterdir() if _STEP_TAG.fullmatch(p.name) and p.is_dir())
+    for tag in tags[:-keep]:
+        if tag != latest:
+            doomed = checkpoints / (tag + PARTIAL)
+            os.replace(checkpoints / tag, doomed)
+            shutil.rmtree(doomed)
 
 
 def _stop_line(run: _Run) -> str:
@@ -195,9 +283,41 @@ class _StopOnSignal:
         return mine or next((s for s, n in zip(self.SIGNALS, counts) if n > 0), None)
 
 
-def _offload_postfix(stats) -> dict[str, str]:
-    """Stage 3 and NVMe figures for the progress bar, when the run has them."""
+class _Progress:
+    """Rank 0's progress. On a terminal, a tqdm bar; anywhere else (a log file, a pipe, a CI job) a
+    bar's redraws are noise, so plain lines: after the first step, every tenth of the run or
+    ``LINE_SECONDS``, whichever comes first, and after the last step."""
+
+    LINE_SECONDS = 10.0
+
+    def __init__(self, args: argparse.Namespace, first_step: int, rank: int):
+        terminal = sys.stderr.isatty()
+        # Counted by hand, not a wrapped range: one left by ``break`` would end a step short.
+        self._bar = tqdm(desc=f"train {args.model}", disable=rank != 0 or not terminal, unit="step",
+                         mininterval=1.0, initial=first_step, total=args.steps)
+        self._lines = rank == 0 and not terminal
+        self._first, self._total = first_step, args.steps
+        self._every = max(1, args.steps // 10)
+        self._printed = time.monotonic()
+
+    def update(self, step: int, fields: dict[str, str]) -> None:
+        self._bar.update()
+        self._bar.set_postfix(fields)
+        now = time.monotonic()
+        if self._lines and (step in (self._first + 1, self._total) or step % self._every == 0
+                            or now - self._printed >= self.LINE_SECONDS):
+            self._printed = now
+            print(f"step {step}/{self._total} " + " ".join(f"{k}={v}" for k, v in fields.items()), file=sys.stderr)
+
+    def close(self) -> None:
+        self._bar.close()
+
+
+def _engine_postfix(stats) -> dict[str, str]:
+    """Skipped steps, stage 3 and NVMe figures for the progress bar, when the run has them."""
     postfix = {}
+    if stats.skipped_steps:
+        postfix["skipped"] = str(stats.skipped_steps)
     if stats.prefetch_hit_rate is not None:
         postfix["prefetch"] = f"{stats.prefetch_hit_rate:.0%}"
     if stats.io.read_bytes or stats.io.write_bytes:
@@ -208,19 +328,43 @@ def _offload_postfix(stats) -> dict[str, str]:
     return postfix
 
 
-def _summary(args, engine, losses: list[float], seconds: float, tokens_per_step: int, model_config) -> dict:
+def _all_skipped_line(engine, config: Config) -> str | None:
+    """One line when every step of the run was skipped, so no update ever happened: the losses look
+    like a run, and only this says that the model never changed."""
+    steps = engine.global_steps
+    if not steps or engine.skipped_steps < steps:
+        return None
+    train = config.train
+    if train.precision != "fp16":
+        fix = "(inf/NaN loss or gradients): lower optimizer.lr or check the model's inputs"
+    elif train.loss_scale:
+        fix = f"(fp16 overflow): lower train.loss_scale (now {train.loss_scale:g}), or set 0 for a dynamic scale"
+    else:
+        fix = (f"(fp16 overflow): lower train.initial_scale_power (now {train.initial_scale_power}), or use "
+               "train.precision=bf16")
+    return f"zerooffload: warning: all {steps} steps were skipped {fix}"
+
+
+def _summary(args, engine, run: _Run, model_config) -> dict:
+    """summary.json: ``steps``, ``losses`` and the loss means cover the whole run from step 0 across
+    resumes; ``first_step``, ``seconds`` and ``tokens_per_second`` describe this process's steps (a
+    resumed run may have another world size, so rates of earlier segments are not comparable)."""
+    losses = run.losses
     window = min(20, max(1, len(losses) // 2))
     first, last = statistics.fmean(losses[:window]), statistics.fmean(losses[-window:])
     report = engine.memory_report()
-    return {"model": args.model, "params": model_config.num_params, "steps": len(losses),
-            "world_size": engine.comm.world_size, "stage": engine.stage, "precision": engine.config.train.precision,
-            "seconds": round(seconds, 2), "tokens_per_second": round(tokens_per_step * len(losses) / seconds),
+    return {"model": args.model, "params": model_config.num_params, "steps": run.last_step,
+            "first_step": run.first_step, "world_size": engine.comm.world_size, "stage": engine.stage,
+            "precision": engine.config.train.precision, "seconds": round(run.seconds, 2),
+            "tokens_per_second": round(run.tokens_per_step * (run.last_step - run.first_step) / run.seconds),
             "first_loss_mean": first, "last_loss_mean": last, "loss_ratio": last / first, "window": window,
             "skipped_steps": engine.skipped_steps, "peak_bytes": dict(report.peaks), "losses": losses}
 
 
 def _print_summary(s: dict) -> None:
-    print(f"\ntrained {s['model']} ({s['params'] / 1e6:.2f}M params) for {s['steps']} steps in {s['seconds']:.1f} s "
+    here = f"in {s['seconds']:.1f} s" if not s["first_step"] else \
+        f"(resumed at step {s['first_step']}; {s['steps'] - s['first_step']} steps in {s['seconds']:.1f} s)"
+    print(f"\ntrained {s['model']} ({s['params'] / 1e6:.2f}M params) for {s['steps']} steps {here} "
           f"on {s['world_size']} rank(s), ZeRO stage {s['stage']}, {s['precision']}")
     print(f"loss: mean of first {s['window']} steps {s['first_loss_mean']:.3f} -> last {s['window']} "
           f"{s['last_loss_mean']:.3f} (x{s['loss_ratio']:.2f}); {s['tokens_per_second']:,} tokens/s")
