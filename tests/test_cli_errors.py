@@ -86,6 +86,7 @@ def _corrupt_copy(saved: Path, tmp_path: Path, name: str) -> Path:
     return out
 
 
+@pytest.mark.slow
 def test_resume_without_checkpoints(tmp_path):
     out = tmp_path / "fresh"
     assert _one_line(_cli(*_TRAIN, "--resume", "--out", str(out)), 1) == (
@@ -109,6 +110,7 @@ def test_resume_when_no_tag_verifies(saved, tmp_path):
                          "without --resume")
 
 
+@pytest.mark.slow
 def test_consolidate_a_corrupt_checkpoint_shows_the_traceback_with_debug_only(saved, tmp_path):
     out = _corrupt_copy(saved, tmp_path, "rank00000.bin")
     args = ["checkpoint", "consolidate", str(out / "checkpoints"), str(tmp_path / "model.safetensors")]
@@ -122,6 +124,7 @@ def test_consolidate_a_corrupt_checkpoint_shows_the_traceback_with_debug_only(sa
         assert debug.stderr.splitlines()[-1] == line
 
 
+@pytest.mark.slow
 def test_a_failed_rank_and_its_peer_each_print_one_line_under_torchrun(saved, tmp_path):
     """Every rank finds the flipped byte; the rank that ends the engine's group first reports the
     CheckpointError, the other (EngineGroupEnded) names that rank. torchrun may SIGTERM the second rank
@@ -143,6 +146,7 @@ def test_a_failed_rank_and_its_peer_each_print_one_line_under_torchrun(saved, tm
 
 
 # ------------------------------------------------------------------------- paths and space: exit 1
+@pytest.mark.slow
 def test_a_swap_path_under_a_file(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")
@@ -171,6 +175,7 @@ def _in_a_tmpfs(options: str, point: Path, *args: str) -> subprocess.CompletedPr
     return run
 
 
+@pytest.mark.slow
 def test_a_read_only_swap_path(tmp_path):
     point = tmp_path / "ro"
     run = _in_a_tmpfs("ro,size=1m", point, *_TRAIN, "--out", str(tmp_path / "out"), "offload.optimizer.tier=nvme",
@@ -189,6 +194,7 @@ def test_no_room_for_the_swap_files(tmp_path):
 
 
 # ----------------------------------------------------------------------- Ctrl-C, warnings: 130 and 0
+@pytest.mark.slow
 def test_ctrl_c_before_training_is_one_line_and_130(tmp_path):
     """SIGINT while train reads its config (a FIFO nobody writes to yet: the read blocks inside the
     command, after Python started, before training's own handlers)."""

@@ -88,6 +88,7 @@ sys.exit(main(["doctor", f"nvme.path={sys.argv[1]}"]))
 """
 
 
+@pytest.mark.slow
 def test_doctor_says_a_directory_it_may_not_write_is_not_writable():
     """A 0o555 directory, seen by nobody (root drops to it): permission denied, not an O_DIRECT problem."""
     top = Path(tempfile.mkdtemp(prefix="zo-doctor-"))

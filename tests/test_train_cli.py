@@ -46,7 +46,7 @@ def test_train_smoke_30_steps(tmp_path):
     assert len(steps) < 20 and "\r" not in run.stderr  # not a line a step (only lines 10 s apart come extra)
 
 
-@pytest.mark.parametrize("stage", [1, 3])
+@pytest.mark.parametrize("stage", [pytest.param(1, marks=pytest.mark.slow), 3])
 def test_train_under_torchrun_two_ranks(tmp_path, stage):
     torchrun = shutil.which("torchrun") or pytest.skip("torchrun not on PATH")
     summary = _run([torchrun, "--standalone", "--nproc-per-node", "2", "-m", "zerooffload", "train", "--steps", "8",
@@ -62,6 +62,7 @@ def test_presets_span_1m_to_2b_and_the_largest_outgrows_this_machine():
     assert sum(p.numel() for p in GPT(PRESETS["small"]).parameters()) == PRESETS["small"].num_params
 
 
+@pytest.mark.slow
 def test_train_resumes_from_its_checkpoint_exactly(tmp_path):
     """10 steps straight == 5 steps with --save-every 5, then --resume to 10 (a fresh process); the
     resumed summary covers all 10 steps."""

@@ -335,16 +335,18 @@ _BUDGET = Union[int, Literal["auto"]]
 class MemoryConfig(_Section):
     PATH = "memory"
     device_budget: _BUDGET = _opt("auto", 'bytes the engine may hold on the device; "auto": 90% of free CUDA '
-                                          "memory, unlimited on CPU", size=True, min=1)
-    host_budget: _BUDGET = _opt("auto", 'bytes the engine may hold in host RAM; "auto": unlimited', size=True,
-                                min=1)
+                                          "memory; on CPU the RAM available, shared with the host tier", size=True,
+                                  min=1)
+    host_budget: _BUDGET = _opt("auto", 'bytes the engine may hold in host RAM; "auto": the RAM available (less a '
+                                        "margin for activations, the allocator and torch)", size=True, min=1)
 
 
 @_section
 class NvmeConfig(_Section):
     PATH = "nvme"
     path: Union[str, list[str]] = _opt(tempfile.gettempdir(),
-                                       "swap directory (files go in its zerooffload-swap/), or a list to stripe over")
+                                       "an existing swap directory (never created; files go in its zerooffload-swap/), "
+                                       "or a list to stripe over")
     checksum: bool = _opt(False, "verify a checksum of every swapped-in shard")
 
     def check(self) -> None:
