@@ -234,6 +234,7 @@ def test_keep_last_prunes_old_step_tags_and_resume_falls_back_past_a_corrupt_lat
     assert json.loads((out / "summary.json").read_text())["losses"] == reference[:5]
 
 
+@pytest.mark.slow
 def test_fp16_run_with_every_step_skipped_says_so_and_progress_is_plain_lines(tmp_path):
     """Off a terminal the progress is one plain line a step here (fewer than 20 steps), with the skipped
     count; a run whose every step overflowed ends with one warning naming the setting to lower."""

@@ -239,6 +239,7 @@ class TrainConfig(_Section):
     grad_clip: float = _opt(0.0, "clip the global gradient norm to this; 0 = off", min=0)
     seed: int = _opt(0, "seed of parameter init and data order", min=0)
     activation_checkpointing: bool = _opt(False, "recompute each unit's activations in backward")
+    threads: int = _opt(0, "torch's CPU threads; 0: torch's default (one per core)", min=0)
     skip_nonfinite: bool = _opt(True, "skip a window whose loss or gradient norm is inf/NaN on any rank, as fp16 "
                                       "skips overflows (counted in stats.skipped_steps); false: update anyway, "
                                       "as plain PyTorch does")

@@ -46,7 +46,8 @@ class Check:
 
 def run_checks(config: Config) -> list[Check]:
     """All checks, in the order they are printed."""
-    return [_python(), _torch(), _native(), _io_uring(), _aio_backend(config), *_swap_paths(config), _cuda(), _simd()]
+    return [_python(), _torch(), _threads(config), _native(), _io_uring(), _aio_backend(config), *_swap_paths(config),
+            _cuda(), _simd()]
 
 
 def _python() -> Check:
@@ -64,6 +65,17 @@ def _torch() -> Check:
 
     backends = [name for name, ok in (("gloo", dist.is_gloo_available()), ("nccl", dist.is_nccl_available())) if ok]
     return Check("torch", Status.OK, f"{torch.__version__}, distributed backends: {', '.join(backends) or 'none'}")
+
+
+def _threads(config: Config) -> Check:
+    """torch's thread count as ``train.threads`` leaves it, and how OpenMP threads wait (threads' note)."""
+    import torch
+
+    from .threads import openmp_wait
+
+    count = config.train.threads or torch.get_num_threads()
+    source = "train.threads" if config.train.threads else "torch's default"
+    return Check("threads", Status.OK, f"{count} CPU threads ({source}); OpenMP waiting: {openmp_wait()}")
 
 
 def _native() -> Check:

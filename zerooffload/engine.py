@@ -69,6 +69,7 @@ from .scheduler import ParamScheduler, check_live_bound
 from .offloaded_grads import OffloadedGrad
 from .optim.state import UnitOptimizerState, units_to_offload
 from .telemetry import MemoryReport, StepStats, memory_report
+from .threads import set_threads
 from .tiers import (Block, BlockWriter, DeviceCopier, IOStats, Kind, LinkStats, NvmeTier, Tier, check_plan, check_ram,
                     make_tiers, stream_blocks, write_block)
 
@@ -91,6 +92,7 @@ def initialize(model: nn.Module, config: Config | dict | str | None = None, para
     (``lazy_init``'s note), one unit's worth of memory at a time.
     """
     config = Config.load(config if config is not None else {})
+    set_threads(config.train.threads)
     lazy = is_lazy(model)
     if lazy:
         swap_in_placeholders(model)
