@@ -252,10 +252,12 @@ def _gather(engine: Any, value: Any) -> list:
 
 
 # ---------------------------------------------------------------------------------------------- load
-def load_checkpoint(engine: Any, directory: str | os.PathLike, tag: str | None = None) -> dict | None:
+def load_checkpoint(engine: Any, directory: str | os.PathLike, tag: str | None = None, *,
+                    verify: bool = True) -> dict | None:
     """Restore ``engine`` from a checkpoint of any layout; returns the saved client state. Everything
-    is checked (and the buffers read) before the first state changes: a refused load changes nothing."""
-    manifest = read_manifest(directory, tag)
+    is checked (and the buffers read) before the first state changes: a refused load changes nothing.
+    ``verify=False``: the data files' CRCs were checked already (``read_manifest``)."""
+    manifest = read_manifest(directory, tag, verify=verify)
     with _malformed(manifest):
         sources = _parameter_sources(manifest)
         _check_same_model(engine, sources, manifest.directory)

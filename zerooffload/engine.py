@@ -57,11 +57,12 @@ from . import checkpoint
 from .comm import Comm, all_gather, broadcast, control_all_reduce, failing_together, init_comm
 from .config import Config
 from .lazy_init import initial_values, is_lazy, swap_in_placeholders
-from .memory_plan import fitting_layout, grads_kept_for_step, plan_for_config, updates_in_backward
+from .memory_plan import (fitting_layout, grads_kept_for_step, master_is_param, params_in_masters, plan_for_config,
+                          updates_in_backward)
 from .optim import ZeroOptimizer, build_scheduler, moment_names
 from .param_groups import normalize_param_groups
 from .param_hooks import register_param_hooks
-from .partition import FlatUnit, Piece, UnitLayout, find_units, masters_alias_params
+from .partition import FlatUnit, Piece, UnitLayout, find_units
 from .publication import Publication
 from .precision import COMPUTE_DTYPES, LossScaler
 from .reduction import GradReducer, Mode
@@ -266,21 +267,11 @@ class Engine:
         """A partitioned unit's shard home (``Kind.PARAM`` on ``offload.param.tier``); in fp32 with the
         unit's optimizer block on NVMe too, the block's master segment instead, which holds the same
         values and which the update writes anyway: no second copy to write each step."""
-        if self._params_in_masters(tier_name):
+        if params_in_masters(self.config, tier_name):
             return self.tiers["nvme"].prefix_block(f"optimizer.{index}", self.units[index].layout.shard_numel,
                                                    torch.float32)  # the master is the block's first segment
         return self._param_tier.block(Kind.PARAM, f"param.{index}", self.units[index].layout.shard_numel,
                                       self.compute_dtype)
-
-    def _params_in_masters(self, tier_name: str) -> bool:
-        """Whether partitioned shards read the optimizer blocks' masters (see ``_param_block``); not with
-        ``nvme.checksum``, which covers whole blocks only."""
-        return (self.compute_dtype == torch.float32 and self.config.offload.param.tier == "nvme"
-                and tier_name == "nvme" and not self.config.nvme.checksum)
-
-    def _master_is_param(self, tier_name: str) -> bool:
-        return self.config.offload.param.tier == "device" and masters_alias_params(
-            self.compute_dtype, self.tiers["device"], self.tiers.get(tier_name))
 
     def _update_tier(self, state: UnitOptimizerState) -> Tier:
         """Where a unit's update runs: its optimizer tier's memory, or host memory for NVMe blocks."""
@@ -305,7 +296,7 @@ class Engine:
                 block = self.tiers[tier_name].block(Kind.GRAD, f"grad.{index}", unit.layout.shard_numel,
                                                     self.compute_dtype)
                 unit.offloaded_grad = OffloadedGrad(block, self._grad_writer, self.tiers["host"])
-            unit.materialize(full, self.tiers["device"], self._master_is_param(tier_name), param_block)
+            unit.materialize(full, self.tiers["device"], master_is_param(self.config, tier_name), param_block)
             if param_block is not None and param_block.writable:
                 write_block(param_block, full[unit.shard_range], self.tiers["host"])
             state = UnitOptimizerState(unit, self.tiers[tier_name], names, key=f"optimizer.{index}")
@@ -724,10 +715,12 @@ class Engine:
         return path
 
     @_engine_call
-    def load_checkpoint(self, directory: str | os.PathLike, tag: str | None = None) -> dict | None:
+    def load_checkpoint(self, directory: str | os.PathLike, tag: str | None = None, *,
+                        verify: bool = True) -> dict | None:
         """Restore from ``directory/tag`` (default: ``latest``), whatever world size, stage or tiers
-        saved it; returns the saved client state. Collective."""
-        client_state = checkpoint.load_checkpoint(self, directory, tag)
+        saved it; returns the saved client state. Collective. ``verify=False`` skips the CRC pass over
+        the data files (the manifest's digest is still checked): for files just verified."""
+        client_state = checkpoint.load_checkpoint(self, directory, tag, verify=verify)
         self._last_checkpoint = f"{directory} ({tag or 'latest'})"
         return client_state
 
@@ -749,8 +742,8 @@ class Engine:
                                f"new engine and load the last good checkpoint ({self._last_checkpoint or 'none'})")
 
     def close(self) -> None:
-        """Remove the hooks, stop accounting the engine's tensors, release its swap files and its
-        process group; every later call raises. Safe to call twice."""
+        """Remove the hooks, stop accounting the engine's tensors and release its swap files; every
+        later call raises. Safe to call twice."""
         if self._closed:
             return
         self._closed = True

@@ -19,7 +19,7 @@ from .reduction import MAX_BUCKETS_IN_FLIGHT, REDUCE_DTYPE
 from .tiers import STREAM_BUFFERS, Kind, Plan
 
 __all__ = ["plan_memory", "plan_for_config", "fitting_layout", "updates_in_backward", "grads_kept_for_step",
-           "LAYOUTS_TO_TRY"]
+           "master_is_param", "params_in_masters", "LAYOUTS_TO_TRY"]
 
 LAYOUTS_TO_TRY = (
     ("offload.optimizer.tier=host",),
@@ -41,17 +41,30 @@ def grads_kept_for_step(train: TrainConfig) -> bool:
     return train.grad_accum_steps > 1 or not updates_in_backward(train)
 
 
+def master_is_param(config: Config, optimizer_tier: str) -> bool:
+    """Whether a unit's fp32 masters are simply views of its compute weights (no copy, no bytes): fp32
+    weights on the device, with the unit's optimizer block there too."""
+    return (config.train.precision == "fp32" and config.offload.param.tier == "device"
+            and optimizer_tier == "device")
+
+
+def params_in_masters(config: Config, optimizer_tier: str) -> bool:
+    """Whether a partitioned unit's fp32 shard on NVMe is read from its optimizer block's master
+    segment (no second copy written each step); not with ``nvme.checksum``, which covers whole
+    blocks only."""
+    return (config.train.precision == "fp32" and config.offload.param.tier == "nvme" and optimizer_tier == "nvme"
+            and not config.nvme.checksum)
+
+
 def plan_for_config(layouts: list[UnitLayout], config: Config, world_size: int) -> Plan:
     """``plan_memory`` for the placement ``config`` makes of ``layouts``."""
     stage, train, offload = config.zero.stage, config.train, config.offload
-    fp32 = train.precision == "fp32"
     moved = units_to_offload(layouts, offload.optimizer.fraction)
     return plan_memory(
         layouts, stage=stage, compute_bytes=dtype_bytes(train.precision), optimizer_tier=offload.optimizer.tier,
         param_tier=offload.param.tier, offloaded=[layout for layout, m in zip(layouts, moved) if m],
-        master_is_param=fp32 and offload.param.tier == "device",
-        params_in_masters=(fp32 and offload.param.tier == "nvme" and offload.optimizer.tier == "nvme"
-                           and not config.nvme.checksum),
+        master_is_param=master_is_param(config, "device"),
+        params_in_masters=params_in_masters(config, offload.optimizer.tier),
         grads_kept_for_step=grads_kept_for_step(train), moments=len(moment_names(config.optimizer)),
         bucket_bytes=config.zero.bucket_size, world_size=world_size,
         partitioned=[layout for layout in layouts if stage == 3 and layout.numel >= config.zero.persist_threshold],

@@ -37,7 +37,7 @@ from torch import nn
 from .offloaded_grads import OffloadedGrad
 from .tiers import Block, Kind, Tier
 
-__all__ = ["ALIGN_ELEMENTS", "Slot", "Piece", "UnitLayout", "FlatUnit", "find_units", "masters_alias_params"]
+__all__ = ["ALIGN_ELEMENTS", "Slot", "Piece", "UnitLayout", "FlatUnit", "find_units"]
 
 ALIGN_ELEMENTS = 1024
 """Shard granularity in elements: 4 KiB of fp32, the O_DIRECT alignment."""
@@ -146,11 +146,6 @@ def _layout(name: str, module: nn.Module, members: list, shards: int) -> UnitLay
     per_shard = -(-offset // shards)
     shard_numel = max(1, -(-per_shard // ALIGN_ELEMENTS)) * ALIGN_ELEMENTS
     return UnitLayout(name, module, tuple(slots), shards, shard_numel)
-
-
-def masters_alias_params(compute_dtype: torch.dtype, device_tier: Tier, master_tier: Tier) -> bool:
-    """Whether fp32 masters can simply be views of the compute weights (no separate copy, no bytes)."""
-    return compute_dtype == torch.float32 and master_tier is device_tier
 
 
 class FlatUnit:

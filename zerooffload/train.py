@@ -180,9 +180,10 @@ _STEP_TAG = re.compile(r"step\d{8}")
 def _resume(engine, checkpoints: Path, tag: str | None) -> tuple[int, list[float]]:
     """Load the checkpoint ``--resume`` continues from (see [Note: resuming]); the step it ends at and
     the losses of the steps before it."""
+    verified = tag is None  # _loadable_tag has read every file of the tag it picks: no second pass
     tag = tag or _loadable_tag(checkpoints, engine.comm.rank)
     try:
-        client = engine.load_checkpoint(checkpoints, tag)
+        client = engine.load_checkpoint(checkpoints, tag, verify=not verified)
     except CheckpointError as error:
         raise CheckpointError(f"{error}; resume from another tag with --tag NAME, or start again without "
                               "--resume") from error

@@ -3,7 +3,7 @@
 [Note: optimizer blocks]
 - A unit's *optimizer block* holds this rank's shard of ``[master | moment_1 | moment_2 ...]`` in fp32,
   one segment each; the master is left out when it is a view of fp32 weights already
-  (``partition.masters_alias_params``). The block's home is ``offload.optimizer.tier``: device or
+  (``memory_plan.master_is_param``). The block's home is ``offload.optimizer.tier``: device or
   host memory, or a swap file on NVMe paged through host buffers (``tiers.stream_blocks``).
 - The torch optimizer sees *pieces* (``optimizer.py``), and per piece the moment tensors in its state.
   These tensor objects live as long as the engine (torch keys its state by them) but their memory
