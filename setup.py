@@ -1,20 +1,37 @@
-"""Builds the optional native extension `zerooffload._native` from `native/`.
+"""Builds the two optional native extensions from `native/`.
 
-The extension is plain C against libc, pthreads and the kernel headers (no torch, no
-liburing): Python passes addresses and lengths. It is `optional=True` so that a machine
-without a compiler still installs; `zerooffload doctor` then says the Python backend is used.
+- `zerooffload._aio`: the async-I/O engine (io_uring and a pthread pool, native/aio.h). Portable C
+  against libc, pthreads and the kernel headers (no liburing).
+- `zerooffload._cpu_adam`: the fused CPU Adam pass (native/cpu_adam.h). Its vector levels are x86
+  intrinsics chosen at run time; elsewhere it builds the scalar level alone.
+
+Neither needs torch: Python passes addresses and lengths. Each is `optional=True` and built on its
+own, so a machine without a compiler still installs, and a failure to build one never takes the
+other with it; `zerooffload doctor` says which loaded and what falls back to Python. Headers are
+`depends` (a change rebuilds) and ship in the sdist through MANIFEST.in.
 """
-from pathlib import Path
-
 from setuptools import Extension, setup
 
-NATIVE = Path("native")
-native = Extension(
-    "zerooffload._native",
-    sources=sorted(str(p) for p in NATIVE.glob("*.c")),
-    include_dirs=[str(NATIVE)],
-    extra_compile_args=["-O3", "-std=gnu11", "-Wall", "-Wextra", "-pthread", "-fvisibility=hidden"],
-    extra_link_args=["-pthread"],
-    optional=True,
-)
-setup(ext_modules=[native] if native.sources else [])
+COMMON = ["-O3", "-std=gnu11", "-Wall", "-Wextra", "-pthread", "-fvisibility=hidden"]
+
+
+def native(name: str, sources: list[str], headers: list[str], extra: tuple[str, ...] = ()) -> Extension:
+    return Extension(
+        f"zerooffload.{name}",
+        sources=[f"native/{s}" for s in sources],
+        depends=[f"native/{h}" for h in headers],
+        include_dirs=["native"],
+        extra_compile_args=[*COMMON, *extra],
+        extra_link_args=["-pthread"],
+        optional=True,
+    )
+
+
+setup(ext_modules=[
+    native("_aio", ["aio_module.c", "aio_engine.c", "aio_pool.c", "aio_uring.c"],
+           ["bindings.h", "aio.h", "aio_backend.h"]),
+    # -ffp-contract=off as well as the file's own pragma: a compiler that ignores GCC's pragma
+    # (clang) would otherwise fuse products differently per level (see cpu_adam.c).
+    native("_cpu_adam", ["cpu_adam_module.c", "cpu_adam.c"], ["bindings.h", "cpu_adam.h"],
+           ("-ffp-contract=off",)),
+])

@@ -31,7 +31,7 @@
 enum zo_op { ZO_READ = 0, ZO_WRITE = 1 };
 enum zo_kind { ZO_URING = 0, ZO_POOL = 1 };
 
-/* offset is int64_t, not off_t: Python.h turns on _FILE_OFFSET_BITS=64 in module.c only, and
+/* offset is int64_t, not off_t: Python.h turns on _FILE_OFFSET_BITS=64 in aio_module.c only, and
  * the layout of this struct must not depend on which translation unit includes it. */
 struct zo_request {
     int op;          /* enum zo_op */

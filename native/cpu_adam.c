@@ -16,10 +16,17 @@
  * nothing to shut down, nothing to leak and nothing that a fork() could inherit half-alive. Passes
  * large enough to be split (>= 2 x ZO_ADAM_MIN_PER_THREAD elements) take milliseconds, against tens
  * of microseconds to start a thread.
+ *
+ * Architectures. The vector levels are x86 intrinsics (<immintrin.h>), each function compiled for
+ * its level by a target attribute and chosen at run time by __builtin_cpu_supports, so a build
+ * for plain x86-64 (no -mavx2 in CFLAGS) still runs AVX2/AVX-512 where the CPU has them. All of
+ * that exists only under ZO_ADAM_X86: elsewhere (aarch64, ...) neither the header nor the CPU
+ * query exists, and the file compiles to the scalar level alone, whatever ZO_ADAM_SIMD asks.
+ * -DZO_ADAM_SCALAR_ONLY gives an x86 build the same shape, so that path is built and tested
+ * on x86 too (tests/test_native_build.py).
  */
 #define _GNU_SOURCE
 #include <errno.h>
-#include <immintrin.h>
 #include <math.h>
 #include <pthread.h>
 #include <sched.h>
@@ -29,6 +36,13 @@
 
 #include "cpu_adam.h"
 
+#if (defined(__x86_64__) || defined(__i386__)) && !defined(ZO_ADAM_SCALAR_ONLY)
+#define ZO_ADAM_X86 1
+#include <immintrin.h>
+#else
+#define ZO_ADAM_X86 0
+#endif
+
 /* GCC contracts a * b + c into one fused multiply-add wherever the target has FMA (its default
  * for GNU C is -ffp-contract=fast, and it applies to vector intrinsics too), so which products
  * are fused would depend on the level and on the optimizer's whims. Off: the fused multiply-adds
@@ -36,8 +50,10 @@
 #pragma GCC optimize("fp-contract=off")
 
 #define ALWAYS_INLINE inline __attribute__((always_inline))
+#if ZO_ADAM_X86
 #define AVX2 __attribute__((target("avx2,fma,f16c")))
 #define AVX512 __attribute__((target("avx512f,avx2,fma,f16c")))
+#endif
 
 enum decay_kind {
     DECAY_NONE,   /* weight_decay == 0: torch skips both forms (adding p * 0 is not a no-op for inf) */
@@ -194,6 +210,7 @@ static void scalar_run(const struct pass *s, size_t begin, size_t end)
     scalar_range(s, begin, end);
 }
 
+#if ZO_ADAM_X86
 /* ---------------------------------------------------------------------------------------------
  * AVX2 + FMA + F16C: 8 elements a vector */
 
@@ -294,12 +311,17 @@ AVX512 static void avx512_run(const struct pass *s, size_t begin, size_t end)
     }
     scalar_range(s, i, end);
 }
+#endif /* ZO_ADAM_X86 */
 
 /* ---------------------------------------------------------------------------------------------
  * Level: the CPU's best, or lower when ZO_ADAM_SIMD asks */
 
+/* Indexed by a level no higher than cpu_level(), so off x86 only the scalar entry is ever read. */
 static range_fn *const level_run[] = {
-    [ZO_SIMD_SCALAR] = scalar_run, [ZO_SIMD_AVX2] = avx2_run, [ZO_SIMD_AVX512] = avx512_run,
+    [ZO_SIMD_SCALAR] = scalar_run,
+#if ZO_ADAM_X86
+    [ZO_SIMD_AVX2] = avx2_run, [ZO_SIMD_AVX512] = avx512_run,
+#endif
 };
 
 static pthread_once_t level_once = PTHREAD_ONCE_INIT;
@@ -307,11 +329,13 @@ static int level_chosen;  /* enum zo_simd, or -EINVAL; written once under level_
 
 static int cpu_level(void)
 {
+#if ZO_ADAM_X86
     __builtin_cpu_init();
     if (__builtin_cpu_supports("avx512f"))
         return ZO_SIMD_AVX512;
     if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
         return ZO_SIMD_AVX2;
+#endif
     return ZO_SIMD_SCALAR;
 }
 

@@ -12,6 +12,7 @@
  *   level       the instruction set the pass runs on: AVX-512, AVX2 (+FMA, F16C) or scalar C,
  *               the best the CPU has unless the environment variable ZO_ADAM_SIMD
  *               (avx512 | avx2 | scalar) asks for a lower one. Every level gives the same bits.
+ *               The vector levels are x86 only: on other architectures the level is scalar.
  *
  * The arithmetic is what torch's fused CPU kernel (aten/src/ATen/native/cpu/FusedAdamKernel.cpp)
  * computes in its vectorized body, as built, operation for operation: constants derived in double

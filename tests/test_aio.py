@@ -6,6 +6,7 @@ against what was there before.
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
@@ -22,6 +23,7 @@ from hypothesis import strategies as st
 from aio_helpers import backend_params, config, host_buffer, run_python
 from zerooffload.io import AioFile, AsyncIO, aligned_empty, open_file
 from zerooffload.io.backends import BACKENDS
+from zerooffload.optim import simd_level
 
 MiB = 1 << 20
 
@@ -272,14 +274,34 @@ def test_auto_prefers_uring_and_says_why(caplog):
     assert any(f"auto -> {expected}" in r.getMessage() for r in caplog.records)
 
 
+def test_auto_asks_the_native_io_uring_probe(monkeypatch, caplog):
+    """Where the native probe refuses io_uring (EPERM: kernel.io_uring_disabled), auto takes the pool and
+    logs the probe's words, the same the uring backend (and doctor) give."""
+    from zerooffload.io.probe import native_aio
+
+    native = native_aio()[0]
+    if native is None:
+        pytest.skip("the native extension zerooffload._aio is not built")
+    monkeypatch.setattr(native, "uring_probe", lambda: errno.EPERM)
+    caplog.set_level(logging.INFO, logger="zerooffload.io")
+    with AsyncIO(config("auto")) as aio:
+        assert aio.backend == "pool"
+    reason = BACKENDS["uring"].unavailable_reason()
+    assert reason.startswith("io_uring does not work here: [Errno 1] ")
+    assert any(f"auto -> pool (uring unavailable: {reason})" in r.getMessage() for r in caplog.records)
+
+
 def test_without_the_native_extension():
-    """auto falls back to python and says so; asking for uring by name says why not and what to use."""
+    """auto falls back to python and says so; asking for uring by name says why not and what to use. The
+    Adam extension is built and loaded apart, so it is still there."""
     script = """
 import logging, sys
-sys.modules["zerooffload._native"] = None   # as if the optional extension had not been built
+sys.modules["zerooffload._aio"] = None   # as if the optional extension had not been built
 logging.basicConfig(level=logging.INFO, format="%(message)s")
 from zerooffload.config import AioConfig
 from zerooffload.io import AsyncIO
+from zerooffload.optim import simd_level
+print("adam", simd_level())
 with AsyncIO() as aio:
     print("backend", aio.backend)
 try:
@@ -293,6 +315,7 @@ except RuntimeError as exc:
     assert "auto -> python" in run.stderr and "not built" in run.stderr
     error = run.stdout.split("error ", 1)[1]
     assert "'uring' is unavailable" in error and "not built" in error and "'python'" in error
+    assert f"adam {simd_level()}" in run.stdout
 
 
 _FORK_CHILD_EXITS = """

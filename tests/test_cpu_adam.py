@@ -162,7 +162,7 @@ def run_child(level: str, script: str, *args: str) -> subprocess.CompletedProces
                           timeout=120)
 
 
-@pytest.mark.skipif(simd_level() == "torch", reason="the native extension is not built")
+@pytest.mark.skipif(simd_level() == "torch", reason="the native extension zerooffload._cpu_adam is not built")
 @pytest.mark.parametrize("level", LEVELS)
 def test_level_matches_torch(level, tmp_path):
     done = run_child(level, RUN_ALL, str(tmp_path / "ours.pt"))
@@ -174,14 +174,14 @@ def test_level_matches_torch(level, tmp_path):
         check_case(case, got["results"][case.name])
 
 
-@pytest.mark.skipif(simd_level() == "torch", reason="the native extension is not built")
+@pytest.mark.skipif(simd_level() == "torch", reason="the native extension zerooffload._cpu_adam is not built")
 def test_unknown_level_is_refused():
     done = run_child("avx9000", "from zerooffload.optim import simd_level; simd_level()")
     assert done.returncode != 0 and "ValueError: ZO_ADAM_SIMD='avx9000' names no level" in done.stderr
 
 
 def test_torch_fallback_matches_torch(monkeypatch):
-    monkeypatch.setattr(cpu_adam, "_native", None)
+    monkeypatch.setattr(cpu_adam, "_cpu_adam", None)
     assert simd_level() == "torch"
     for case in CASES:
         if case.n <= 1000:

@@ -5,6 +5,7 @@ filesystem without O_DIRECT. CI runs as root, which no mode stops: the permissio
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import re
 import shutil
@@ -16,6 +17,9 @@ from pathlib import Path
 import pytest
 
 from aio_helpers import run_python
+from zerooffload import doctor
+from zerooffload.io.backends import BACKENDS
+from zerooffload.io.probe import native_aio
 from zerooffload.io.swapfile import PRIVATE_DIR
 
 
@@ -136,3 +140,61 @@ def test_doctor_names_the_mount_a_swap_directory_is_on(tmp_path):
         (point / "swap").mkdir()
         run = _doctor(f"nvme.path={point}/swap")
     assert f"; tmpfs at {point} (device tmpfs): " in _swap_line(run.stdout, f"{point}/swap")
+
+
+# ------------------------------------------------------------------------------------------------
+# The native extensions and the one io_uring probe
+
+
+def _line(stdout: str, name: str) -> str:
+    line, = [line for line in stdout.splitlines() if re.match(rf"\s*(ok|warn|FAIL)\s+{name}\s", line)]
+    return line
+
+
+def test_doctor_and_auto_ask_one_io_uring_probe(monkeypatch):
+    """doctor's io_uring line is the native probe's answer, the one the uring backend (auto) is refused by."""
+    native = native_aio()[0]
+    if native is None:
+        pytest.skip("the native extension zerooffload._aio is not built")
+    check = doctor._io_uring()
+    works = native.uring_probe() == 0
+    assert (check.status is doctor.Status.OK) is works is (BACKENDS["uring"].unavailable_reason() is None)
+    assert "Python probe" not in check.detail
+    monkeypatch.setattr(native, "uring_probe", lambda: errno.EPERM)  # as under kernel.io_uring_disabled = 2
+    check, reason = doctor._io_uring(), BACKENDS["uring"].unavailable_reason()
+    assert check.status is doctor.Status.WARN
+    assert check.detail == f"{reason}; the pool backend (threads + pread/pwrite) is used instead"
+    assert reason == ("io_uring does not work here: [Errno 1] Operation not permitted (disabled: see "
+                      "/proc/sys/kernel/io_uring_disabled, or blocked by seccomp)")
+
+
+_WITHOUT = """
+import sys
+sys.modules[f"zerooffload.{sys.argv[1]}"] = None   # as if that optional extension had not been built
+from zerooffload.cli import main
+sys.exit(main(["doctor", f"nvme.path={sys.argv[2]}"]))
+"""
+
+
+@pytest.mark.parametrize("missing", ["_aio", "_cpu_adam"])
+def test_doctor_without_one_extension_still_has_the_other(tmp_path, missing):
+    """Each extension is built and loaded on its own; without _aio, io_uring is the Python stand-in's
+    answer, and the line says so."""
+    if native_aio()[0] is None:
+        pytest.skip("the native extension zerooffload._aio is not built")
+    pytest.importorskip("zerooffload._cpu_adam")
+    run = run_python(_WITHOUT, missing, str(tmp_path))
+    assert run.returncode == 0, run.stdout + run.stderr
+    aio, adam, uring = (_line(run.stdout, name) for name in ("native I/O", "native Adam", "io_uring"))
+    backend = _line(run.stdout, "aio backend")
+    if missing == "_aio":
+        assert re.match(r"warn\s+native I/O\s+the native extension zerooffload._aio is not built", aio), aio
+        assert re.match(r"\s*ok\s+native Adam\s+zerooffload._cpu_adam loaded from _cpu_adam\.", adam), adam
+        assert re.fullmatch(r"warn\s+io_uring\s+.* \(Python probe, ring setup only: zerooffload._aio is not "
+                            r"built\); the uring backend needs it built", uring), uring
+        assert backend.endswith("auto -> python (the slowest; build the native extension zerooffload._aio)"), backend
+    else:
+        assert re.match(r"\s*ok\s+native I/O\s+zerooffload._aio loaded from _aio\.", aio), aio
+        assert re.match(r"warn\s+native Adam\s+the native extension zerooffload._cpu_adam is not built", adam), adam
+        assert "Python probe" not in uring and doctor._io_uring().detail in uring
+        assert backend.endswith("auto -> uring" if native_aio()[0].uring_supported() else "auto -> pool"), backend

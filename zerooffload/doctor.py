@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .config import Config
-from .io.probe import mount_of, probe_io_uring, probe_o_direct
+from .io.probe import mount_of, native_aio, probe_io_uring, probe_o_direct
 from .io.swapfile import PRIVATE_DIR
 
 __all__ = ["Status", "Check", "run_checks"]
@@ -46,8 +46,8 @@ class Check:
 
 def run_checks(config: Config) -> list[Check]:
     """All checks, in the order they are printed."""
-    return [_python(), _torch(), _threads(config), _native(), _io_uring(), _aio_backend(config), *_swap_paths(config),
-            _cuda(), _simd()]
+    return [_python(), _torch(), _threads(config), _native_aio(), _native_adam(), _io_uring(), _aio_backend(config),
+            *_swap_paths(config), _cuda(), _simd()]
 
 
 def _python() -> Check:
@@ -78,18 +78,39 @@ def _threads(config: Config) -> Check:
     return Check("threads", Status.OK, f"{count} CPU threads ({source}); OpenMP waiting: {openmp_wait()}")
 
 
-def _native() -> Check:
+_REBUILD = "Reinstall with a C compiler: pip install -e ."
+
+
+def _native_aio() -> Check:
+    """The async-I/O extension (io_uring and the pool); built and loaded apart from the Adam one."""
+    native, reason = native_aio()
+    if native is None:
+        return Check("native I/O", Status.WARN, f"{reason}; I/O falls back to the python backend. {_REBUILD}")
+    return Check("native I/O", Status.OK, f"zerooffload._aio loaded from {Path(native.__file__).name}")
+
+
+def _native_adam() -> Check:
+    """The fused CPU Adam extension, and the instruction set its pass runs on."""
+    from .optim import simd_level
+
     try:
-        from . import _native
+        from . import _cpu_adam
     except ImportError as exc:
-        return Check("native extension", Status.WARN,
-                     f"not loaded ({exc}); I/O falls back to the python backend. Reinstall with a C compiler: "
-                     "pip install -e .")
-    return Check("native extension", Status.OK, f"loaded from {Path(_native.__file__).name}")
+        return Check("native Adam", Status.WARN, f"the native extension zerooffload._cpu_adam is not built ({exc}); "
+                                                 f"the optimizer step runs as torch ops (slower). {_REBUILD}")
+    try:
+        level = simd_level()
+    except ValueError as exc:  # a ZO_ADAM_SIMD that names no level: every step would raise it
+        return Check("native Adam", Status.FAIL, str(exc))
+    return Check("native Adam", Status.OK, f"zerooffload._cpu_adam loaded from {Path(_cpu_adam.__file__).name}; "
+                                           f"SIMD: {level}")
 
 
 def _io_uring() -> Check:
+    """The native engine's own probe, the one ``auto`` asks (probe.py); the Python stand-in only without it."""
     probe = probe_io_uring()
+    if native_aio()[0] is None:  # whatever the kernel offers, the uring backend is native
+        return Check("io_uring", Status.WARN, probe.detail + "; the uring backend needs it built")
     return Check("io_uring", Status.OK if probe.ok else Status.WARN,
                  probe.detail + ("" if probe.ok else "; the pool backend (threads + pread/pwrite) is used instead"))
 
@@ -104,8 +125,8 @@ def _aio_backend(config: Config) -> Check:
     except (OSError, RuntimeError, ValueError) as exc:
         return Check("aio backend", Status.FAIL, f"aio.backend = {config.aio.backend!r}: {exc}")
     slow = backend in ("python", "aiofiles")
-    return Check("aio backend", Status.WARN if slow else Status.OK,
-                 f"{config.aio.backend} -> {backend}" + (" (the slowest; build the native extension)" if slow else ""))
+    hint = " (the slowest; build the native extension zerooffload._aio)" if slow else ""
+    return Check("aio backend", Status.WARN if slow else Status.OK, f"{config.aio.backend} -> {backend}{hint}")
 
 
 def _swap_paths(config: Config) -> list[Check]:

@@ -15,9 +15,10 @@
   running pread/pwrite, ``threads`` pieces in flight), ``python`` (os.preadv/os.pwritev on a
   ThreadPoolExecutor of ``threads`` workers) and ``aiofiles`` (aiofiles' executor wrappers on an
   asyncio loop in a background thread). The last two are baselines for benchmarks and the fallback
-  when the native extension is not built.
-- *Availability*: each backend class says why it cannot run here (``unavailable_reason``); ``auto``
-  takes the first of uring, pool, python that can, and logs which and why.
+  when the native extension ``zerooffload._aio`` is not built.
+- *Availability*: each backend class says why it cannot run here (``unavailable_reason``; uring's is
+  the native io_uring probe that doctor prints too, ``probe.probe_io_uring``); ``auto`` takes the first
+  of uring, pool, python that can, and logs which and why.
 """
 from __future__ import annotations
 
@@ -27,16 +28,15 @@ import concurrent.futures
 import ctypes
 import enum
 import errno
-import functools
 import importlib
 import logging
 import os
 import threading
 from collections.abc import Sequence
-from types import ModuleType
 from typing import TYPE_CHECKING, ClassVar, NamedTuple, Protocol
 
 from .errors import EEOF, TransferFailed, describe_errno
+from .probe import native_aio, probe_io_uring
 
 if TYPE_CHECKING:
     from ..config import AioConfig
@@ -93,15 +93,6 @@ class Backend(abc.ABC):
 # Native backends
 
 
-@functools.cache
-def _load_native() -> tuple[ModuleType | None, str]:
-    """The native module, or None and why it would not load (the extension is optional at install)."""
-    try:
-        return importlib.import_module("zerooffload._native"), ""
-    except ImportError as exc:
-        return None, f"the native extension zerooffload._native is not built ({exc})"
-
-
 class _NativeTicket:
     __slots__ = ("_engine", "_ticket")
 
@@ -126,7 +117,7 @@ class _NativeTicket:
 
 class _NativeBackend(Backend):
     def __init__(self, config: AioConfig):
-        native, reason = _load_native()
+        native, reason = native_aio()
         if native is None:
             raise RuntimeError(reason)
         self._ops = {Op.READ: native.READ, Op.WRITE: native.WRITE}
@@ -134,7 +125,7 @@ class _NativeBackend(Backend):
 
     @classmethod
     def unavailable_reason(cls) -> str | None:
-        return _load_native()[1] or None
+        return native_aio()[1] or None
 
     def submit(self, requests: Sequence[Request]) -> Ticket:
         batch = [(self._ops[r.op], r.fd, r.addr, r.length, r.offset) for r in requests]
@@ -151,16 +142,12 @@ class UringBackend(_NativeBackend):
 
     @classmethod
     def unavailable_reason(cls) -> str | None:
-        native, reason = _load_native()
+        """The native extension missing, else the native io_uring probe's answer (the one doctor prints)."""
+        native, reason = native_aio()
         if native is None:
             return reason
-        code = native.uring_probe()
-        if code == 0:
-            return None
-        hint = {errno.EPERM: " (disabled by kernel.io_uring_disabled or a seccomp profile)",
-                errno.ENOSYS: " (kernel built without io_uring)",
-                errno.EOPNOTSUPP: " (kernel older than 5.6: no IORING_OP_READ/WRITE)"}.get(code, "")
-        return f"io_uring does not work here: [Errno {code}] {os.strerror(code)}{hint}"
+        probe = probe_io_uring()
+        return None if probe.ok else probe.detail
 
 
 class PoolBackend(_NativeBackend):

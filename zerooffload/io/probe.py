@@ -4,18 +4,26 @@ They answer by trying, not by reading version numbers: io_uring can be compiled 
 (``kernel.io_uring_disabled``) or blocked by seccomp in containers, and O_DIRECT depends on the
 filesystem under a path (tmpfs refuses it), so ``doctor`` and the ``auto`` backend ask these.
 ``mount_of`` names the filesystem a path is on: a swap directory on the root disk looks like any other.
+
+There is one io_uring probe, the native engine's own (``zerooffload._aio.uring_probe``: a ring set up
+and IORING_OP_READ/WRITE supported), which ``probe_io_uring`` asks for doctor and the uring backend's
+``unavailable_reason`` alike, so the two cannot disagree. Only when the native extension is not built
+does a Python stand-in set up a ring by the raw system call, and its answer says so.
 """
 from __future__ import annotations
 
 import ctypes
 import errno
+import functools
+import importlib
 import mmap
 import os
 import platform
 import re
 from dataclasses import dataclass
+from types import ModuleType
 
-__all__ = ["Probe", "Mount", "probe_io_uring", "probe_o_direct", "mount_of"]
+__all__ = ["Probe", "Mount", "native_aio", "probe_io_uring", "probe_o_direct", "mount_of"]
 
 _IO_URING_SETUP = {"x86_64": 425, "aarch64": 425}
 _PARAMS_BYTES = 120  # sizeof(struct io_uring_params) in <linux/io_uring.h>
@@ -41,27 +49,50 @@ class Mount:
     source: str
 
 
+@functools.cache
+def native_aio() -> tuple[ModuleType | None, str]:
+    """The native async-I/O module ``zerooffload._aio``, or None and why it would not load (the extension
+    is optional at install)."""
+    try:
+        return importlib.import_module("zerooffload._aio"), ""
+    except ImportError as exc:
+        return None, f"the native extension zerooffload._aio is not built ({exc})"
+
+
+_URING_HINTS = {errno.EPERM: " (disabled: see /proc/sys/kernel/io_uring_disabled, or blocked by seccomp)",
+                errno.ENOSYS: " (kernel built without io_uring)",
+                errno.EOPNOTSUPP: " (kernel older than 5.6: no IORING_OP_READ/WRITE)"}
+
+
 def probe_io_uring() -> Probe:
-    """Set up (and close) a real 4-entry ring through the raw system call."""
+    """Whether io_uring works here as the uring backend uses it, by the native engine's probe (see the
+    module note); without the native extension, the Python stand-in's answer."""
+    native = native_aio()[0]
+    if native is None:
+        return _python_probe_io_uring()
+    code = native.uring_probe()
+    if code == 0:
+        return Probe(True, "io_uring works (ring set up, IORING_OP_READ/WRITE supported)")
+    return Probe(False, f"io_uring does not work here: [Errno {code}] {os.strerror(code)}{_URING_HINTS.get(code, '')}",
+                 code)
+
+
+def _python_probe_io_uring() -> Probe:
+    """Set up (and close) a real 4-entry ring through the raw system call: less than the native probe asks
+    (no check of the READ/WRITE ops), and only what the kernel offers, since the uring backend is native."""
+    note = " (Python probe, ring setup only: zerooffload._aio is not built)"
     number = _IO_URING_SETUP.get(platform.machine())
     if number is None:
-        return Probe(False, f"unknown io_uring_setup syscall number on {platform.machine()}")
+        return Probe(False, f"unknown io_uring_setup syscall number on {platform.machine()}{note}")
     libc = ctypes.CDLL(None, use_errno=True)
     params = ctypes.create_string_buffer(_PARAMS_BYTES)
     fd = libc.syscall(number, ctypes.c_uint(4), params)
     if fd < 0:
         err = ctypes.get_errno()
-        return Probe(False, f"io_uring_setup failed: [Errno {err}] {os.strerror(err)}" + _uring_hint(err))
+        return Probe(False, f"io_uring_setup failed: [Errno {err}] {os.strerror(err)}{_URING_HINTS.get(err, '')}{note}",
+                     err)
     os.close(fd)
-    return Probe(True, "io_uring_setup works")
-
-
-def _uring_hint(err: int) -> str:
-    if err == errno.ENOSYS:
-        return " (kernel without io_uring)"
-    if err == errno.EPERM:
-        return " (disabled: see /proc/sys/kernel/io_uring_disabled, or blocked by seccomp)"
-    return ""
+    return Probe(True, f"io_uring_setup works{note}")
 
 
 def probe_o_direct(directory: str) -> Probe:

@@ -17,8 +17,9 @@ into the compute-dtype copy reads every parameter twice (~36 B/param); this pass
 ``numel % 16`` elements, where torch's own kernel leaves its vector code and may differ from itself by
 an ulp; within an ulp or two on builds that fuse other products.
 
-Without the native extension the same math runs as torch ops (a few times slower); ``simd_level()``
-then says ``"torch"``.
+The pass is the optional native extension ``zerooffload._cpu_adam`` (built apart from the I/O engine
+``zerooffload._aio``, so either may be missing alone). Without it the same math runs as torch ops (a few
+times slower); ``simd_level()`` then says ``"torch"``.
 """
 from __future__ import annotations
 
@@ -28,9 +29,9 @@ import os
 import torch
 
 try:
-    from .. import _native
+    from .. import _cpu_adam
 except ImportError:  # built optional (setup.py): the torch fallback below takes over
-    _native = None
+    _cpu_adam = None
 
 __all__ = ["fused_adam_step", "simd_level"]
 
@@ -39,13 +40,14 @@ _DTYPE_NAMES = {torch.float32: "FP32", torch.bfloat16: "BF16", torch.float16: "F
 
 
 def simd_level() -> str:
-    """The instruction set ``fused_adam_step`` runs on: "avx512", "avx2", "scalar", or "torch" when the
-    native extension is missing. The environment variable ZO_ADAM_SIMD (avx512 | avx2 | scalar), read
-    once per process, forces a lower level than the CPU's best (tests use it to cover every path)."""
-    if _native is None:
+    """The instruction set ``fused_adam_step`` runs on: "avx512", "avx2", "scalar" (always, off x86), or
+    "torch" when the native extension is missing. The environment variable ZO_ADAM_SIMD (avx512 | avx2 |
+    scalar), read once per process, forces a lower level than the CPU's best (tests use it to cover every
+    path)."""
+    if _cpu_adam is None:
         return "torch"
     try:
-        return _native.adam_simd()
+        return _cpu_adam.adam_simd()
     except OSError:
         raise ValueError(f"ZO_ADAM_SIMD={os.environ.get('ZO_ADAM_SIMD')!r} names no level: "
                          "expected avx512, avx2 or scalar") from None
@@ -62,19 +64,19 @@ def fused_adam_step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tens
     at fault."""
     _check_tensors(param, grad, exp_avg, exp_avg_sq, out)
     beta1, beta2 = _check_hyperparameters(lr, betas, eps, weight_decay, step, threads)
-    if _native is None:
+    if _cpu_adam is None:
         _torch_step(param, grad, exp_avg, exp_avg_sq, out, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
                     weight_decay=weight_decay, step=step, adamw=adamw, grad_scale=grad_scale)
         return
     simd_level()  # a bad ZO_ADAM_SIMD surfaces here as a ValueError naming it, not as OSError(EINVAL)
-    _native.adam_step(param.data_ptr(), grad.data_ptr(), _dtype_code(grad), exp_avg.data_ptr(),
-                      exp_avg_sq.data_ptr(), 0 if out is None else out.data_ptr(), _dtype_code(out),
-                      param.numel(), float(lr), beta1, beta2, float(eps), float(weight_decay),
-                      float(grad_scale), step, bool(adamw), threads)
+    _cpu_adam.adam_step(param.data_ptr(), grad.data_ptr(), _dtype_code(grad), exp_avg.data_ptr(),
+                        exp_avg_sq.data_ptr(), 0 if out is None else out.data_ptr(), _dtype_code(out),
+                        param.numel(), float(lr), beta1, beta2, float(eps), float(weight_decay),
+                        float(grad_scale), step, bool(adamw), threads)
 
 
 def _dtype_code(tensor: torch.Tensor | None) -> int:
-    return _native.DTYPE_NONE if tensor is None else getattr(_native, f"DTYPE_{_DTYPE_NAMES[tensor.dtype]}")
+    return _cpu_adam.DTYPE_NONE if tensor is None else getattr(_cpu_adam, f"DTYPE_{_DTYPE_NAMES[tensor.dtype]}")
 
 
 # ------------------------------------------------------------------------------------------------

@@ -1,7 +1,9 @@
 /*
- * module.c - CPython bindings of aio.h and cpu_adam.h as the module zerooffload._native. No I/O
- * or optimizer logic lives here: arguments are converted, the GIL is released around every call
- * that may block or run long, and negative errnos become OSError.
+ * aio_module.c - CPython bindings of aio.h as the module zerooffload._aio. No I/O logic lives
+ * here: arguments are converted, the GIL is released around every call that may block, and
+ * negative errnos become OSError. It is built apart from the fused Adam pass (cpu_adam_module.c,
+ * zerooffload._cpu_adam) and needs nothing but libc, pthreads and the kernel headers, so a
+ * machine on which the Adam kernel cannot be built still gets io_uring and the pool.
  *
  * Python interface
  *   Engine(kind, block_size, queue_depth, threads)   kind: "uring" | "pool"
@@ -12,31 +14,19 @@
  *   Engine.poll(ticket) -> bool
  *   Engine.close()      queued requests end with ECANCELED, requests in flight are waited for
  *   uring_probe() -> 0 or the errno why io_uring is unusable; uring_supported() -> bool
+ *       (the one io_uring probe: the auto backend and doctor both ask it, zerooffload/io/probe.py)
  *   READ, WRITE (ops), EEOF (errno of a read that met end of file)
- *   adam_step(param_addr, grad_addr, grad_dtype, exp_avg_addr, exp_avg_sq_addr, out_addr, out_dtype,
- *             n, lr, beta1, beta2, eps, weight_decay, grad_scale, step, adamw, threads) -> None
- *       one fused Adam/AdamW pass over n elements (cpu_adam.h); OSError(EINVAL) on bad arguments
- *   adam_simd() -> "avx512" | "avx2" | "scalar"; OSError(EINVAL) when ZO_ADAM_SIMD names no level
- *   DTYPE_NONE, DTYPE_FP32, DTYPE_BF16, DTYPE_FP16 (grad_dtype, out_dtype)
  */
-#define PY_SSIZE_T_CLEAN
-#include <Python.h>
+#include "bindings.h"
 
 #include <string.h>
 
 #include "aio.h"
-#include "cpu_adam.h"
 
 typedef struct {
     PyObject_HEAD
     zo_engine *engine;
 } EngineObject;
-
-static PyObject *raise_errno(int negative_errno)
-{
-    errno = -negative_errno;
-    return PyErr_SetFromErrno(PyExc_OSError);
-}
 
 static zo_engine *engine_of(EngineObject *self)
 {
@@ -233,7 +223,7 @@ static PyMethodDef Engine_methods[] = {
 
 static PyTypeObject EngineType = {
     PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "zerooffload._native.Engine",
+    .tp_name = "zerooffload._aio.Engine",
     .tp_basicsize = sizeof(EngineObject),
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_doc = "An async-I/O engine (see native/aio.h).",
@@ -261,61 +251,20 @@ static PyObject *uring_supported(PyObject *Py_UNUSED(module), PyObject *Py_UNUSE
     return PyBool_FromLong(rc == 0);
 }
 
-static PyObject *adam_step(PyObject *Py_UNUSED(module), PyObject *args)
-{
-    unsigned long long param, grad, exp_avg, exp_avg_sq, out;
-    long long step;
-    Py_ssize_t n;
-    struct zo_adam_args a;
-    if (!PyArg_ParseTuple(args, "KKiKKKindddddfLpI", &param, &grad, &a.grad_dtype, &exp_avg,
-                          &exp_avg_sq, &out, &a.out_dtype, &n, &a.lr, &a.beta1, &a.beta2, &a.eps,
-                          &a.weight_decay, &a.grad_scale, &step, &a.adamw, &a.threads))
-        return NULL;
-    if (n < 0) {
-        PyErr_SetString(PyExc_ValueError, "n must be >= 0");
-        return NULL;
-    }
-    a.param = (float *)(uintptr_t)param;
-    a.grad = (const void *)(uintptr_t)grad;
-    a.exp_avg = (float *)(uintptr_t)exp_avg;
-    a.exp_avg_sq = (float *)(uintptr_t)exp_avg_sq;
-    a.out = (void *)(uintptr_t)out;
-    a.n = (size_t)n;
-    a.step = step;
-    int rc;
-    Py_BEGIN_ALLOW_THREADS
-    rc = zo_adam_step(&a);
-    Py_END_ALLOW_THREADS
-    if (rc < 0)
-        return raise_errno(rc);
-    Py_RETURN_NONE;
-}
-
-static PyObject *adam_simd(PyObject *Py_UNUSED(module), PyObject *Py_UNUSED(ignored))
-{
-    int level = zo_adam_simd();
-    if (level < 0)
-        return raise_errno(level);
-    return PyUnicode_FromString(zo_adam_simd_name(level));
-}
-
 static PyMethodDef module_methods[] = {
-    {"adam_step", adam_step, METH_VARARGS, "One fused Adam/AdamW pass (see native/cpu_adam.h)."},
-    {"adam_simd", adam_simd, METH_NOARGS, "The instruction set adam_step runs on."},
     {"uring_probe", uring_probe, METH_NOARGS, "0, or the errno why io_uring is unusable here."},
     {"uring_supported", uring_supported, METH_NOARGS, "Whether io_uring works here."},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module_def = {
-    PyModuleDef_HEAD_INIT, .m_name = "zerooffload._native",
-    .m_doc = "Native async I/O (io_uring and a pthread pool; native/aio.h) and the fused CPU "
-             "Adam pass (native/cpu_adam.h).",
+    PyModuleDef_HEAD_INIT, .m_name = "zerooffload._aio",
+    .m_doc = "Native async I/O: io_uring and a pthread pool (native/aio.h).",
     .m_size = -1,
     .m_methods = module_methods,
 };
 
-PyMODINIT_FUNC PyInit__native(void)
+PyMODINIT_FUNC PyInit__aio(void)
 {
     if (PyType_Ready(&EngineType) < 0)
         return NULL;
@@ -325,10 +274,6 @@ PyMODINIT_FUNC PyInit__native(void)
     if (PyModule_AddIntConstant(m, "READ", ZO_READ) < 0 ||
         PyModule_AddIntConstant(m, "WRITE", ZO_WRITE) < 0 ||
         PyModule_AddIntConstant(m, "EEOF", ZO_EEOF) < 0 ||
-        PyModule_AddIntConstant(m, "DTYPE_NONE", ZO_DTYPE_NONE) < 0 ||
-        PyModule_AddIntConstant(m, "DTYPE_FP32", ZO_DTYPE_FP32) < 0 ||
-        PyModule_AddIntConstant(m, "DTYPE_BF16", ZO_DTYPE_BF16) < 0 ||
-        PyModule_AddIntConstant(m, "DTYPE_FP16", ZO_DTYPE_FP16) < 0 ||
         PyModule_AddObjectRef(m, "Engine", (PyObject *)&EngineType) < 0) {
         Py_DECREF(m);
         return NULL;

@@ -1,0 +1,84 @@
+/*
+ * cpu_adam_module.c - CPython bindings of cpu_adam.h as the module zerooffload._cpu_adam. No
+ * optimizer logic lives here: arguments are converted, the GIL is released around the pass, and
+ * negative errnos become OSError. It is an extension of its own, apart from the async-I/O engine
+ * (aio_module.c, zerooffload._aio), because it is the part that depends on the CPU's instruction
+ * set: if it fails to build, the I/O engine is still there (and the optimizer falls back to torch).
+ *
+ * Python interface
+ *   adam_step(param_addr, grad_addr, grad_dtype, exp_avg_addr, exp_avg_sq_addr, out_addr, out_dtype,
+ *             n, lr, beta1, beta2, eps, weight_decay, grad_scale, step, adamw, threads) -> None
+ *       one fused Adam/AdamW pass over n elements (cpu_adam.h); OSError(EINVAL) on bad arguments
+ *   adam_simd() -> "avx512" | "avx2" | "scalar"; OSError(EINVAL) when ZO_ADAM_SIMD names no level.
+ *       Off x86 (and when built with -DZO_ADAM_SCALAR_ONLY) it is always "scalar".
+ *   DTYPE_NONE, DTYPE_FP32, DTYPE_BF16, DTYPE_FP16 (grad_dtype, out_dtype)
+ */
+#include "bindings.h"
+
+#include "cpu_adam.h"
+
+static PyObject *adam_step(PyObject *Py_UNUSED(module), PyObject *args)
+{
+    unsigned long long param, grad, exp_avg, exp_avg_sq, out;
+    long long step;
+    Py_ssize_t n;
+    struct zo_adam_args a;
+    if (!PyArg_ParseTuple(args, "KKiKKKindddddfLpI", &param, &grad, &a.grad_dtype, &exp_avg,
+                          &exp_avg_sq, &out, &a.out_dtype, &n, &a.lr, &a.beta1, &a.beta2, &a.eps,
+                          &a.weight_decay, &a.grad_scale, &step, &a.adamw, &a.threads))
+        return NULL;
+    if (n < 0) {
+        PyErr_SetString(PyExc_ValueError, "n must be >= 0");
+        return NULL;
+    }
+    a.param = (float *)(uintptr_t)param;
+    a.grad = (const void *)(uintptr_t)grad;
+    a.exp_avg = (float *)(uintptr_t)exp_avg;
+    a.exp_avg_sq = (float *)(uintptr_t)exp_avg_sq;
+    a.out = (void *)(uintptr_t)out;
+    a.n = (size_t)n;
+    a.step = step;
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = zo_adam_step(&a);
+    Py_END_ALLOW_THREADS
+    if (rc < 0)
+        return raise_errno(rc);
+    Py_RETURN_NONE;
+}
+
+static PyObject *adam_simd(PyObject *Py_UNUSED(module), PyObject *Py_UNUSED(ignored))
+{
+    int level = zo_adam_simd();
+    if (level < 0)
+        return raise_errno(level);
+    return PyUnicode_FromString(zo_adam_simd_name(level));
+}
+
+static PyMethodDef module_methods[] = {
+    {"adam_step", adam_step, METH_VARARGS, "One fused Adam/AdamW pass (see native/cpu_adam.h)."},
+    {"adam_simd", adam_simd, METH_NOARGS, "The instruction set adam_step runs on."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module_def = {
+    PyModuleDef_HEAD_INIT, .m_name = "zerooffload._cpu_adam",
+    .m_doc = "The fused CPU Adam/AdamW pass (native/cpu_adam.h).",
+    .m_size = -1,
+    .m_methods = module_methods,
+};
+
+PyMODINIT_FUNC PyInit__cpu_adam(void)
+{
+    PyObject *m = PyModule_Create(&module_def);
+    if (!m)
+        return NULL;
+    if (PyModule_AddIntConstant(m, "DTYPE_NONE", ZO_DTYPE_NONE) < 0 ||
+        PyModule_AddIntConstant(m, "DTYPE_FP32", ZO_DTYPE_FP32) < 0 ||
+        PyModule_AddIntConstant(m, "DTYPE_BF16", ZO_DTYPE_BF16) < 0 ||
+        PyModule_AddIntConstant(m, "DTYPE_FP16", ZO_DTYPE_FP16) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}
