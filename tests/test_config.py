@@ -262,3 +262,16 @@ def test_unreadable_files_are_named(tmp_path):
     bad.write_text("[zero\nstage = 3")
     with pytest.raises(ConfigError, match="bad.toml is not valid"):
         zo.Config.load(bad)
+
+
+def test_the_io_layer_defaults_are_the_aio_sections():
+    """The I/O layer takes plain settings (it imports nothing above it): they must agree with [aio]."""
+    import dataclasses
+
+    from zerooffload.config import ALIGNMENT, AioConfig
+    from zerooffload.io import buffers
+    from zerooffload.io.settings import IOSettings
+
+    ours = {f.name: getattr(AioConfig(), f.name) for f in dataclasses.fields(AioConfig)}
+    assert dataclasses.asdict(IOSettings()) == ours
+    assert buffers.ALIGNMENT == ALIGNMENT

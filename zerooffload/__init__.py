@@ -1,19 +1,36 @@
 """zerooffload: ZeRO sharded data-parallel training with a CPU/NVMe offload engine.
 
-The public names are listed in ``__all__``; DESIGN §2 and README.md describe their contract.
+The public names are listed in ``__all__``; README.md describes their contract. They load on first
+use (PEP 562), so ``import zerooffload.io`` or ``zerooffload.config`` brings in only those layers,
+never the engine.
 """
+import importlib
+
 from .threads import choose_openmp_wait
 
 choose_openmp_wait()  # before anything loads torch: libgomp reads its settings once (threads' note)
 
-from . import checkpoint  # noqa: E402
-from .checkpoint import CheckpointError  # noqa: E402
-from .config import Config, ConfigError  # noqa: E402
-from .deepspeed_config import DeepSpeedConfigWarning  # noqa: E402
-from .engine import Engine, initialize  # noqa: E402
-from .lazy_init import init_context  # noqa: E402
-from .pretrained import load_safetensors  # noqa: E402
-
 __version__ = "0.1.0"
-__all__ = ["CheckpointError", "Config", "ConfigError", "DeepSpeedConfigWarning", "Engine", "checkpoint", "init_context", "initialize", "load_safetensors",
-           "__version__"]
+
+_PUBLIC = {
+    "CheckpointError": "checkpoint", "Config": "config", "ConfigError": "config",
+    "DeepSpeedConfigWarning": "deepspeed_config", "Engine": "engine", "initialize": "engine",
+    "init_context": "lazy_init", "load_safetensors": "pretrained",
+}
+"""Each public name and the module that defines it."""
+
+__all__ = [*_PUBLIC, "checkpoint", "__version__"]
+
+
+def __getattr__(name: str):
+    if name == "checkpoint":
+        return importlib.import_module(".checkpoint", __name__)
+    if name not in _PUBLIC:
+        raise AttributeError(f"module 'zerooffload' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{_PUBLIC[name]}", __name__), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_PUBLIC, "checkpoint"])

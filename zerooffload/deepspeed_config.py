@@ -37,9 +37,12 @@ import os
 import re
 import warnings
 from functools import reduce
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from .config import Config, ConfigError, dtype_bytes, format_size
+from .values import ConfigError, dtype_bytes, format_size
+
+if TYPE_CHECKING:
+    from .config import Config
 
 __all__ = ["DeepSpeedConfigWarning", "is_deepspeed", "from_deepspeed"]
 
@@ -167,7 +170,9 @@ class _Mapping:
     """One DeepSpeed config being translated: the flat input by canonical key, our nested output, where
     each of our values came from, and the notes for the warning."""
 
-    def __init__(self, data: dict):
+    def __init__(self, data: dict, schema: type[Config]):
+        self.schema = schema
+        """Our config class: its defaults, and the check of the result."""
         self.ds: dict[str, Any] = {}
         self.written: dict[str, str] = {}
         self.auto: list[str] = []
@@ -325,7 +330,7 @@ def _map_sizes(m: _Mapping, precision: str) -> None:
                               "zerooffload prefetches nothing, zero.prefetch_size = 0, and keeps its default "
                               "zero.max_live_size)")
     elif live is not None:
-        prefetch = m.ours["zero"].get("prefetch_size", Config().zero.prefetch_size)
+        prefetch = m.ours["zero"].get("prefetch_size", m.schema().zero.prefetch_size)
         m.put("zero.prefetch_size", min(prefetch, live * nbytes), m.source.get("zero.prefetch_size", live_key))
         m.approximated.append(f"{m.name(live_key)} = {_shown(m.ds[live_key])} (zero.max_live_size = "
                               f"{_size(live * nbytes)}: a bound zerooffload keeps, refusing at initialize a "
@@ -365,12 +370,14 @@ def _map_offload(m: _Mapping, stage: int) -> None:
             m.put(f"offload.{key.split('.')[1].removeprefix('offload_')}.path", path, key)
 
 
-def from_deepspeed(data: dict, *, world_size: int | None = None) -> dict:
-    """Our config dict from a DeepSpeed one; warns once about every key not mapped exactly."""
+def from_deepspeed(data: dict, *, schema: type[Config], world_size: int | None = None) -> dict:
+    """Our config dict from a DeepSpeed one, checked against ``schema`` (``config.Config``, which calls
+    this: passed in, so the two modules do not import each other); warns once about every key not
+    mapped exactly."""
     world_size = world_size or int(os.environ.get("WORLD_SIZE", "1"))
     if isinstance(data.get("zero_optimization"), bool):  # DeepSpeed's oldest form: true = stage 1
         data = {**data, "zero_optimization": {"stage": int(data["zero_optimization"])}}
-    m = _Mapping(data)
+    m = _Mapping(data, schema)
     for ds_key, our_key in _DIRECT.items():
         if ds_key in m.ds:
             m.put(our_key, m.ds[ds_key], ds_key)
@@ -382,7 +389,7 @@ def from_deepspeed(data: dict, *, world_size: int | None = None) -> dict:
     _map_optimizer(m)
     _map_scheduler(m)
     stage = m.count(_Z + "stage")
-    _map_offload(m, Config().zero.stage if stage is None else stage)
+    _map_offload(m, m.schema().zero.stage if stage is None else stage)
     if any(m.written[k] != k and m.written[k].startswith(_Z + "aio.") for k in m.written):
         m.approximated.append(f"{_Z}aio (DeepSpeed reads aio at the top level only; read as aio)")
     config = _validated(m)
@@ -393,7 +400,7 @@ def from_deepspeed(data: dict, *, world_size: int | None = None) -> dict:
 def _validated(m: _Mapping) -> Config:
     """The mapped config validated now, so that an error names the DeepSpeed key it came from."""
     try:
-        return Config.from_dict(m.ours)
+        return m.schema.from_dict(m.ours)
     except ConfigError as exc:
         message = str(exc)
     found = [(match.start(), ours) for ours in m.source if (match := _mention(ours, message))]

@@ -27,9 +27,10 @@ from .bounce import Bouncer
 from .buffers import HostSpan, host_span, is_aligned
 from .errors import AioError, TransferFailed, describe_errno
 from .files import AioFile, open_file
+from .settings import IOSettings
 
 if TYPE_CHECKING:
-    from ..config import AioConfig
+    from .settings import Settings
 
 # The facade also re-exports the file API and its error, so callers need one import.
 __all__ = ["AioError", "AioFile", "AsyncIO", "Handle", "open_file"]
@@ -162,16 +163,14 @@ def _shutdown(pid: int, registry: _Registry, bouncer: Bouncer, backend: Backend)
 class AsyncIO:
     """Reads and writes of host buffers at file offsets, asynchronous, on one backend.
 
-    ``config`` is an ``AioConfig`` (defaults when None); ``backend`` names the backend in use. Safe to
+    ``config`` is the I/O settings (``settings``; the config's ``aio`` section, or defaults when None); ``backend`` names the backend in use. Safe to
     use from several threads. ``close`` (also on leaving a ``with`` block, on garbage collection and
     at exit) waits for every transfer in flight.
     """
 
-    def __init__(self, config: AioConfig | None = None, raw: bool = False):
+    def __init__(self, config: Settings | None = None, raw: bool = False):
         if config is None:
-            from ..config import AioConfig
-
-            config = AioConfig()
+            config = IOSettings()
         self.config = config
         self.raw = raw
         self._backend = open_backend(config)

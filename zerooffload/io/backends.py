@@ -39,7 +39,7 @@ from .errors import EEOF, TransferFailed, describe_errno
 from .probe import native_aio, probe_io_uring
 
 if TYPE_CHECKING:
-    from ..config import AioConfig
+    from .settings import Settings
 
 __all__ = [
     "AiofilesBackend", "Backend", "FutureTicket", "Op", "PoolBackend", "PythonBackend", "Request",
@@ -116,7 +116,7 @@ class _NativeTicket:
 
 
 class _NativeBackend(Backend):
-    def __init__(self, config: AioConfig):
+    def __init__(self, config: Settings):
         native, reason = native_aio()
         if native is None:
             raise RuntimeError(reason)
@@ -260,7 +260,7 @@ class PythonBackend(Backend):
 
     name = "python"
 
-    def __init__(self, config: AioConfig):
+    def __init__(self, config: Settings):
         self._block_size = config.block_size
         self._executor = concurrent.futures.ThreadPoolExecutor(config.threads, "zo-aio-python")
 
@@ -294,7 +294,7 @@ class AiofilesBackend(Backend):
 
     name = "aiofiles"
 
-    def __init__(self, config: AioConfig):
+    def __init__(self, config: Settings):
         import aiofiles.os
 
         self._calls = {Op.READ: aiofiles.os.wrap(os.preadv), Op.WRITE: aiofiles.os.wrap(os.pwritev)}
@@ -349,7 +349,7 @@ BACKENDS: dict[str, type[Backend]] = {
 _AUTO_ORDER = ("uring", "pool", "python")
 
 
-def open_backend(config: AioConfig) -> Backend:
+def open_backend(config: Settings) -> Backend:
     """The backend ``config.backend`` names, or for ``auto`` the first of uring, pool, python that works.
 
     An explicit backend that cannot run raises RuntimeError saying why and which to use instead.
@@ -367,7 +367,7 @@ def open_backend(config: AioConfig) -> Backend:
     return PythonBackend(config)
 
 
-def _try_open(cls: type[Backend], config: AioConfig) -> tuple[Backend | None, str]:
+def _try_open(cls: type[Backend], config: Settings) -> tuple[Backend | None, str]:
     reason = cls.unavailable_reason()
     if reason is not None:
         return None, reason
@@ -377,7 +377,7 @@ def _try_open(cls: type[Backend], config: AioConfig) -> tuple[Backend | None, st
         return None, f"the {cls.name} engine failed to start: [Errno {exc.errno}] {describe_errno(exc.errno)}"
 
 
-def _open_named(config: AioConfig) -> Backend:
+def _open_named(config: Settings) -> Backend:
     if config.backend not in BACKENDS:
         raise ValueError(f"aio.backend = {config.backend!r}: expected 'auto' or one of {sorted(BACKENDS)}")
     backend, reason = _try_open(BACKENDS[config.backend], config)

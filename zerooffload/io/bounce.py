@@ -35,7 +35,7 @@ from .errors import EEOF, TransferFailed
 from .files import FileWriteState
 
 if TYPE_CHECKING:
-    from ..config import AioConfig
+    from .settings import Settings
 
 __all__ = ["Bouncer"]
 
@@ -74,7 +74,7 @@ class _Transfer:
 class Bouncer:
     """Runs unaligned transfers for one AsyncIO; its workers and buffers are made on first use."""
 
-    def __init__(self, backend: Backend, config: AioConfig):
+    def __init__(self, backend: Backend, config: Settings):
         self._backend = backend
         self._chunk = config.block_size * config.queue_depth
         self._threads = config.threads

@@ -23,7 +23,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..config import ALIGNMENT
+ALIGNMENT = 4096
+"""Bytes every O_DIRECT address, offset and length is a multiple of (``config.ALIGNMENT`` is the same)."""
 
 __all__ = ["ALIGNMENT", "HostBufferPool", "HostSpan", "aligned_empty", "host_span", "is_aligned"]
 
