@@ -9,7 +9,8 @@ Read top to bottom: ``main`` is the whole job.
    unit; with ``--model-dir`` the weights are then streamed in with ``zo.load_safetensors``.
 2. ``--lora RANK`` freezes the base and adds a low-rank adapter to every attention q and v
    projection (``LoRALinear`` below: plain PyTorch, nothing of zerooffload's). Only the adapters
-   train; ``summary.json`` shows what the engine still holds and writes for the frozen base.
+   train; the frozen base gets no optimizer state and is never written back to NVMe, as
+   ``summary.json`` shows (optimizer bytes held, NVMe bytes written per step).
 3. The engine: ZeRO stage 3 with ``offload.param.tier = nvme`` and ``offload.optimizer.tier = nvme``
    under ``--nvme DIR``. It runs alone or under ``torchrun`` (each rank trains its slice of the batch).
 4. Training data: the bytes of the Python standard library's sources (``zerooffload.data.ByteCorpus``),

@@ -248,3 +248,58 @@ def test_a_model_larger_than_ram_is_refused_before_anything_is_allocated():
         zo.initialize(model, {"zero": {"stage": 1}})
     assert time.monotonic() - start < 30
     assert psutil.Process().memory_info().rss - rss < 200 << 20
+
+
+def _planned(model, config: dict, world: int) -> dict[str, int]:
+    """The bytes the engine plans per tier for ``model`` (the same on every rank of a symmetric model)."""
+    from zerooffload.config import Config
+    from zerooffload.memory_plan import plan_for_config
+    from zerooffload.partition import find_units
+
+    config = Config.load(config)
+    layouts = find_units(model, config.zero.unit_modules, world if config.zero.stage >= 1 else 1)
+    return {tier: sum(kinds.values()) for tier, kinds in plan_for_config(layouts, config, world).items()}
+
+
+def _gpt():
+    torch.manual_seed(0)
+    from zerooffload.models import GPT, PRESETS
+    return GPT(PRESETS["nano"])
+
+
+def plan_bound_case(config: dict) -> dict:
+    """Budgets set to exactly what the plan says: a run that ever held more would raise BudgetError."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    budgets = {tier: n for tier, n in _planned(_gpt(), config, world).items() if tier in ("device", "host")}
+    engine = zo.initialize(_gpt(), {**config, "memory": {f"{t}_budget": n for t, n in budgets.items()}})
+    x = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(dist.get_rank() if
+                                                                                dist.is_initialized() else 0))
+    for _ in range(2 * engine.config.train.grad_accum_steps):
+        engine.backward(engine(x, x))
+        engine.step()
+    peaks = engine.memory_report().peaks
+    engine.close()
+    return {"budgets": budgets, "peaks": dict(peaks)}
+
+
+PLAN_LAYOUTS = [
+    {"zero": {"stage": 2}, "offload": {"optimizer": {"tier": "host"}}},
+    {"zero": {"stage": 2}, "offload": {"optimizer": {"tier": "nvme"}}, "train": {"grad_clip": 1.0}},
+    {"zero": {"stage": 3}, "offload": {"optimizer": {"tier": "nvme"}, "param": {"tier": "nvme"}},
+     "train": {"precision": "bf16", "grad_accum_steps": 2}},
+    {"zero": {"stage": 3}, "offload": {"param": {"tier": "host"}, "optimizer": {"tier": "host"}},
+     "train": {"grad_clip": 1.0, "activation_checkpointing": True}},
+]
+
+
+@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("layout", range(len(PLAN_LAYOUTS)))
+def test_a_run_never_holds_more_than_its_plan(rank_pools, world, layout):
+    """The plan's bounds on temporaries (one unit's update at a time, the root unit's gradient plus the
+    blocks in flight, no staging at world size 1) hold on a real GPT: budgets equal to the plan, a
+    byte over would raise."""
+    config = PLAN_LAYOUTS[layout]
+    results = [plan_bound_case(config)] if world == 1 else rank_pools(world).run(plan_bound_case, config)
+    for result in results:
+        for tier, budget in result["budgets"].items():
+            assert 0 < result["peaks"][tier] <= budget, tier

@@ -106,11 +106,6 @@ def test_lora_trains_adapters_and_leaves_the_base_bitwise_unchanged(full, lora):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason=(
-    "library: frozen parameters still get full optimizer blocks (optim/state.py UnitOptimizerState sizes "
-    "master + moments over the whole unit shard) and every unit's block is written back each step "
-    "(engine.py Engine._update / _start_backward_updates stream all blocks with write=True), so a LoRA run "
-    "writes and holds as much optimizer state as a full fine-tune"))
 def test_lora_writes_and_holds_only_adapter_state(full, lora):
     (full_out, full_summary), (_, summary) = full, lora
     config = _hf_config(full_out / "model")

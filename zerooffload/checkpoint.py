@@ -22,6 +22,10 @@ size and CRC-32 of every file.
   that holds it. So any world size, stage or tier layout loads into any other; names or shapes that
   differ are refused with the list.
 - Blocks on NVMe are streamed through host buffers on the way out and in, one unit at a time.
+- *Frozen parameters* keep no optimizer state (optim.state's frozen prefix rule), but the format is
+  the same whatever is frozen: a shard's master segment holds the frozen values too, from the
+  weights in fp32, and its moment segments zeros there. A load puts frozen values into the weights
+  (and their shard home); in bf16/fp16 runs only their compute-dtype rounding is kept.
 """
 from __future__ import annotations
 
@@ -175,9 +179,9 @@ def _write_rank_data(engine: Any, partial: Path, size: int) -> dict[str, dict]:
         try:
             for state in engine.visit_optimizer_states(write=False):
                 if rank < state.unit.layout.shards:
-                    writer.write(state.master())
+                    writer.write(engine.fp32_shard(state))
                     for name in state.moment_names:
-                        writer.write(state.moment(name))
+                        writer.write(_whole_shard(state.moment(name), state.unit.layout.shard_numel))
         finally:
             files = {rank_file(rank, "bin"): writer.close()}
         if rank == 0:
@@ -194,6 +198,15 @@ def _write_rank_data(engine: Any, partial: Path, size: int) -> dict[str, dict]:
     torch.save(rng, rng_path)
     files[rng_path.name] = file_record(rng_path)
     return files
+
+
+def _whole_shard(part: torch.Tensor, size: int) -> torch.Tensor:
+    """A segment over a shard's trainable part as the format stores it: the whole shard, zeros past it."""
+    if part.numel() == size:
+        return part
+    whole = torch.zeros(size, dtype=part.dtype, device=part.device)
+    whole[:part.numel()].copy_(part)
+    return whole
 
 
 def _optimizer_steps(engine: Any) -> dict[str, float]:
@@ -265,7 +278,7 @@ def load_checkpoint(engine: Any, directory: str | os.PathLike, tag: str | None =
         _check_same_optimizer(engine, manifest)
     with _RankFiles(manifest) as files:
         buffers = _read_buffers(manifest, files)
-        engine.set_optimizer_states(lambda state: _fill_state(state, sources, files), whole=True)
+        engine.set_optimizer_states(lambda state, frozen: _fill_state(state, frozen, sources, files), whole=True)
     _restore_buffers(engine, buffers)
     _restore_optimizer(engine, manifest)
     _restore_rng(engine, manifest)
@@ -371,17 +384,24 @@ class _RankFiles:
         self._reader.close()
 
 
-def _fill_state(state: Any, sources: dict[str, _Source], files: _RankFiles) -> None:
-    """This rank's new master and moment shards of one unit, from wherever the parameters were saved."""
-    unit = state.unit
+def _fill_state(state: Any, frozen: torch.Tensor | None, sources: dict[str, _Source], files: _RankFiles) -> None:
+    """This rank's new master and moment shards of one unit, from wherever the parameters were saved;
+    values past the trainable part (frozen: no moments) into ``frozen``, the weights there."""
+    unit, trainable = state.unit, state.unit.trainable_numel
     targets = [state.master()] + [state.moment(n) for n in state.moment_names]
-    for target in targets:
-        target.zero_()  # padding
+    for target in [*targets, frozen]:
+        if target is not None:
+            target.zero_()  # padding
     for piece in unit.pieces:
         source = sources[unit.layout.slots[piece.slot_index].names[0]]
         start, stop = unit.param_range(piece)
-        for segment, target in enumerate(targets):
-            _read_range(files, source, segment, start, stop, target[piece.start:piece.stop])
+        cut = piece.start + unit.held(piece)
+        if cut > piece.start:
+            for segment, target in enumerate(targets):
+                _read_range(files, source, segment, start, start + cut - piece.start, target[piece.start:cut])
+        if cut < piece.stop:
+            _read_range(files, source, 0, start + cut - piece.start, stop,
+                        frozen[cut - trainable:piece.stop - trainable])
 
 
 def _read_range(files: _RankFiles, source: _Source, segment: int, start: int, stop: int,

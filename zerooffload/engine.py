@@ -13,7 +13,9 @@ all units are reduced when the window closes. ``engine.step`` at the accumulatio
 3. skips the step everywhere if fp16 gradients overflowed, else folds the unscale and the clip to
    ``train.grad_clip`` into one gradient scale;
 4. unit by unit, its optimizer block loaded (``optim.state``; streamed when on NVMe): the update of the
-   pieces whose parameters had a gradient somewhere (others skip, as torch skips ``grad is None``),
+   pieces whose parameters had a gradient somewhere (others skip, as torch skips ``grad is None``;
+   frozen parameters have no pieces, and units with no trainable parameter are neither reduced nor
+   updated: optim.state's frozen prefix rule),
    writing the new compute weights where they are published (``publication``): all-gathered at stages
    1–2, a partitioned unit's shard at stage 3, gathered again at its next use by the ``ParamScheduler``
    (``param_hooks``).
@@ -54,15 +56,16 @@ import torch.utils.checkpoint
 from torch import nn
 
 from . import checkpoint
+from .activations import ActivationProfile, measure_activations
 from .comm import Comm, all_gather, broadcast, control_all_reduce, failing_together, init_comm
-from .config import Config
+from .config import Config, dtype_bytes
 from .lazy_init import initial_values, is_lazy, swap_in_placeholders
-from .memory_plan import (fitting_layout, grads_kept_for_step, master_is_param, params_in_masters, plan_for_config,
-                          updates_in_backward)
+from .memory_plan import (activation_bytes, fitting_layout, grads_kept_for_step, master_is_param, params_in_masters,
+                          plan_for_config, updates_in_backward)
 from .optim import ZeroOptimizer, build_scheduler, moment_names
 from .param_groups import normalize_param_groups
 from .param_hooks import register_param_hooks
-from .partition import FlatUnit, Piece, UnitLayout, find_units
+from .partition import FlatUnit, Piece, SplitShardBlock, UnitLayout, find_units, span_block
 from .publication import Publication
 from .precision import COMPUTE_DTYPES, LossScaler
 from .reduction import GradReducer, Mode
@@ -83,26 +86,44 @@ _EAGER = object()
 
 
 def initialize(model: nn.Module, config: Config | dict | str | None = None, param_groups: list[dict] | None = None,
-               init_fn: Any = None) -> "Engine":
+               init_fn: Any = None, *, example_inputs: tuple | dict | None = None) -> "Engine":
     """Shard ``model``'s training state as ``config`` says and return the engine that trains it.
 
     ``param_groups`` are torch-style groups over ``model``'s parameters (lr, weight_decay, ... per
     group); by default one group of every trainable parameter. ``init_fn(model)``, when given, runs
     once under ``torch.no_grad()`` before the parameters are flattened; for a model built under
     ``init_context`` it runs as ``init_fn(module)`` for each module instead of ``reset_parameters()``
-    (``lazy_init``'s note), one unit's worth of memory at a time.
+    (``lazy_init``'s note), one unit's worth of memory at a time. ``example_inputs``: one micro-batch's
+    arguments to the model (a tuple, or a dict of keyword arguments; real or meta tensors, only their
+    shapes count), for a model built under ``init_context``: its activations are measured on the meta
+    device and counted in the memory check ([Note: measuring activations]).
     """
     config = Config.load(config if config is not None else {})
     set_threads(config.train.threads)
     lazy = is_lazy(model)
+    comm = init_comm()
+    activations = None
+    if example_inputs is not None:
+        activations = _measure(model, config, comm.device, example_inputs)
     if lazy:
         swap_in_placeholders(model)
     elif init_fn is not None:
         with torch.no_grad():
             init_fn(model)
-    comm = init_comm()
     with failing_together(comm):
-        return Engine(model, config, comm, param_groups, lazy_init_fn=init_fn if lazy else _EAGER)
+        return Engine(model, config, comm, param_groups, lazy_init_fn=init_fn if lazy else _EAGER,
+                      activations=activations)
+
+
+def _measure(model: nn.Module, config: Config, device: torch.device, example_inputs: tuple | dict
+             ) -> ActivationProfile:
+    """The activations of ``model`` (still on the meta device) on ``example_inputs``."""
+    if not is_lazy(model):
+        raise ValueError("example_inputs: activations are measured on a model built under zo.init_context(); "
+                         "build it there, or leave example_inputs out (the RAM margin then stands in for them)")
+    args, kwargs = (((), example_inputs) if isinstance(example_inputs, dict) else (tuple(example_inputs), {}))
+    layouts = find_units(model, config.zero.unit_modules, 1)
+    return measure_activations(model, layouts, dtype_bytes(config.train.precision), args, kwargs, device)
 
 
 def _engine_call(method: Any) -> Any:
@@ -170,7 +191,7 @@ class Engine:
     """Trains one module with ZeRO stages 0–3; see [Note: a step]."""
 
     def __init__(self, module: nn.Module, config: Config, comm: Comm, param_groups: list[dict] | None,
-                 lazy_init_fn: Any = None):
+                 lazy_init_fn: Any = None, activations: ActivationProfile | None = None):
         self.module = module
         self.config = config
         self.comm = comm
@@ -192,9 +213,11 @@ class Engine:
         """Whether reduced shards leaving the device wait on the optimizer's tier (``offloaded_grads``)."""
         check_live_bound(partitioned, config.zero.max_live_size)
         plan = plan_for_config(layouts, config, comm.world_size)
-        check_plan(plan, self.tiers)  # memory budgets first: they are cheap to check, swap space is not
-        check_ram(plan, config.memory, comm.device, released=_storage_bytes(module), local_ranks=_local_ranks(comm),
-                  suggestion=lambda fits: fitting_layout(module, config, comm.world_size, fits))
+        measured = activation_bytes(activations, config)
+        check_plan(plan, self.tiers, measured)  # memory budgets first: they are cheap to check, swap space is not
+        check_ram(plan, config.memory, comm.device, activations=measured, released=_storage_bytes(module),
+                  local_ranks=_local_ranks(comm), suggestion=lambda fits: fitting_layout(
+                      module, config, comm.world_size, fits, activations, _local_ranks(comm)))
         if "nvme" in plan:
             self.tiers["nvme"] = NvmeTier(config, comm.rank, reserve=sum(plan["nvme"].values()))
         self._io = self.tiers["nvme"].io if "nvme" in self.tiers else IOStats()
@@ -266,12 +289,19 @@ class Engine:
     def _param_block(self, index: int, tier_name: str) -> Block:
         """A partitioned unit's shard home (``Kind.PARAM`` on ``offload.param.tier``); in fp32 with the
         unit's optimizer block on NVMe too, the block's master segment instead, which holds the same
-        values and which the update writes anyway: no second copy to write each step."""
-        if params_in_masters(self.config, tier_name):
-            return self.tiers["nvme"].prefix_block(f"optimizer.{index}", self.units[index].layout.shard_numel,
-                                                   torch.float32)  # the master is the block's first segment
-        return self._param_tier.block(Kind.PARAM, f"param.{index}", self.units[index].layout.shard_numel,
-                                      self.compute_dtype)
+        values and which the update writes anyway: no second copy to write each step (not for a shard
+        with frozen values, which the master does not hold). On NVMe a shard whose trainable span is
+        followed by frozen values is two blocks, so that steps write the span alone."""
+        unit = self.units[index]
+        size, span = unit.layout.shard_numel, unit.trainable_span
+        if params_in_masters(self.config, tier_name) and unit.trainable_numel == size:
+            # the master is the block's first segment
+            return self.tiers["nvme"].prefix_block(f"optimizer.{index}", size, torch.float32)
+        if self._param_tier.resident or span in (0, size):
+            return self._param_tier.block(Kind.PARAM, f"param.{index}", size, self.compute_dtype)
+        return SplitShardBlock(self._param_tier.block(Kind.PARAM, f"param.{index}", span, self.compute_dtype),
+                               self._param_tier.block(Kind.PARAM, f"param.{index}.frozen", size - span,
+                                                      self.compute_dtype))
 
     def _update_tier(self, state: UnitOptimizerState) -> Tier:
         """Where a unit's update runs: its optimizer tier's memory, or host memory for NVMe blocks."""
@@ -292,9 +322,9 @@ class Engine:
             tier_name = self._optimizer_tier_name(index)
             param_block = self._param_block(index, tier_name) if unit.partitioned else None
             unit.grad_leaves = unit.keep_grad_shard and tier_name != "device"
-            if unit.grad_leaves and self._grads_kept:
-                block = self.tiers[tier_name].block(Kind.GRAD, f"grad.{index}", unit.layout.shard_numel,
-                                                    self.compute_dtype)
+            if unit.grad_leaves and self._grads_kept:  # the trainable span's: frozen slots' are zeros
+                block = span_block(self.tiers[tier_name], Kind.GRAD, f"grad.{index}", unit.trainable_span,
+                                   self.compute_dtype)
                 unit.offloaded_grad = OffloadedGrad(block, self._grad_writer, self.tiers["host"])
             unit.materialize(full, self.tiers["device"], master_is_param(self.config, tier_name), param_block)
             if param_block is not None and param_block.writable:
@@ -339,9 +369,11 @@ class Engine:
                 state.unpoint(self.optimizer)
 
     def _reduction_order(self) -> list[FlatUnit]:
-        """Block units last to first, then the root unit: the order backward usually completes them."""
-        blocks = [u for u in self.units if u.layout.name]
-        return blocks[::-1] + [u for u in self.units if not u.layout.name]
+        """Block units last to first, then the root unit: the order backward usually completes them.
+        Frozen units have no gradient to reduce."""
+        trainable = [u for u in self.units if u.layout.trainable]
+        blocks = [u for u in trainable if u.layout.name]
+        return blocks[::-1] + [u for u in trainable if not u.layout.name]
 
     # ------------------------------------------------------------------ forward and backward
     @_engine_call
@@ -442,7 +474,10 @@ class Engine:
         return not overflow
 
     def _grad_norm(self, unit: FlatUnit) -> torch.Tensor:
-        """This rank's part of ``unit``'s gradient norm for the window, from wherever its gradient went."""
+        """This rank's part of ``unit``'s gradient norm for the window, from wherever its gradient went
+        (a frozen unit has none: 0)."""
+        if not unit.layout.trainable:
+            return torch.zeros((), dtype=torch.float32)
         if unit.backward_update_norm is not None:
             return unit.backward_update_norm
         if unit.offloaded_grad is not None:
@@ -481,8 +516,10 @@ class Engine:
     def _update(self, had_grad: list[torch.Tensor], grad_scale: float) -> None:
         """Unit by unit, those not updated in backward already: the update on the pieces with a gradient
         somewhere, writing the new compute weights straight where they are published; one unit's
-        all-gather runs while the next updates."""
-        left = [i for i, unit in enumerate(self.units) if unit.backward_update_norm is None]
+        all-gather runs while the next updates. Frozen units are never updated, nor their state read or
+        written."""
+        left = [i for i, unit in enumerate(self.units)
+                if unit.layout.trainable and unit.backward_update_norm is None]
         publication = self._publication()
         states = self.visit_optimizer_states(write=True, states=[self.opt_states[i] for i in left])
         for position, state in enumerate(states):
@@ -510,9 +547,9 @@ class Engine:
         on_device = self._update_tier(state) is self.tiers["device"]
         publication.send(state.unit, target, stepped, updated_on_device=on_device)
 
-    def _publication(self) -> Publication:
+    def _publication(self, whole_shards: bool = False) -> Publication:
         return Publication(self.comm, self.tiers["device"], self.tiers["host"], self._link,
-                           shards_off_device=self.config.offload.param.tier != "device")
+                           shards_off_device=self.config.offload.param.tier != "device", whole_shards=whole_shards)
 
     # ------------------------------------------------------------------ updates in backward
     def _start_backward_updates(self) -> "_BackwardUpdates | None":
@@ -570,7 +607,7 @@ class Engine:
             yield shard.to(unit.compute_dtype)
             return
         with unit.offloaded_grad.loaded() as grad:
-            yield grad.add_(shard)
+            yield grad.add_(shard[:grad.numel()])  # the tier keeps the trainable span's
 
     def _prefetch_window_part(self, position: int) -> None:
         """Start reading the earlier gradient parts (accumulation) of the ``position``-th unit updated in
@@ -597,15 +634,19 @@ class Engine:
             updates.publication.abandon()
 
     @_engine_call
-    def set_optimizer_states(self, fill: Callable[[UnitOptimizerState], None], *, whole: bool) -> None:
+    def set_optimizer_states(self, fill: Callable[[UnitOptimizerState, torch.Tensor | None], None], *,
+                             whole: bool) -> None:
         """Set masters (and moments) from outside the step — a checkpoint or pretrained weights — and
-        publish the new compute weights, in one pass over the optimizer blocks: ``fill(state)`` on each
-        loaded state; ``whole`` when it overwrites the entire block, which is then not read first."""
+        publish the new compute weights, in one pass over the optimizer blocks: ``fill(state, frozen)``
+        on each loaded state, ``frozen`` being where this rank's values past the trainable part go
+        (compute dtype; None when there are none: ``Publication.frozen_part``); ``whole`` when it
+        overwrites the entire block, which is then not read first."""
         self.param_scheduler.free_all()  # shards read ahead hold the old weights
-        publication = self._publication()
+        publication = self._publication(whole_shards=True)
         for state in self.visit_optimizer_states(write=True, read=not whole):
-            fill(state)
-            self._send(publication, state, publication.target(state.unit), stepped=[])
+            target = publication.target(state.unit)
+            fill(state, publication.frozen_part(state.unit))
+            self._send(publication, state, target, stepped=[])
         publication.finish()
 
     def _step_unit(self, stepped: list[tuple[Piece, torch.Tensor]], grad: torch.Tensor, grad_scale: float,
@@ -658,16 +699,18 @@ class Engine:
         """``model.state_dict()``'s keys with fp32 CPU parameters (from the masters) and buffers as they are.
 
         Collective: every rank must call it. Built unit by unit; rank 0 (every rank with ``all_ranks``)
-        gets the dict, the others ``{}``.
+        gets the dict, the others ``{}``. Frozen parameters have no master: their values are the
+        weights' (``fp32_shard``).
         """
         values: dict[int, torch.Tensor] = {}
         for state in self.visit_optimizer_states(write=False):
             unit = state.unit
-            flat = torch.empty(unit.layout.padded_numel, dtype=torch.float32, device=unit.master.device)
+            shard = self.fp32_shard(state)
+            flat = torch.empty(unit.layout.padded_numel, dtype=torch.float32, device=shard.device)
             if unit.layout.shards > 1:
-                all_gather(self.comm, flat, unit.master)
+                all_gather(self.comm, flat, shard)
             else:
-                flat.copy_(unit.master)
+                flat.copy_(shard)
             for slot in unit.layout.slots:
                 values[id(slot.param)] = flat[slot.offset:slot.offset + slot.numel].view(slot.shape).cpu().clone()
         if not (all_ranks or self.comm.rank == 0):
@@ -675,13 +718,48 @@ class Engine:
         return {name: values[id(t)] if id(t) in values else t.detach().cpu().clone()
                 for name, t in self.module.state_dict(keep_vars=True).items()}
 
+    def fp32_shard(self, state: UnitOptimizerState) -> torch.Tensor:
+        """This rank's whole shard of ``state``'s unit in fp32 (``state`` loaded): the master over the
+        trainable part, the weights past it. Those are frozen values, exact in fp32 runs; in bf16/fp16
+        ones the compute-dtype values, since a frozen parameter keeps no fp32 copy."""
+        master, trainable = state.master(), state.unit.trainable_numel
+        if trainable == state.unit.layout.shard_numel:
+            return master
+        shard = torch.empty(state.unit.layout.shard_numel, dtype=torch.float32, device=master.device)
+        shard[:trainable].copy_(master)
+        with self._frozen_weights(state.unit) as frozen:
+            shard[trainable:].copy_(frozen)
+        return shard
+
+    @contextlib.contextmanager
+    def _frozen_weights(self, unit: FlatUnit) -> Iterator[torch.Tensor]:
+        """This rank's weights of ``unit`` past its trainable part, readable for the duration: read from
+        the shard's home when that is on NVMe (shards read ahead are let go first: they hold the block)."""
+        trainable = unit.trainable_numel
+        if unit.gathered:  # the full weights are here (always, for a unit not partitioned)
+            yield unit.flat_param[unit.shard_range][trainable:]
+            return
+        if unit.param_block.resident:
+            yield unit.param_block.data[trainable:]
+            return
+        self.param_scheduler.free_all()
+        block, host = unit.param_block, self.tiers["host"]
+        buffer = host.empty(Kind.BUFFER, block.nbytes, torch.uint8)
+        try:
+            block.load(buffer).wait()
+            yield block.data[trainable:]
+        finally:
+            block.unload()
+            host.free(Kind.BUFFER, buffer)
+
     @contextlib.contextmanager
     def gathered(self, modifier_rank: int = 0) -> Iterator[nn.Module]:
         """Full parameters readable and writable; on exit ``modifier_rank``'s writes reach the fp32 masters.
 
         Masters change only where the compute weights were changed, so untouched values keep their
-        full fp32 precision under bf16/fp16. At stage 3 every unit is gathered for the duration (not
-        bounded by ``zero.max_live_size``) and freed on exit.
+        full fp32 precision under bf16/fp16; frozen parameters, which have no master, keep the written
+        compute weights (stored home at stage 3). At stage 3 every unit is gathered for the duration
+        (not bounded by ``zero.max_live_size``) and freed on exit.
         """
         self.ensure_open("gathered")
         with failing_together(self.comm):  # the user's block raising on one rank must not strand the others
@@ -696,13 +774,16 @@ class Engine:
 
     def _write_gathered(self, unit: FlatUnit, old: torch.Tensor, modifier_rank: int) -> None:
         """``modifier_rank``'s full parameters of ``unit`` to every rank, and the changed values of this
-        rank's shard into its masters (and its shard home)."""
+        rank's shard into its masters (and its shard home, if any changed; frozen values have no
+        master: the weights and their home hold them)."""
         broadcast(self.comm, unit.flat_param, src=modifier_rank)
         new = unit.flat_param[unit.shard_range]
         changed = new != old
-        if unit.partitioned and unit.param_block.writable:
+        if unit.partitioned and unit.param_block.writable and bool(changed.any()):
             write_block(unit.param_block, new, self.tiers["host"])
         if not unit.master_is_param:
+            trainable = unit.trainable_numel
+            changed, new = changed[:trainable], new[:trainable]
             unit.master[changed.to(unit.master.device)] = new[changed].float().to(unit.master.device)
 
     @_engine_call

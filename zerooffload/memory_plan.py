@@ -3,7 +3,10 @@
 The plan is an upper bound the engine's allocations never pass, so ``tiers.check_plan`` can refuse a
 config at start and a run that starts does not fail for memory later. Steady-state bytes are exact
 (DESIGN §3's formulas plus padding); temporaries (``Kind.BUFFER``) are bounded per phase, backward
-and optimizer step, and the larger phase counts.
+and optimizer step, and the larger phase counts. The one assumption: backward finishes the block
+units in the reducer's order (``_waiting_grads``); the reducer warns when a model does not.
+Activations are not tier allocations: ``activations.measure_activations`` measures them, and the
+checks add them to the device tier.
 """
 from __future__ import annotations
 
@@ -11,14 +14,16 @@ from typing import Callable
 
 from torch import nn
 
+from .activations import ActivationProfile
 from .config import Config, ConfigError, TrainConfig, apply_override, dtype_bytes
 from .optim.optimizer import moment_names
 from .optim.state import units_to_offload
 from .partition import UnitLayout, find_units
 from .reduction import MAX_BUCKETS_IN_FLIGHT, REDUCE_DTYPE
-from .tiers import STREAM_BUFFERS, Kind, Plan
+from .tiers import STREAM_BUFFERS, Kind, Plan, swap_free_bytes
 
-__all__ = ["plan_memory", "plan_for_config", "fitting_layout", "updates_in_backward", "grads_kept_for_step",
+__all__ = ["plan_memory", "plan_for_config", "fitting_layout", "activation_bytes", "updates_in_backward",
+           "grads_kept_for_step",
            "master_is_param", "params_in_masters", "LAYOUTS_TO_TRY"]
 
 LAYOUTS_TO_TRY = (
@@ -65,40 +70,66 @@ def plan_for_config(layouts: list[UnitLayout], config: Config, world_size: int) 
         param_tier=offload.param.tier, offloaded=[layout for layout, m in zip(layouts, moved) if m],
         master_is_param=master_is_param(config, "device"),
         params_in_masters=params_in_masters(config, offload.optimizer.tier),
-        grads_kept_for_step=grads_kept_for_step(train), moments=len(moment_names(config.optimizer)),
+        grads_kept_for_step=grads_kept_for_step(train), updates_in_backward=updates_in_backward(train),
+        moments=len(moment_names(config.optimizer)),
         bucket_bytes=config.zero.bucket_size, world_size=world_size,
         partitioned=[layout for layout in layouts if stage == 3 and layout.numel >= config.zero.persist_threshold],
         max_live_bytes=config.zero.max_live_size, prefetch_bytes=config.zero.prefetch_size)
 
 
-def fitting_layout(module: nn.Module, config: Config, world_size: int, fits: Callable[[Plan], bool]) -> str | None:
-    """The first of ``LAYOUTS_TO_TRY`` (as overrides) whose plan ``fits``, or None."""
-    for overrides in LAYOUTS_TO_TRY:
-        data = config.to_dict()
-        for override in overrides:
-            data = apply_override(data, override)
-        try:
-            candidate = Config.load(data)
-        except ConfigError:  # not a layout this config's other keys allow
-            continue
-        shards = world_size if candidate.zero.stage >= 1 else 1
-        layouts = find_units(module, candidate.zero.unit_modules, shards)
-        if fits(plan_for_config(layouts, candidate, world_size)):
-            return " ".join(overrides)
+def fitting_layout(module: nn.Module, config: Config, world_size: int, fits: Callable[[Plan, int], bool],
+                   activations: ActivationProfile | None = None, local_ranks: int = 1) -> str | None:
+    """The first of ``LAYOUTS_TO_TRY`` (as overrides) whose plan ``fits`` beside its activations
+    (``fits(plan, activation_bytes)``) and whose swap files fit the free space of ``nvme.path`` (for
+    ``local_ranks`` ranks), or None. With measured ``activations`` each layout is tried as configured,
+    then with ``train.activation_checkpointing`` (when it is not on already)."""
+    checkpointing = ("train.activation_checkpointing=true",)
+    variants = ((), checkpointing) if activations and not config.train.activation_checkpointing else ((),)
+    for layout in LAYOUTS_TO_TRY:
+        for overrides in (layout + extra for extra in variants):
+            candidate = _with_overrides(config, overrides)
+            if candidate is None:
+                continue
+            shards = world_size if candidate.zero.stage >= 1 else 1
+            layouts = find_units(module, candidate.zero.unit_modules, shards)
+            plan = plan_for_config(layouts, candidate, world_size)
+            on_disk = sum(plan.get("nvme", {}).values()) * local_ranks
+            if (fits(plan, activation_bytes(activations, candidate))
+                    and (not on_disk or on_disk <= swap_free_bytes(candidate))):
+                return " ".join(overrides)
     return None
+
+
+def activation_bytes(activations: ActivationProfile | None, config: Config) -> int:
+    """The measured activations of the run ``config`` describes; 0 when not measured (the RAM margin
+    stands in for them)."""
+    return activations.bytes(config.train.activation_checkpointing) if activations else 0
+
+
+def _with_overrides(config: Config, overrides: tuple[str, ...]) -> Config | None:
+    """``config`` with ``overrides`` applied, or None when its other keys do not allow them."""
+    data = config.to_dict()
+    for override in overrides:
+        data = apply_override(data, override)
+    try:
+        return Config.load(data)
+    except ConfigError:
+        return None
 
 
 def plan_memory(layouts: list[UnitLayout], *, stage: int, compute_bytes: int, optimizer_tier: str, param_tier: str,
                 offloaded: list[UnitLayout], master_is_param: bool, moments: int, bucket_bytes: int, world_size: int,
                 partitioned: list[UnitLayout], max_live_bytes: int, prefetch_bytes: int,
-                params_in_masters: bool = False, grads_kept_for_step: bool = True) -> Plan:
+                params_in_masters: bool = False, grads_kept_for_step: bool = True, updates_in_backward: bool = False
+                ) -> Plan:
     """Bytes by tier and kind: parameters full on the device, except the ``partitioned`` units of stage
     3 (a shard each on ``param_tier``, plus at most ``max_live_bytes`` gathered on the device);
     optimizer states of the ``offloaded`` units on ``optimizer_tier``, the others' on the device (whose
     fp32 masters are the weights themselves when ``master_is_param``); gradients by stage. With
     ``params_in_masters`` an offloaded partitioned unit's shard is its optimizer block's master segment
     and takes no space of its own; without ``grads_kept_for_step`` offloaded units are updated as
-    their gradients are reduced, which are then kept nowhere."""
+    their gradients are reduced, which are then kept nowhere; with ``updates_in_backward`` the new
+    weights of those updates wait for their all-gather beside the reduction's buffers."""
     full = sum(u.padded_numel for u in layouts) * compute_bytes
     shard = sum(u.shard_numel for u in layouts)
     largest = max(u.padded_numel for u in layouts) * compute_bytes
@@ -110,7 +141,9 @@ def plan_memory(layouts: list[UnitLayout], *, stage: int, compute_bytes: int, op
         plan.setdefault(tier, {k: 0 for k in Kind})
     device = plan["device"]
     device[Kind.PARAM] = full - partitioned_full
-    own_shards = [u for u in partitioned if not (params_in_masters and id(u) in moved_ids)]
+    in_masters = {id(u) for u in partitioned if params_in_masters and id(u) in moved_ids
+                  and u.trainable_numel == u.padded_numel}  # a master holds no frozen values
+    own_shards = [u for u in partitioned if id(u) not in in_masters]
     plan[param_tier][Kind.PARAM] += sum(u.shard_numel for u in own_shards) * compute_bytes
     device[Kind.GATHERED] = min(max_live_bytes, partitioned_full)
     if partitioned and param_tier != "device":  # shards staged in host memory (scheduler's note)
@@ -127,25 +160,43 @@ def plan_memory(layouts: list[UnitLayout], *, stage: int, compute_bytes: int, op
     reduce_bytes = REDUCE_DTYPE.itemsize
     in_flight = (MAX_BUCKETS_IN_FLIGHT + 1) * (bucket_bytes + largest // compute_bytes * reduce_bytes)
     full_reduce = full // compute_bytes * reduce_bytes
-    reduce_phase = min(in_flight, full_reduce)  # staging copies of buckets, in the reduction dtype
-    if stage >= 1:
-        # reduce-scatter outputs, and on gloo the peers' parts received beside them (world − 1 as many)
-        reduce_phase += world_size * min(in_flight, shard * reduce_bytes)
+    reduce_phase = 0
+    if world_size > 1:  # at world size 1 nothing is staged or exchanged (reduction's GradReducer._add)
+        reduce_phase = min(in_flight, full_reduce)  # staging copies of buckets, in the reduction dtype
+        if stage >= 1:
+            # reduce-scatter outputs, and on gloo the peers' parts received beside them (world − 1 as many)
+            reduce_phase += world_size * min(in_flight, shard * reduce_bytes)
+    kept = {id(u) for u in partitioned}
+    gathered_after_step = [u for u in layouts if id(u) not in kept] if stage >= 1 and world_size > 1 else []
     if stage >= 2:
-        reduce_phase += full  # full gradients of units waiting for their turn (worst case: all)
+        reduce_phase += min(full, _waiting_grads(layouts, compute_bytes, bucket_bytes, world_size))
+        if updates_in_backward:  # all-gather inputs of the units updated in backward, until it ends
+            reduce_phase += sum(u.shard_numel for u in gathered_after_step if id(u) in moved_ids) * compute_bytes
     if stage == 1:
         reduce_phase += shard * compute_bytes  # the reduced shards, held until the step
     step_device = shard * compute_bytes if stage == 1 else 0
     step_fp32 = 0 if compute_bytes == 4 else (shard - moved) * 4  # scaled fp32 gradients of one unit at most
-    kept = {id(u) for u in partitioned}
-    gathered_after_step = [u for u in layouts if id(u) not in kept] if stage >= 1 and world_size > 1 else []
     gather = sum(u.shard_numel for u in gathered_after_step) * compute_bytes  # all-gather inputs, all at once
     device[Kind.BUFFER] = max(reduce_phase, step_device + step_fp32 + gather)
-    plan["host"][Kind.BUFFER] += moved * 4  # the update of offloaded units runs in host memory
-    if optimizer_tier == "nvme" and moved:  # blocks stream through host buffers (tiers.stream_blocks)
+    if moved:
         largest_moved = max(u.shard_numel for u in layouts if id(u) in moved_ids)
-        plan["host"][Kind.BUFFER] += STREAM_BUFFERS * largest_moved * 4 * (moments + 1)
+        plan["host"][Kind.BUFFER] += largest_moved * 4  # one offloaded unit's fp32 gradient for its update
+        if optimizer_tier == "nvme":  # blocks stream through host buffers (tiers.stream_blocks)
+            plan["host"][Kind.BUFFER] += STREAM_BUFFERS * largest_moved * 4 * (moments + 1)
     return _drop_empty(plan)
+
+
+def _waiting_grads(layouts: list[UnitLayout], compute_bytes: int, bucket_bytes: int, world_size: int) -> int:
+    """Full gradients alive at once in a stage 2–3 backward: the root unit's, filled from the head's
+    backward (its first) to the embeddings' (its last); the block accumulating; and above world size
+    1 the blocks in the buckets filling or in flight, each up to a bucket plus the unit that filled it.
+    This holds while backward finishes the blocks in the reducer's order (last to first, as in every
+    transformer); the reducer warns when a model breaks it."""
+    root = sum(u.padded_numel for u in layouts if not u.name)
+    largest_block = max((u.padded_numel for u in layouts if u.name), default=0)
+    in_buckets = 0 if world_size == 1 else (
+        (MAX_BUCKETS_IN_FLIGHT + 1) * (bucket_bytes // REDUCE_DTYPE.itemsize + largest_block))
+    return (root + largest_block + in_buckets) * compute_bytes
 
 
 def _drop_empty(plan: Plan) -> Plan:

@@ -10,7 +10,8 @@ written, so the step's global norm reads nothing; the update reads each block on
 write and one read of the gradient per step (2 × 2 B/param in bf16) beside the 24 B/param the
 optimizer blocks move, and it frees the device of Ψ/Nd gradient elements. When the update needs no
 global view of the gradients, units are updated in backward instead and no shard is kept here at
-all (engine's [Note: updates in backward]).
+all (engine's [Note: updates in backward]). A unit with frozen parameters keeps only its shard's
+trainable span here (partition's [Note: unit vocabulary]): the rest of its gradient is zeros.
 """
 from __future__ import annotations
 
@@ -39,6 +40,7 @@ class OffloadedGrad:
         written home, a later one added to what is home (read back); stored in the background either way.
         The engine finishes the writer after each backward, so a part is home before the next is added."""
         data = self.writer.begin(self.block, read=self.written)
+        reduced = reduced[:self.block.numel]  # the block holds the trainable span: frozen slots' are zeros
         if self.written:
             data.add_(reduced)
         else:

@@ -5,16 +5,25 @@
   collective: each module named by ``zero.unit_modules`` (by default each direct child of an
   ``nn.ModuleList``/``nn.Sequential``), outermost first, plus a *root unit* for the rest. A parameter
   reached from several modules (tied weights) belongs to the unit of their lowest common ancestor.
-- A unit's *flat* layout puts its parameters end to end in registration order, then pads the total
-  to ``shards × shard_numel``, with ``shard_numel`` a multiple of ``ALIGN_ELEMENTS`` so every shard is
-  4 KiB-aligned in fp32 (and so on disk). Shard ``r`` is ``flat[r*S:(r+1)*S]``.
+- A unit's *flat* layout puts its parameters end to end, the trainable ones first (each kind in
+  registration order), then pads the total to ``shards × shard_numel``, with ``shard_numel`` a
+  multiple of ``ALIGN_ELEMENTS`` so every shard is 4 KiB-aligned in fp32 (and so on disk). Shard ``r``
+  is ``flat[r*S:(r+1)*S]``.
+- The *trainable prefix* is ``flat[:T]``: every trainable slot, ``T`` the offset of the first frozen
+  one (``requires_grad=False``); a unit without frozen slots is trainable to its end, padding
+  included. A shard's *trainable part* is its first ``t`` elements, its share of the prefix
+  (``UnitLayout.trainable_in_shard``): all of a shard without frozen elements, none of a frozen one.
+  Only that part has optimizer state and gradients kept for the step; the rest, frozen values and
+  padding, lives in the compute weights alone (optim.state's frozen prefix rule). Blocks over the
+  trainable part are sized to its *span*, ``t`` rounded up to ``ALIGN_ELEMENTS`` (4 KiB-aligned I/O).
 - A *slot* is one parameter's place in the flat layout (offset, numel, shape, every name it has).
 - A *piece* is the part of one slot inside this rank's shard: the optimizer works on pieces, so a
   parameter that got no gradient can be skipped exactly as torch skips ``grad is None``.
 - ``FlatUnit`` owns every tensor of one unit on this rank: ``flat_param`` (compute dtype, full: the
   module's parameters are views of it), ``flat_grad`` (compute dtype, full, while gradients are
   accumulated or reduced), ``grad_shard`` (compute dtype, this rank's reduced shard) and ``master``
-  (fp32 shard, a view of the weights when fp32 weights already live where the optimizer runs).
+  (fp32, the shard's trainable part, a view of the weights when fp32 weights already live where the
+  optimizer runs). A unit with no trainable slot keeps no gradient buffer at all.
 
 [Note: partitioned units (stage 3)]
 A *partitioned* unit keeps only ``param_block`` (compute dtype, this rank's shard, a ``tiers.Block``
@@ -25,9 +34,12 @@ and *restored* and all-gathered into when the unit is *gathered*. Autograd saves
 gathered for backward. The module's parameters are views of ``flat_param`` only while gathered; while
 sharded each is a *placeholder* of the right shape holding one NaN (an expanded view), so reading a
 parameter outside forward and backward shows NaN instead of crashing or looking like real weights.
+On NVMe a shard with both trainable and frozen elements is stored as two blocks
+(``SplitShardBlock``), so that a step rewrites its trainable span alone.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 
@@ -37,7 +49,8 @@ from torch import nn
 from .offloaded_grads import OffloadedGrad
 from .tiers import Block, Kind, Tier
 
-__all__ = ["ALIGN_ELEMENTS", "Slot", "Piece", "UnitLayout", "FlatUnit", "find_units"]
+__all__ = ["ALIGN_ELEMENTS", "Slot", "Piece", "UnitLayout", "FlatUnit", "SplitShardBlock", "find_units",
+           "span_block"]
 
 ALIGN_ELEMENTS = 1024
 """Shard granularity in elements: 4 KiB of fp32, the O_DIRECT alignment."""
@@ -84,6 +97,21 @@ class UnitLayout:
     @property
     def padded_numel(self) -> int:
         return self.shards * self.shard_numel
+
+    @property
+    def trainable_numel(self) -> int:
+        """``T``, the end of the trainable prefix (see [Note: unit vocabulary]): the first frozen
+        slot's offset, or the padded end when no slot is frozen (0: the unit is frozen)."""
+        return next((s.offset for s in self.slots if not s.trainable), self.padded_numel)
+
+    @property
+    def trainable(self) -> bool:
+        """Whether any slot trains: a unit without one gets no gradient, reduction or update."""
+        return self.trainable_numel > 0
+
+    def trainable_in_shard(self, rank: int) -> int:
+        """How many of shard ``rank``'s first elements are trainable: its part of the trainable prefix."""
+        return min(max(self.trainable_numel - rank * self.shard_numel, 0), self.shard_numel)
 
     def pieces(self, rank: int) -> list[Piece]:
         """The slots' parts inside shard ``rank`` (slots outside it have none)."""
@@ -139,8 +167,9 @@ def find_units(model: nn.Module, unit_modules: list[str], shards: int) -> list[U
 
 
 def _layout(name: str, module: nn.Module, members: list, shards: int) -> UnitLayout:
+    """Trainable parameters first (stable), so they are the flat buffer's prefix (see the note)."""
     slots, offset = [], 0
-    for param_names, param in members:
+    for param_names, param in sorted(members, key=lambda member: not member[1].requires_grad):
         slots.append(Slot(param_names, param, offset, param.numel(), param.shape))
         offset += param.numel()
     per_shard = -(-offset // shards)
@@ -153,8 +182,9 @@ class FlatUnit:
 
     Which gradient buffers persist depends on the stage: ``keep_full_grad`` (stages 0–1 accumulate
     full gradients over the window) and ``keep_grad_shard`` (stages 2–3 accumulate reduced shards).
-    A buffer that does not persist is a temporary (``Kind.BUFFER``), freed as soon as it is used.
-    ``partitioned`` units (stage 3) gather their parameters only while in use (see the note above).
+    A buffer that does not persist is a temporary (``Kind.BUFFER``), freed as soon as it is used; a
+    frozen unit keeps none. ``partitioned`` units (stage 3) gather their parameters only while in use
+    (see the note above).
     """
 
     def __init__(self, layout: UnitLayout, rank: int, compute_dtype: torch.dtype, *, keep_full_grad: bool,
@@ -162,8 +192,12 @@ class FlatUnit:
         self.layout = layout
         self.rank = rank if layout.shards > 1 else 0
         self.compute_dtype = compute_dtype
-        self.keep_full_grad = keep_full_grad
-        self.keep_grad_shard = keep_grad_shard
+        self.keep_full_grad = keep_full_grad and layout.trainable
+        self.keep_grad_shard = keep_grad_shard and layout.trainable
+        self.trainable_numel = layout.trainable_in_shard(self.rank)
+        """This rank's shard's trainable part: its first elements, the only ones with optimizer state."""
+        self.trainable_span = -(-self.trainable_numel // ALIGN_ELEMENTS) * ALIGN_ELEMENTS
+        """The trainable part rounded up to ``ALIGN_ELEMENTS``: the size of the blocks that hold it."""
         self.partitioned = partitioned
         self.gathered = True
         self.pieces = layout.pieces(self.rank)
@@ -196,6 +230,16 @@ class FlatUnit:
         start = self.shard_range.start + piece.start - self.layout.slots[piece.slot_index].offset
         return start, start + piece.stop - piece.start
 
+    def held(self, piece: Piece) -> int:
+        """How many of ``piece``'s first elements lie in the trainable part (whose values the master
+        holds); the weights alone hold the rest."""
+        return min(max(self.trainable_numel - piece.start, 0), piece.stop - piece.start)
+
+    def shard_weights(self) -> torch.Tensor | None:
+        """This rank's shard of the compute weights: a view of ``flat_param``, or a partitioned unit's
+        shard block (None while a block on NVMe is not loaded)."""
+        return self.param_block.data if self.partitioned else self.flat_param[self.shard_range]
+
     def full_fp32(self) -> torch.Tensor:
         """The parameters' current fp32 values, flat and padded with zeros (for initialization)."""
         flat = torch.zeros(self.layout.padded_numel, dtype=torch.float32)
@@ -208,7 +252,8 @@ class FlatUnit:
         """Move the parameters into ``flat_param`` (the module's tensors become views) and make the
         persistent gradient buffers; a partitioned unit then keeps only ``param_block`` (which the
         caller fills with the shard). With ``master_is_param`` the fp32 master is the weights' shard
-        itself; otherwise the optimizer's state block provides it (``optim.state``)."""
+        itself (its trainable part); otherwise the optimizer's state block provides it
+        (``optim.state``)."""
         layout = self.layout
         kind = Kind.GATHERED if self.partitioned else Kind.PARAM
         self.flat_param = device_tier.empty(kind, layout.padded_numel, self.compute_dtype)
@@ -220,7 +265,7 @@ class FlatUnit:
             weights = param_block.data
             self._placeholder = torch.full((1,), math.nan, dtype=self.compute_dtype, device=device_tier.device)
         self.master_is_param = master_is_param
-        self.master = weights if master_is_param else None
+        self.master = weights[:self.trainable_numel] if master_is_param else None
         if self.keep_full_grad:
             self.flat_grad = device_tier.zeros(Kind.GRAD, layout.padded_numel, self.compute_dtype)
         if self.keep_grad_shard and not self.grad_leaves:
@@ -329,3 +374,67 @@ class FlatUnit:
             slot.param.data = self._placeholder.expand(slot.shape)
         tier.release_storage(Kind.GATHERED, self.flat_param)
         self.gathered = False
+
+
+def span_block(tier: Tier, kind: Kind, key: str, numel: int, dtype: torch.dtype) -> Block:
+    """``tier.block(...)`` for state over a trainable span; a span of nothing (a frozen shard) gets an
+    empty resident block instead: streams load and store it at no cost, and no tier counts it."""
+    if numel == 0:
+        return Block(torch.empty(0, dtype=dtype, device=tier.device))
+    return tier.block(kind, key, numel, dtype)
+
+
+class _Both:
+    """The moves of a block's two parts, waited for together (every one, even after a failure)."""
+
+    def __init__(self, handles: list):
+        self.handles = handles
+
+    def wait(self) -> int:
+        error = None
+        for handle in self.handles:
+            try:
+                handle.wait()
+            except Exception as exc:  # keep waiting: no buffer may be freed under a transfer
+                error = error or exc
+        if error is not None:
+            raise error
+        return 0
+
+
+class SplitShardBlock(Block):
+    """A partitioned unit's shard home on NVMe kept as two blocks: ``head``, the trainable span, which a
+    step rewrites (``publication``: read first, for the few frozen values in its last granule), and
+    ``tail``, the frozen values past it, which only whole writes store (first values, loads,
+    ``gathered``). Loading reads both into one buffer, so to the scheduler the shard is one tensor;
+    storing writes both. Frozen weights are thus read every pass and never written back by a step
+    (bar those sharing the head's last 4 KiB-aligned granule, rewritten as read), and each block's
+    checksum (``nvme.checksum``) covers its own bytes."""
+
+    resident = False
+
+    def __init__(self, head: Block, tail: Block):
+        self.head, self.tail = head, tail
+        self.numel, self.dtype = head.numel + tail.numel, head.dtype
+        self.data: torch.Tensor | None = None
+        self._buffer: torch.Tensor | None = None
+
+    def load(self, buffer: torch.Tensor | None = None, *, read: bool = True) -> _Both:
+        raw = buffer.view(torch.uint8)
+        self._buffer, self.data = buffer, raw[:self.nbytes].view(self.dtype)
+        head = self.head.load(raw[:self.head.nbytes], read=read)
+        try:
+            return _Both([head, self.tail.load(raw[self.head.nbytes:], read=read)])
+        except BaseException:
+            with contextlib.suppress(Exception):  # already failing: the first error is the one to see
+                head.wait()  # the buffer must not be freed under the head's transfer
+            raise
+
+    def store(self) -> _Both:
+        return _Both([self.head.store(), self.tail.store()])
+
+    def unload(self) -> torch.Tensor | None:
+        self.head.unload()
+        self.tail.unload()
+        buffer, self._buffer, self.data = self._buffer, None, None
+        return buffer

@@ -6,8 +6,9 @@ whose ``weight_map`` names the file of every key), or a directory holding one of
 the model's parameter name with ``prefix`` in front (``"model."`` for many published checkpoints).
 Every rank reads only the byte ranges of the parameter parts its own shards hold, straight from the
 files (their format puts each tensor's bytes at a known offset), converts them to fp32 into its
-master shards, wherever those live (NVMe too, unit by unit), and the compute weights follow. So
-loading needs about one unit of memory, never the whole model.
+master shards, wherever those live (NVMe too, unit by unit), and the compute weights follow; frozen
+parameters, which have no master (optim.state's frozen prefix rule), go into the weights directly.
+So loading needs about one unit of memory, never the whole model.
 """
 from __future__ import annotations
 
@@ -79,7 +80,7 @@ def load_safetensors(engine: Any, source: str | os.PathLike, prefix: str = "", s
         files = SafetensorsSource(source)
         try:
             keys = _match(engine, files, prefix, strict)
-            engine.set_optimizer_states(lambda state: _fill_master(state, files, keys), whole=False)
+            engine.set_optimizer_states(lambda state, frozen: _fill_master(state, frozen, files, keys), whole=False)
         finally:
             files.close()
 
@@ -106,9 +107,15 @@ def _match(engine: Any, files: SafetensorsSource, prefix: str, strict: bool) -> 
     return keys
 
 
-def _fill_master(state: Any, files: SafetensorsSource, keys: dict[int, str]) -> None:
-    unit, master = state.unit, state.master()
+def _fill_master(state: Any, frozen: torch.Tensor | None, files: SafetensorsSource, keys: dict[int, str]) -> None:
+    """The parameter parts of one unit's shard found in the files: in the trainable part into the
+    master, past it (frozen values, which have no master) into ``frozen``, the weights there."""
+    unit, master, trainable = state.unit, state.master(), state.unit.trainable_numel
     for piece in unit.pieces:
         key = keys.get(id(unit.layout.slots[piece.slot_index].param))
-        if key is not None:
-            master[piece.start:piece.stop] = files.read(key, *unit.param_range(piece))
+        if key is None:
+            continue
+        values, held = files.read(key, *unit.param_range(piece)), unit.held(piece)
+        master[piece.start:piece.start + held] = values[:held]
+        if held < values.numel():
+            frozen[piece.start + held - trainable:piece.stop - trainable] = values[held:]

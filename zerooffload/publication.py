@@ -5,9 +5,18 @@ The update writes each unit's new compute-dtype weights straight into a *target*
 partitioned unit's shard block (stage 3; stored home in the background), a sharded unit's all-gather
 input (stages 1–2; the gather is started at once and waited for by ``finish``), else the unit's own
 weights; none when the fp32 masters are the weights, or when the shard is read from the masters
-(``tiers`` prefix blocks). ``send`` first fills what the update did not write (frozen and unused
-parameters, padding) from the masters, then sends the weights on. Weights that cross between the
-update's side and the target's side of the host-device link are counted there (``LinkStats``).
+(``tiers`` prefix blocks). ``send`` first fills what the update did not write in the shard's
+trainable part (unused parameters, padding) from the masters, then sends the weights on. Weights that
+cross between the update's side and the target's side of the host-device link are counted there
+(``LinkStats``).
+
+Frozen values (past the trainable part: optim.state's frozen prefix rule) have no master: the
+weights hold them. A step's target covers the trainable part alone, so no shard home is written
+past it: a ``SplitShardBlock`` on NVMe has its trainable head read and rewritten, never its frozen
+tail. An all-gather input is the exception: its frozen rest is copied from the weights. A round of
+loads (``whole_shards``: a checkpoint, pretrained weights) may change frozen values too: its targets
+cover whole shards, a shard home on NVMe read first so that values the load leaves alone stay, and
+the load writes frozen values into the weights (``frozen_part``).
 """
 from __future__ import annotations
 
@@ -17,8 +26,8 @@ from typing import Any
 import torch
 
 from .comm import Comm, all_gather
-from .partition import FlatUnit, Piece
-from .tiers import BlockWriter, Kind, LinkStats, Tier
+from .partition import FlatUnit, Piece, SplitShardBlock
+from .tiers import Block, BlockWriter, Kind, LinkStats, Tier
 
 __all__ = ["Publication"]
 
@@ -38,35 +47,60 @@ def _copy_unstepped(target: torch.Tensor, master: torch.Tensor, stepped: list[Pi
 class Publication:
     """One round's new weights: their targets, and the stores and all-gathers that send them on."""
 
-    def __init__(self, comm: Comm, device_tier: Tier, host_tier: Tier, link: LinkStats, shards_off_device: bool):
-        """``shards_off_device``: partitioned units' shards live in host memory or on NVMe."""
+    def __init__(self, comm: Comm, device_tier: Tier, host_tier: Tier, link: LinkStats, shards_off_device: bool,
+                 whole_shards: bool = False):
+        """``shards_off_device``: partitioned units' shards live in host memory or on NVMe;
+        ``whole_shards``: a round of loads, which may change frozen values too (see the note)."""
         self.comm, self.device_tier, self.link = comm, device_tier, link
         self.shards_off_device = shards_off_device
+        self.whole_shards = whole_shards
         self.writer = BlockWriter(host_tier)
         self._gathers: list[tuple[torch.Tensor, Any]] = []
 
     def target(self, unit: FlatUnit) -> torch.Tensor | None:
         """Where this rank's new weights of ``unit`` are to be written (None: nowhere, see the note)."""
+        trainable, mixed = unit.trainable_numel, unit.trainable_numel < unit.layout.shard_numel
         if unit.partitioned:
-            if unit.master_is_param or not unit.param_block.writable:
+            block = unit.param_block
+            if unit.master_is_param or not block.writable or not (trainable or self.whole_shards):
                 return None
-            return self.writer.begin(unit.param_block)
-        if unit.layout.shards > 1 and self.comm.world_size > 1:
+            # read first on NVMe when frozen values share what is written, so that they stay as they are
+            target = self.writer.begin(self._home(unit), read=mixed and not block.resident)
+            return target if self.whole_shards else target[:trainable]
+        if self._gathered(unit):
             # The all-gather writes this rank's shard too, so its input must not alias the output.
             return self.device_tier.empty(Kind.BUFFER, unit.layout.shard_numel, unit.compute_dtype)
-        return None if unit.master_is_param else unit.flat_param[unit.shard_range]
+        return None if unit.master_is_param else unit.flat_param[unit.shard_range][:trainable]
+
+    def frozen_part(self, unit: FlatUnit) -> torch.Tensor | None:
+        """In a round of loads, after ``target``: where this rank's values of ``unit`` past its trainable
+        part go (the weights, or the target read from NVMe), in the compute dtype; None when it has none."""
+        trainable = unit.trainable_numel
+        return None if trainable == unit.layout.shard_numel else unit.shard_weights()[trainable:]
 
     def send(self, unit: FlatUnit, target: torch.Tensor | None, stepped: list[Piece], updated_on_device: bool
              ) -> None:
         """Complete ``target`` from the masters outside the ``stepped`` pieces and send it on."""
         if target is None:
             return
-        _copy_unstepped(target, unit.master, stepped)
+        trainable = unit.trainable_numel
+        _copy_unstepped(target[:trainable], unit.master, stepped)
         self._count(unit, target, updated_on_device)
         if unit.partitioned:
-            self.writer.commit(unit.param_block)
-        elif unit.layout.shards > 1 and self.comm.world_size > 1:
+            self.writer.commit(self._home(unit))
+        elif self._gathered(unit):
+            target[trainable:].copy_(unit.flat_param[unit.shard_range][trainable:])  # frozen: the weights'
             self._gathers.append((target, all_gather(self.comm, unit.flat_param, target, async_op=True)))
+
+    def _home(self, unit: FlatUnit) -> Block:
+        """The block this round writes of a partitioned unit: its shard home, or in a step only the
+        trainable head of one kept in two parts (``SplitShardBlock``)."""
+        block = unit.param_block
+        return block.head if isinstance(block, SplitShardBlock) and not self.whole_shards else block
+
+    def _gathered(self, unit: FlatUnit) -> bool:
+        """Whether ``unit``'s new shards are all-gathered (a sharded unit at stages 1–2)."""
+        return not unit.partitioned and unit.layout.shards > 1 and self.comm.world_size > 1
 
     def _count(self, unit: FlatUnit, target: torch.Tensor, updated_on_device: bool) -> None:
         target_on_device = not (unit.partitioned and self.shards_off_device)

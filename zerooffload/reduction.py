@@ -21,6 +21,7 @@ Gradients are divided by the world size before the sum, so fp16 gradients cannot
 from __future__ import annotations
 
 import enum
+import logging
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
@@ -32,6 +33,8 @@ from .partition import FlatUnit
 from .tiers import Kind, Tier
 
 __all__ = ["Mode", "GradReducer"]
+
+logger = logging.getLogger(__name__)
 
 MAX_BUCKETS_IN_FLIGHT = 2
 """Buckets whose collectives may run at once: one filling while one reduces is enough to overlap."""
@@ -74,10 +77,20 @@ class GradReducer:
         self._next = 0
         self._filling = _Bucket()
         self._in_flight: deque[_Bucket] = deque()
+        self._warned_order = False
 
     def mark_ready(self, unit: FlatUnit) -> None:
         """``unit``'s gradients for this pass are complete; launch what the fixed order now allows."""
-        self._ready[self._position[id(unit)]] = True
+        position = self._position[id(unit)]
+        self._ready[position] = True
+        if position > self._next and not self._warned_order:
+            self._warned_order = True
+            waiting = self.order[self._next].layout.name or "<root>"
+            logger.warning("unit %r finished its backward before unit %r, which the reduction order puts first: "
+                           "its gradients wait, holding more memory than the memory plan counts (it assumes "
+                           "backward finishes blocks last to first). A parameter of %r unused in forward, or "
+                           "blocks run in another order than registered, does this", unit.layout.name or "<root>",
+                           waiting, waiting)
         while self._next < len(self.order) and self._ready[self._next]:
             self._add(self.order[self._next])
             self._next += 1

@@ -31,6 +31,8 @@ from __future__ import annotations
 import abc
 import contextlib
 import enum
+import os
+import shutil
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -476,6 +478,16 @@ def _swap_paths(config: Config) -> list[str]:
     return [chosen.pop()] if chosen else config.nvme.paths
 
 
+def swap_free_bytes(config: Config) -> int:
+    """Free bytes where ``config``'s swap files would go, each filesystem counted once (a missing
+    directory holds nothing)."""
+    filesystems: dict[int, int] = {}
+    for path in _swap_paths(config):
+        with contextlib.suppress(OSError):
+            filesystems[os.stat(path).st_dev] = shutil.disk_usage(path).free
+    return sum(filesystems.values())
+
+
 def _device_budget(value: int | str, device: torch.device) -> int | None:
     if value != "auto":
         return int(value)
@@ -512,42 +524,57 @@ def available_ram() -> int:
     return max(available, 0)
 
 
-def check_ram(plan: Plan, memory: MemoryConfig, device: torch.device, *, released: int = 0, local_ranks: int = 1,
-              suggestion: Callable[[Callable[[Plan], bool]], str | None] = lambda fits: None) -> None:
+def check_ram(plan: Plan, memory: MemoryConfig, device: torch.device, *, activations: int = 0, released: int = 0,
+              local_ranks: int = 1, suggestion: Callable[[Callable[[Plan, int], bool]], str | None] = lambda fits: None
+              ) -> None:
     """Refuse a run whose "auto" tiers cannot fit in the RAM the machine really has, before anything
     is allocated. The host tier lives in RAM; so does the device tier on a CPU-only machine, so there
-    the two plans share it. ``released``: bytes the model holds now that its flattening gives back
-    (an eagerly built model's parameters). ``local_ranks`` processes of the job share this RAM, each
-    with a plan like ``plan``. ``suggestion(fits)`` names a layout that would fit."""
+    the two plans share it, with the device's ``activations`` (measured bytes; 0 when unknown, left to
+    the margin). ``released``: bytes the model holds now that its flattening gives back (an eagerly
+    built model's parameters). ``local_ranks`` processes of the job share this RAM, each with a plan
+    like ``plan``. ``suggestion(fits)`` names a layout that would fit (``fits(plan, activations)``)."""
     in_ram = [name for name, auto in (("host", memory.host_budget == "auto"),
                                       ("device", device.type == "cpu" and memory.device_budget == "auto")) if auto]
     available, margin = available_ram(), max(RAM_MARGIN_MIN, int(RAM_MARGIN * psutil.virtual_memory().total))
     room = (available - margin) // local_ranks + released
 
-    def fits(candidate: Plan) -> bool:
-        return sum(sum(candidate.get(name, {}).values()) for name in in_ram) <= room
+    def need(candidate: Plan, activation_bytes: int) -> dict[str, int]:
+        return {name: sum(candidate.get(name, {}).values()) + (activation_bytes if name == "device" else 0)
+                for name in in_ram}
 
-    if not in_ram or fits(plan):
+    def fits(candidate: Plan, activation_bytes: int) -> bool:
+        return sum(need(candidate, activation_bytes).values()) <= room
+
+    if not in_ram or fits(plan, activations):
         return
-    need = {name: sum(plan.get(name, {}).values()) for name in in_ram}
-    parts = "; ".join(f"{name} tier {n:,} ({', '.join(f'{k.value} {b:,}' for k, b in plan[name].items() if b)})"
-                      for name, n in need.items() if n)
+    parts = "; ".join(f"{name} tier {n:,} ({_kinds(plan[name], activations if name == 'device' else 0)})"
+                      for name, n in need(plan, activations).items() if n)
     layout = suggestion(fits)
     fix = (f"a layout that fits: {layout}" if layout else "no layout of this model fits here: use a machine with "
            "more RAM, or set memory.device_budget/host_budget if you know better")
     shared = f", shared by {local_ranks} ranks" if local_ranks > 1 else ""
     given_back = f", plus {released:,} the model's weights give back" if released else ""
-    raise BudgetError(f"the run needs {sum(need.values()):,} bytes of RAM per rank ({parts}) but this machine has "
-                      f"{max(room, 0):,} for it ({available:,} available, less {margin:,} kept for activations, "
-                      f"the allocator and torch{shared}{given_back}; memory.*_budget = \"auto\"); {fix}")
+    kept_for = "the allocator and torch" if activations else "activations, the allocator and torch"
+    raise BudgetError(f"the run needs {sum(need(plan, activations).values()):,} bytes of RAM per rank ({parts}) but "
+                      f"this machine has {max(room, 0):,} for it ({available:,} available, less {margin:,} kept for "
+                      f"{kept_for}{shared}{given_back}; memory.*_budget = \"auto\"); {fix}")
 
 
-def check_plan(plan: Plan, tiers: dict[str, Tier]) -> None:
-    """Refuse a run whose planned bytes exceed a tier's budget, before anything is allocated."""
+def _kinds(kinds: dict[Kind, int], activations: int) -> str:
+    """``param 1,024, grad 2,048, ...``: the kinds a tier's plan holds, and the measured activations."""
+    parts = [f"{k.value} {b:,}" for k, b in kinds.items() if b]
+    return ", ".join(parts + ([f"activations {activations:,}"] if activations else []))
+
+
+def check_plan(plan: Plan, tiers: dict[str, Tier], activations: int = 0) -> None:
+    """Refuse a run whose planned bytes (and the device's measured ``activations``) exceed a tier's
+    budget, before anything is allocated."""
     for name, kinds in plan.items():
-        tier, total = tiers.get(name), sum(kinds.values())
+        extra = activations if name == "device" else 0
+        tier, total = tiers.get(name), sum(kinds.values()) + extra
         if tier is not None and tier.budget is not None and total > tier.budget:  # nvme: checked as it opens
             parts = ", ".join(f"{kind.value} {n}" for kind, n in kinds.items() if n)
+            parts += f", activations {extra}" if extra else ""
             raise BudgetError(
                 f"the {name} tier needs {total} bytes ({parts}) but {tier.budget_key} is "
                 f"{tier.budget} bytes ({total - tier.budget} short): raise {tier.budget_key}, "

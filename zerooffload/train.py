@@ -93,7 +93,8 @@ def run_training(args: argparse.Namespace) -> int:
     model_config = PRESETS[args.model]
     with init_context(config):  # nothing is allocated before the engine checks that the run fits
         model = GPT(model_config)
-    engine = initialize(model, config, init_fn=model.init_fn())
+    batch = torch.zeros(config.train.micro_batch_size, model_config.block_size, dtype=torch.long, device="meta")
+    engine = initialize(model, config, init_fn=model.init_fn(), example_inputs=(batch, batch))
     with _StopOnSignal(engine.comm.rank) as stop:
         checkpoints = Path(args.out) / "checkpoints"
         first_step, losses = _resume(engine, checkpoints, args.tag) if args.resume else (0, [])

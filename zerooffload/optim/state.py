@@ -1,10 +1,20 @@
 """Each unit shard's optimizer state as one block on the optimizer tier, and the pieces pointed into it.
 
 [Note: optimizer blocks]
-- A unit's *optimizer block* holds this rank's shard of ``[master | moment_1 | moment_2 ...]`` in fp32,
-  one segment each; the master is left out when it is a view of fp32 weights already
-  (``memory_plan.master_is_param``). The block's home is ``offload.optimizer.tier``: device or
-  host memory, or a swap file on NVMe paged through host buffers (``tiers.stream_blocks``).
+- A unit's *optimizer block* holds ``[master | moment_1 | moment_2 ...]`` in fp32 over this rank's
+  shard's *trainable part* (partition's [Note: unit vocabulary]), one segment each, sized to its
+  span (rounded up to ``ALIGN_ELEMENTS`` for O_DIRECT); the master is left out when it is a view of
+  fp32 weights already (``memory_plan.master_is_param``). The block's home is
+  ``offload.optimizer.tier``: device or host memory, or a swap file on NVMe paged through host
+  buffers (``tiers.stream_blocks``).
+- *Frozen prefix rule*: trainable parameters come first in a unit, so a shard's trainable part is
+  its first ``t`` elements, and everything past them is frozen (or padding) and held by the compute
+  weights alone: no master, no moments, no gradient kept for the step, and never written by a step
+  (``publication``'s note). A unit without frozen parameters is trainable over its whole shard, as
+  before; a frozen shard has no trainable part and gets an empty resident block, which streams skip
+  at no cost, and a frozen unit is never reduced or updated. Whatever needs the whole shard in fp32
+  (``full_state_dict``, checkpoints, which keep one format) takes the master over the trainable part
+  and the weights past it.
 - The torch optimizer sees *pieces* (``optimizer.py``), and per piece the moment tensors in its state.
   These tensor objects live as long as the engine (torch keys its state by them) but their memory
   is *pointed* into the block whenever it is loaded, and *unpointed* (made empty) when a block that is
@@ -14,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from ..partition import FlatUnit, Piece
+from ..partition import FlatUnit, Piece, span_block
 from ..tiers import Kind, Tier
 
 __all__ = ["UnitOptimizerState", "units_to_offload"]
@@ -49,26 +59,27 @@ class UnitOptimizerState:
         self.moment_names = moment_names
         self.has_master = not unit.master_is_param
         segments = len(moment_names) + self.has_master
-        self.block = tier.block(Kind.OPTIMIZER, key, max(1, segments) * unit.layout.shard_numel, torch.float32)
+        self.block = span_block(tier, Kind.OPTIMIZER, key, max(1, segments) * unit.trainable_span, torch.float32)
         self.pieces: list[tuple[Piece, torch.Tensor]] = []
 
     def _segment(self, index: int) -> torch.Tensor:
-        size = self.unit.layout.shard_numel
-        return self.block.data[index * size:(index + 1) * size]
+        """Segment ``index``'s values: the trainable part (its span's rest is alignment padding)."""
+        start = index * self.unit.trainable_span
+        return self.block.data[start:start + self.unit.trainable_numel]
 
     def master(self) -> torch.Tensor:
-        """This rank's fp32 master shard (valid while the block is loaded)."""
+        """This rank's fp32 master over the shard's trainable part (valid while the block is loaded)."""
         return self._segment(0) if self.has_master else self.unit.master
 
     def moment(self, name: str) -> torch.Tensor:
         return self._segment(self.has_master + self.moment_names.index(name))
 
     def initialize(self, shard_fp32: torch.Tensor) -> None:
-        """First values of a loaded block: the master from this rank's fp32 shard, moments zero."""
+        """First values of a loaded block: the master from this rank's fp32 shard, moments (and the
+        padding) zero."""
+        self.block.data.zero_()
         if self.has_master:
-            self.master().copy_(shard_fp32)
-        for name in self.moment_names:
-            self.moment(name).zero_()
+            self.master().copy_(shard_fp32[:self.unit.trainable_numel])
 
     def add_piece(self, piece: Piece) -> torch.Tensor:
         """A new optimizer param for ``piece``: an fp32 tensor object pointed into the block when loaded."""
