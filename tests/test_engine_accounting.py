@@ -292,7 +292,7 @@ PLAN_LAYOUTS = [
 ]
 
 
-@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("world", [pytest.param(1, marks=pytest.mark.slow), 2])  # world 2 stages and exchanges
 @pytest.mark.parametrize("layout", range(len(PLAN_LAYOUTS)))
 def test_a_run_never_holds_more_than_its_plan(rank_pools, world, layout):
     """The plan's bounds on temporaries (one unit's update at a time, the root unit's gradient plus the
