@@ -15,7 +15,7 @@ from typing import Callable
 from torch import nn
 
 from .activations import ActivationProfile
-from .config import Config, ConfigError, TrainConfig, apply_override, dtype_bytes
+from .config import Config, ConfigError, TrainConfig, dtype_bytes
 from .optim.optimizer import moment_names
 from .optim.state import units_to_offload
 from .partition import UnitLayout, find_units
@@ -108,11 +108,8 @@ def activation_bytes(activations: ActivationProfile | None, config: Config) -> i
 
 def _with_overrides(config: Config, overrides: tuple[str, ...]) -> Config | None:
     """``config`` with ``overrides`` applied, or None when its other keys do not allow them."""
-    data = config.to_dict()
-    for override in overrides:
-        data = apply_override(data, override)
     try:
-        return Config.load(data)
+        return Config.load(config, overrides=overrides)
     except ConfigError:
         return None
 

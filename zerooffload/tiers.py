@@ -547,15 +547,16 @@ def check_ram(plan: Plan, memory: MemoryConfig, device: torch.device, *, activat
 
     if not in_ram or fits(plan, activations):
         return
+    needed = need(plan, activations)
     parts = "; ".join(f"{name} tier {n:,} ({_kinds(plan[name], activations if name == 'device' else 0)})"
-                      for name, n in need(plan, activations).items() if n)
+                      for name, n in needed.items() if n)
     layout = suggestion(fits)
     fix = (f"a layout that fits: {layout}" if layout else "no layout of this model fits here: use a machine with "
            "more RAM, or set memory.device_budget/host_budget if you know better")
     shared = f", shared by {local_ranks} ranks" if local_ranks > 1 else ""
     given_back = f", plus {released:,} the model's weights give back" if released else ""
     kept_for = "the allocator and torch" if activations else "activations, the allocator and torch"
-    raise BudgetError(f"the run needs {sum(need(plan, activations).values()):,} bytes of RAM per rank ({parts}) but "
+    raise BudgetError(f"the run needs {sum(needed.values()):,} bytes of RAM per rank ({parts}) but "
                       f"this machine has {max(room, 0):,} for it ({available:,} available, less {margin:,} kept for "
                       f"{kept_for}{shared}{given_back}; memory.*_budget = \"auto\"); {fix}")
 
