@@ -822,6 +822,12 @@ class Engine:
             raise RuntimeError(f"engine stopped after a failure ({self.comm.ended}): {call}() cannot run; build a "
                                f"new engine and load the last good checkpoint ({self._last_checkpoint or 'none'})")
 
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def close(self) -> None:
         """Remove the hooks, stop accounting the engine's tensors and release its swap files; every
         later call raises. Safe to call twice."""
