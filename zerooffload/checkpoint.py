@@ -432,9 +432,7 @@ def _restore_optimizer(engine: Any, manifest: Manifest) -> None:
         engine.scheduler.load_state_dict({**engine.scheduler.state_dict(), **data["scheduler"]})
     engine.scaler.load_state(data["scaler"])
     counters = data["counters"]
-    engine.global_steps, engine.micro_steps = counters["global_steps"], counters["micro_steps"]
-    engine.skipped_steps = counters["skipped_steps"]
-    engine._stepped_at = engine.micro_steps
+    engine.restore_counters(counters["global_steps"], counters["micro_steps"], counters["skipped_steps"])
 
 
 def _read_buffers(manifest: Manifest, files: _RankFiles) -> dict[str, torch.Tensor]:

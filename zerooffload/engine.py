@@ -434,6 +434,11 @@ class Engine:
             bad = control_all_reduce(self.comm, bad.to(self.comm.device)).cpu()
         return None if bad.item() == 0 else f"non-finite loss on {int(bad.item())} rank(s)"
 
+    def restore_counters(self, global_steps: int, micro_steps: int, skipped_steps: int) -> None:
+        """Counters as a checkpoint saved them; the window the checkpoint closed counts as stepped."""
+        self.global_steps, self.micro_steps, self.skipped_steps = global_steps, micro_steps, skipped_steps
+        self._stepped_at = micro_steps
+
     @property
     def is_accumulation_boundary(self) -> bool:
         """True when the next ``step()`` updates: the last backward closed an accumulation window."""
