@@ -1,5 +1,9 @@
 """Shared fixtures: ``rank_pools(n)`` hands out one reused pool of n gloo ranks per session;
-``engines(name)`` one AsyncIO per backend name per test module."""
+``engines(name)`` one AsyncIO per backend name per test module; ``make_engine(...)`` builds training
+engines (``zo.initialize``) that are all closed when the test ends, whether it passed or failed.
+
+Functions that run on a rank pool (tests/harness.py) are outside pytest's fixtures: they build their
+engines with ``with zo.initialize(...) as engine:``, which closes them on exit, on error too."""
 from __future__ import annotations
 
 import pytest
@@ -21,6 +25,25 @@ def rank_pools():
     yield get
     for pool in pools.values():
         pool.close()
+
+
+@pytest.fixture
+def make_engine():
+    """``make_engine(model, config, ...)`` is ``zo.initialize``; every engine it built is closed at
+    teardown, last built first (closing one already closed is a no-op), so a failing assertion leaves
+    no hooks, accounting or swap files behind for the next test."""
+    import zerooffload as zo
+
+    made = []
+
+    def make(*args, **kwargs):
+        engine = zo.initialize(*args, **kwargs)
+        made.append(engine)
+        return engine
+
+    yield make
+    for engine in reversed(made):
+        engine.close()
 
 
 @pytest.fixture(scope="module")

@@ -1,8 +1,13 @@
 """A pool of spawned gloo ranks that runs many test cases, so each test does not pay for spawning.
 
 [Note: rank pool]
-- A *pool* is ``world_size`` processes started with ``spawn`` that join one gloo process group
-  (a ``FileStore`` in a temporary directory, a 60 s collective timeout) and then wait for *tasks*.
+- A *pool* is ``world_size`` fresh processes that join one gloo process group (a ``FileStore`` in a
+  temporary directory, a 60 s collective timeout) and then wait for *tasks*. They are forked by
+  multiprocessing's *forkserver*, a clean process started once per session (like ``spawn``: nothing of
+  pytest's process is inherited) that has imported zerooffload, torch and the engine already
+  (tests/rank_preload.py), so a pool (re)starts in under a second instead of each rank importing them
+  anew (~7 s a pool on a 2-core CI, paid again after every failure test). The forkserver never runs
+  torch code itself: no intra-op thread pool exists yet to be forked.
 - A *task* is a module-level function plus arguments; every rank runs it and sends back its result
   or its formatted traceback. ``RankPool.run`` returns the results in rank order.
 - When a rank fails, crashes or overruns the task timeout, the others may be stuck in a collective
@@ -60,13 +65,37 @@ def _worker(rank: int, world_size: int, store_path: str, tasks: mp.Queue, result
             dist.destroy_process_group()
 
 
+PRELOAD = ["rank_preload"]
+"""What the forkserver imports once for every rank: tests/rank_preload.py says what and why."""
+
+
+def fresh_process_context() -> mp.context.BaseContext:
+    """The multiprocessing context that starts fresh processes with torch and the engine imported: the
+    forkserver, started with tests/ on its path (it imports PRELOAD before it takes this process's
+    sys.path, on Python 3.11, and would skip a module it cannot find, silently)."""
+    from multiprocessing import forkserver
+
+    context = mp.get_context("forkserver")
+    context.set_forkserver_preload(PRELOAD)
+    previous = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [os.path.dirname(os.path.abspath(__file__)), previous]))
+    try:
+        forkserver.ensure_running()  # a no-op once it runs
+    finally:
+        if previous is None:
+            del os.environ["PYTHONPATH"]
+        else:
+            os.environ["PYTHONPATH"] = previous
+    return context
+
+
 class RankPool:
     """``world_size`` gloo ranks reused across tasks; see [Note: rank pool]."""
 
     def __init__(self, world_size: int, timeout: float = 120.0):
         self.world_size = world_size
         self.timeout = timeout
-        self._context = mp.get_context("spawn")
+        self._context = fresh_process_context()
         self._task_ids = itertools.count()
         self._procs: list = []
 

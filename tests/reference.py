@@ -158,3 +158,68 @@ class BufferedNet(nn.Module):
 def make_buffered_model(seed: int = 0) -> BufferedNet:
     torch.manual_seed(seed)
     return BufferedNet()
+
+
+# ---------------------------------------------------------------------------------------------- unit layouts
+ALIGN = 1024
+"""Shard granularity in elements: 4 KiB of fp32, the O_DIRECT alignment (README: every shard 4 KiB-aligned)."""
+
+
+def units_of(model: nn.Module) -> list[tuple[str, list[nn.Parameter]]]:
+    """The units the engine makes of ``model`` under the default ``zero.unit_modules``, written out here
+    independently of the engine: each direct child of an ``nn.ModuleList``/``nn.Sequential`` (outermost
+    ones only), in registration order, then the root unit for the rest; a parameter reached from several
+    modules (tied) belongs to the unit of their lowest common ancestor; units without parameters are none.
+    Each unit's parameters are listed trainable first (the flat layout's trainable prefix)."""
+    roots: list[str] = []
+    for path, module in model.named_modules():
+        if any(path == r or path.startswith(r + ".") for r in roots):
+            continue
+        if isinstance(module, (nn.ModuleList, nn.Sequential)):
+            roots += [f"{path}.{name}" if path else name for name, _ in module.named_children()]
+    owners: dict[int, list[str]] = {}
+    params: dict[int, nn.Parameter] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        owners.setdefault(id(param), []).append(name.rpartition(".")[0])
+        params[id(param)] = param
+    members: dict[str, list[nn.Parameter]] = {root: [] for root in [*roots, ""]}
+    for key, param in params.items():
+        split = [path.split(".") if path else [] for path in owners[key]]
+        common = []
+        for parts in zip(*split):
+            if len(set(parts)) > 1:
+                break
+            common.append(parts[0])
+        owner = ".".join(common)
+        unit = next((r for r in roots if owner == r or owner.startswith(r + ".")), "")
+        members[unit].append(param)
+    return [(root, sorted(members[root], key=lambda p: not p.requires_grad)) for root in [*roots, ""]
+            if members[root]]
+
+
+def shard_numel(numel: int, world: int) -> int:
+    """Elements in each of ``world`` shards of a unit of ``numel``: its share, rounded up to ``ALIGN``."""
+    return max(1, -(-(-(-numel // world)) // ALIGN)) * ALIGN
+
+
+def unit_shards(model: nn.Module, world: int) -> list[int]:
+    """Per unit of ``model`` (``units_of``), the elements of one shard at world size ``world``."""
+    return [shard_numel(sum(p.numel() for p in params), world) for _, params in units_of(model)]
+
+
+def padded_numel(model: nn.Module, world: int) -> int:
+    """Every unit's flat size, padded to ``world`` aligned shards, summed: what the engine allocates for Ψ."""
+    return world * sum(unit_shards(model, world))
+
+
+def trainable_spans(model: nn.Module, world: int, rank: int) -> list[int]:
+    """Per unit, rank ``rank``'s trainable part of its shard rounded up to ``ALIGN``: the size of the
+    blocks (gradients, optimizer state) that hold it. A unit's trainable prefix ends at its first frozen
+    parameter, or runs to the padded end when none is frozen."""
+    spans = []
+    for (_, params), shard in zip(units_of(model), unit_shards(model, world)):
+        frozen_at = next((i for i, p in enumerate(params) if not p.requires_grad), None)
+        prefix = world * shard if frozen_at is None else sum(p.numel() for p in params[:frozen_at])
+        part = min(max(prefix - rank * shard, 0), shard)
+        spans.append(-(-part // ALIGN) * ALIGN)
+    return spans

@@ -40,15 +40,14 @@ def run_case(stage: int, offload: dict | None, first: int, last: int, save: str 
              load: str | None = None, precision: str = "fp32") -> dict | None:
     """Every rank: build (a different init when loading, so a load that did nothing shows), optionally
     load, train steps [first, last), optionally save; rank 0 returns the full state and client state."""
-    engine = zo.initialize(make_model(seed=1 if load else 0), _config(stage, offload, precision))
-    client = engine.load_checkpoint(load) if load else None
-    loaded = engine.full_state_dict()
-    _train(engine, first, last)
-    if save:
-        engine.save_checkpoint(save, client_state={"next_step": last})
-    full = engine.full_state_dict()
-    lr = engine.optimizer.param_groups[0]["lr"]
-    engine.close()
+    with zo.initialize(make_model(seed=1 if load else 0), _config(stage, offload, precision)) as engine:
+        client = engine.load_checkpoint(load) if load else None
+        loaded = engine.full_state_dict()
+        _train(engine, first, last)
+        if save:
+            engine.save_checkpoint(save, client_state={"next_step": last})
+        full = engine.full_state_dict()
+        lr = engine.optimizer.param_groups[0]["lr"]
     if (dist.get_rank() if dist.is_initialized() else 0) != 0:
         return None
     return {"full": full, "loaded": loaded, "client": client, "lr": lr}
@@ -96,8 +95,8 @@ def test_reshard_to_other_world_sizes_stages_and_tiers(straight_and_saved, rank_
 
 @pytest.mark.parametrize("how, message", [("flip", "CRC-32 .* the file is corrupt"), ("truncate", "truncated"),
                                           ("missing", "missing")])
-def test_damaged_files_are_refused_by_name(tmp_path, how, message):
-    engine = zo.initialize(make_model(), _config(2))
+def test_damaged_files_are_refused_by_name(tmp_path, make_engine, how, message):
+    engine = make_engine(make_model(), _config(2))
     _train(engine, 0, 1)
     engine.save_checkpoint(tmp_path)
     tag = (tmp_path / "latest").read_text().strip()
@@ -112,17 +111,16 @@ def test_damaged_files_are_refused_by_name(tmp_path, how, message):
         path.unlink()
     with pytest.raises(CheckpointError, match=rf"{path}: .*{message}"):
         engine.load_checkpoint(tmp_path)
-    engine.close()
 
 
-def test_another_model_is_refused_with_the_parameters_named(tmp_path):
-    engine = zo.initialize(make_model(), _config(1))
+def test_another_model_is_refused_with_the_parameters_named(tmp_path, make_engine):
+    engine = make_engine(make_model(), _config(1))
     engine.save_checkpoint(tmp_path, tag="a")
     engine.close()
     torch.manual_seed(0)
-    other = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    other = make_engine(torch.nn.Sequential(torch.nn.Linear(4, 4)), _config(1))
     with pytest.raises(CheckpointError, match=r"another model; parameters not in the checkpoint: \['0.bias', '0.weight'\]"):
-        zo.initialize(other, _config(1)).load_checkpoint(tmp_path, "a")
+        other.load_checkpoint(tmp_path, "a")
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
@@ -143,30 +141,28 @@ def test_consolidated_safetensors_load_strictly_into_a_plain_model(straight_and_
         assert torch.equal(tensors[name], expected), name
 
 
-def test_loading_into_a_trained_engine_rolls_it_back_exactly(tmp_path):
+def test_loading_into_a_trained_engine_rolls_it_back_exactly(tmp_path, make_engine):
     """Stage 3 on NVMe, world size 1: save after 2 steps, train 2 more, load, train 2 again == 4 straight
     (the load must also replace parameter shards already read ahead for the next step)."""
     straight = run_case(3, NVME, 0, STEPS)["full"]
-    engine = zo.initialize(make_model(), _config(3, NVME))
+    engine = make_engine(make_model(), _config(3, NVME))
     _train(engine, 0, STEPS // 2)
     engine.save_checkpoint(tmp_path)
     _train(engine, STEPS // 2, STEPS)
     engine.load_checkpoint(tmp_path)
     _train(engine, STEPS // 2, STEPS)
     assert _equal(engine.full_state_dict(), straight)
-    engine.close()
 
 
-def test_an_optimizer_without_moments_saves_and_loads(tmp_path):
+def test_an_optimizer_without_moments_saves_and_loads(tmp_path, make_engine):
     """SGD without momentum keeps no moments, and fp32 masters on the device are the weights themselves:
     the rank file holds the masters alone."""
     config = {"zero": {"stage": 1}, "optimizer": {"type": "sgd", "momentum": 0.0, "lr": 0.1}}
-    engine = zo.initialize(make_model(), config)
+    engine = make_engine(make_model(), config)
     _train(engine, 0, 1)
     engine.save_checkpoint(tmp_path)
     saved = engine.full_state_dict()
     engine.close()
-    fresh = zo.initialize(make_model(seed=1), config)
+    fresh = make_engine(make_model(seed=1), config)
     fresh.load_checkpoint(tmp_path)
     assert _equal(fresh.full_state_dict(), saved)
-    fresh.close()

@@ -2,7 +2,7 @@
 ``latest`` write, inside a rank file — leaves ``latest`` naming a checkpoint that loads with every
 checksum verified: the old state or the new one, never a mix. The next save cleans up after it.
 
-Each kill point is one fresh process (SIGKILL cannot be survived). The full sweep, every call of
+Each kill point is one fresh process (SIGKILL cannot be survived), forked from a warm forkserver. The full sweep, every call of
 every kind, killed before and after the call, for a new tag and for the same tag saved again, is
 ``slow``; CI runs one point of each kind.
 """
@@ -10,56 +10,19 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
-import textwrap
+import traceback
+from dataclasses import dataclass
 
 import pytest
 import torch
 
 import zerooffload as zo
+from harness import fresh_process_context
 from reference import make_batches, make_buffered_model
 from zerooffload.checkpoint import read_manifest
 
 CONFIG = {"zero": {"stage": 3, "persist_threshold": 0}, "optimizer": {"lr": 1e-2}}
 KINDS = ("rename", "fsync", "mkdir", "remove", "latest", "rank file")
-
-SCRIPT = textwrap.dedent("""
-    import os, shutil, signal, sys
-    sys.path.insert(0, {tests!r})
-    import zerooffload as zo
-    from zerooffload import checkpoint_files, checkpoint
-    from test_checkpoint_kills import CONFIG, train
-    from reference import make_buffered_model
-
-    engine = zo.initialize(make_buffered_model(), CONFIG)
-    engine.save_checkpoint({directory!r}, tag="old")
-    train(engine)
-    kind, number, when = {kind!r}, {number}, {when!r}
-    calls = [0]
-
-    def killing(original):
-        def patched(*args, **kwargs):
-            hit = calls[0] == number
-            calls[0] += 1
-            if hit and when == "before":
-                os.kill(os.getpid(), signal.SIGKILL)
-            try:
-                return original(*args, **kwargs)
-            finally:  # after the call, whether it returned or raised (mkdir of an existing directory)
-                if hit:
-                    os.kill(os.getpid(), signal.SIGKILL)
-        return patched
-
-    targets = {{"rename": [(os, "replace"), (os, "rename")], "fsync": [(os, "fsync")], "mkdir": [(os, "mkdir")],
-               "remove": [(os, "unlink"), (os, "rmdir")],
-               "latest": [(checkpoint_files, "_write_text_atomically")],
-               "rank file": [(checkpoint_files.ChecksummedWriter, "write")]}}[kind]
-    for owner, name in targets:
-        setattr(owner, name, killing(getattr(owner, name)))
-    engine.save_checkpoint({directory!r}, tag={tag!r})
-    print("calls", calls[0])
-""")
 
 
 def train(engine) -> None:
@@ -69,23 +32,79 @@ def train(engine) -> None:
     engine.step()
 
 
-def _kill_save(tmp_path, tag: str, kind: str, number: int, when: str) -> subprocess.CompletedProcess:
-    script = SCRIPT.format(tests=os.path.dirname(__file__), directory=str(tmp_path), kind=kind, number=number,
-                           when=when, tag=tag)
-    return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+def _save_killed(directory: str, tag: str, kind: str, number: int, when: str, report: str) -> None:
+    """In a fresh process: save tag "old", train a step, then save ``tag`` with the ``number``-th call of
+    ``kind`` (counted from 0) killing the process with SIGKILL just ``when`` ("before" or "after") it
+    runs. A save that never reached that call writes the calls it made to ``report``; an error, its
+    traceback (status 1)."""
+    from zerooffload import checkpoint_files
+
+    try:
+        engine = zo.initialize(make_buffered_model(), CONFIG)  # never closed: the process is killed, or ends
+        engine.save_checkpoint(directory, tag="old")
+        train(engine)
+        calls = [0]
+
+        def killing(original):
+            def patched(*args, **kwargs):
+                hit = calls[0] == number
+                calls[0] += 1
+                if hit and when == "before":
+                    os.kill(os.getpid(), signal.SIGKILL)
+                try:
+                    return original(*args, **kwargs)
+                finally:  # after the call, whether it returned or raised (mkdir of an existing directory)
+                    if hit:
+                        os.kill(os.getpid(), signal.SIGKILL)
+            return patched
+
+        targets = {"rename": [(os, "replace"), (os, "rename")], "fsync": [(os, "fsync")], "mkdir": [(os, "mkdir")],
+                   "remove": [(os, "unlink"), (os, "rmdir")],
+                   "latest": [(checkpoint_files, "_write_text_atomically")],
+                   "rank file": [(checkpoint_files.ChecksummedWriter, "write")]}[kind]
+        for owner, name in targets:
+            setattr(owner, name, killing(getattr(owner, name)))
+        engine.save_checkpoint(directory, tag=tag)
+        with open(report, "w") as out:  # open and write: no patched call
+            out.write(f"calls {calls[0]}")
+    except BaseException:
+        with open(report, "w") as out:
+            out.write(traceback.format_exc())
+        os._exit(1)
+    os._exit(0)  # at once: no exit handler may make a patched call (and be killed by it)
+
+
+@dataclass(frozen=True)
+class _Outcome:
+    returncode: int
+    report: str
+
+
+def _kill_save(tmp_path, tag: str, kind: str, number: int, when: str) -> _Outcome:
+    """``_save_killed`` in a fresh process, forked from the rank pools' forkserver (harness's [Note: rank
+    pool]): torch and the engine are imported there already, so a kill point costs a fraction of a second
+    instead of a new interpreter's seconds."""
+    report = tmp_path.parent / f"{tmp_path.name}.report"
+    process = fresh_process_context().Process(target=_save_killed, args=(str(tmp_path), tag, kind, number, when,
+                                                                         str(report)))
+    process.start()
+    process.join(timeout=120)
+    if process.is_alive():
+        process.kill()
+        process.join()
+        pytest.fail(f"the save of {tag} ({kind} {number} {when}) did not end in 120 s")
+    return _Outcome(process.exitcode, report.read_text() if report.exists() else "")
 
 
 @pytest.fixture(scope="module")
 def states():
     """The old and the new full state, computed without any checkpoint; and a loading engine."""
-    engine = zo.initialize(make_buffered_model(), CONFIG)
-    old = engine.full_state_dict()
-    train(engine)
-    new = engine.full_state_dict()
-    loader = zo.initialize(make_buffered_model(seed=1), CONFIG)
-    yield old, new, loader
-    loader.close()
-    engine.close()
+    with zo.initialize(make_buffered_model(), CONFIG) as engine:
+        old = engine.full_state_dict()
+        train(engine)
+        new = engine.full_state_dict()
+    with zo.initialize(make_buffered_model(seed=1), CONFIG) as loader:
+        yield old, new, loader
 
 
 def _check_point(tmp_path, states, tag: str, kind: str, number: int, when: str) -> bool:
@@ -95,7 +114,7 @@ def _check_point(tmp_path, states, tag: str, kind: str, number: int, when: str) 
     done = _kill_save(tmp_path, tag, kind, number, when)
     if done.returncode == 0:
         return True
-    assert done.returncode == -signal.SIGKILL, done.stderr[-3000:]
+    assert done.returncode == -signal.SIGKILL, done.report[-3000:]
     read_manifest(tmp_path)  # latest names a complete tag; digest and every file's CRC verified
     loader.load_checkpoint(tmp_path)
     loaded = loader.full_state_dict()

@@ -2,7 +2,6 @@
 nothing, manifests with digests, leftovers of failed saves, and a full disk."""
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
@@ -38,25 +37,16 @@ def _train(engine, first: int, last: int) -> None:
         engine.step()
 
 
-@contextlib.contextmanager
-def _engine(model, config):
-    engine = zo.initialize(model, config)
-    try:
-        yield engine
-    finally:
-        engine.close()
-
-
 def resume_case(directory: str, swap: str, split: bool) -> dict | None:
     """Every rank: BufferedNet at stage 3 on NVMe, STEPS straight, or STEPS/2 + save + a fresh engine
     (other initial values) that loads and trains the rest; rank 0 returns its full state dict."""
     config = _config(3, NVME, swap)
-    with _engine(make_buffered_model(), config) as engine:
+    with zo.initialize(make_buffered_model(), config) as engine:
         _train(engine, 0, STEPS // 2 if split else STEPS)
         if not split:
             return engine.full_state_dict() or None
         engine.save_checkpoint(directory, tag="last")
-    with _engine(make_buffered_model(seed=1), config) as engine:
+    with zo.initialize(make_buffered_model(seed=1), config) as engine:
         engine.load_checkpoint(directory)
         _train(engine, STEPS // 2, STEPS)
         return engine.full_state_dict() or None
@@ -81,7 +71,7 @@ def test_buffers_of_every_shape_and_dtype_resume_bitwise(tmp_path, rank_pools, w
 
 
 def test_consolidated_buffers_load_strictly_into_a_plain_model(tmp_path):
-    with _engine(make_buffered_model(), _config(2)) as engine:
+    with zo.initialize(make_buffered_model(), _config(2)) as engine:
         _train(engine, 0, 2)
         engine.save_checkpoint(tmp_path / "ckpt")
         full = engine.full_state_dict()
@@ -115,7 +105,7 @@ class _TwoGroups:
 @pytest.mark.parametrize("mismatch", ["buffer name", "param groups", "moments"])
 def test_a_refused_load_changes_nothing(tmp_path, mismatch):
     """Stage 3 on NVMe: masters, moments, weights and buffers are exactly as before the refused load."""
-    with _engine(make_buffered_model(), _config(3, NVME, str(tmp_path))) as engine:
+    with zo.initialize(make_buffered_model(), _config(3, NVME, str(tmp_path))) as engine:
         _train(engine, 0, 2)
         engine.save_checkpoint(tmp_path / "ckpt")
     torch.manual_seed(1)
@@ -126,8 +116,7 @@ def test_a_refused_load_changes_nothing(tmp_path, mismatch):
         groups = _TwoGroups.of(model)
     if mismatch == "moments":
         config["optimizer"] = {"type": "sgd", "momentum": 0.0}
-    engine = zo.initialize(model, config, param_groups=groups)
-    try:
+    with zo.initialize(model, config, param_groups=groups) as engine:
         _train(engine, 0, 1)
         before = engine.full_state_dict()
         message = {"buffer name": r"another model; buffers not in the checkpoint: \['count'\]$",
@@ -136,12 +125,10 @@ def test_a_refused_load_changes_nothing(tmp_path, mismatch):
             engine.load_checkpoint(tmp_path / "ckpt")
         assert _equal(engine.full_state_dict(), before)
         _train(engine, 1, 2)  # and it trains on from where it was
-    finally:
-        engine.close()
 
 
 def _saved(tmp_path):
-    with _engine(make_model(), _config(1)) as engine:
+    with zo.initialize(make_model(), _config(1)) as engine:
         _train(engine, 0, 1)
         engine.save_checkpoint(tmp_path)
     return tmp_path / (tmp_path / "latest").read_text().strip()
@@ -151,7 +138,8 @@ def _saved(tmp_path):
     ("lr 0.01 -> 0.09", "manifest.json: SHA-256 .* the manifest is corrupt"),
     ("truncate", "manifest.json: SHA-256 .* the manifest is corrupt"),
     ("garble", "manifest.json: SHA-256 .* the manifest is corrupt"),
-    ("truncate, no digest", r"manifest.json: not a valid manifest \(Expecting"),
+    # cut in half: where the cut falls (between tokens or in a string) depends on the manifest's length
+    ("truncate, no digest", r"manifest.json: not a valid manifest \((Expecting|Unterminated string)"),
     ("garble, no digest", r"manifest.json: not a valid manifest \('utf-8' codec"),
     ("missing key, no digest", r"manifest.json: not a valid manifest: missing or malformed counters"),
     ("digest garbage", "manifest.json: SHA-256 .* says nothing"),
@@ -177,14 +165,14 @@ def test_a_damaged_manifest_is_refused_by_name(tmp_path, damage, message):
         digest.unlink()
     with pytest.raises(CheckpointError, match=message):
         read_manifest(tmp_path)
-    with _engine(make_model(), _config(1)) as engine, pytest.raises(CheckpointError, match=message):
+    with zo.initialize(make_model(), _config(1)) as engine, pytest.raises(CheckpointError, match=message):
         engine.load_checkpoint(tmp_path)
 
 
 def test_a_checkpoint_without_a_digest_loads_with_a_warning(tmp_path, caplog):
     tag = _saved(tmp_path)
     (tag / "manifest.sha256").unlink()
-    with caplog.at_level(logging.WARNING), _engine(make_model(seed=1), _config(1)) as engine:
+    with caplog.at_level(logging.WARNING), zo.initialize(make_model(seed=1), _config(1)) as engine:
         engine.load_checkpoint(tmp_path)
     assert "no manifest.sha256" in caplog.text
 
@@ -192,7 +180,7 @@ def test_a_checkpoint_without_a_digest_loads_with_a_warning(tmp_path, caplog):
 def test_leftovers_of_killed_saves_are_removed_by_the_next_save(tmp_path):
     """A partial directory (killed save) and a set-aside copy whose replacement landed both go; a
     set-aside copy whose tag is missing comes back (the kill fell between the two renames)."""
-    with _engine(make_model(), _config(1)) as engine:
+    with zo.initialize(make_model(), _config(1)) as engine:
         engine.save_checkpoint(tmp_path, tag="a")
         engine.save_checkpoint(tmp_path, tag="b")
         (tmp_path / "old.partial").mkdir()
@@ -221,7 +209,7 @@ def small_disk(tmp_path):
 
 def test_a_full_disk_is_a_clear_error_and_the_previous_checkpoint_stays(small_disk):
     """The model's masters and moments (~0.5 MB a save) fit once, not twice."""
-    with _engine(make_model(), _config(1)) as engine:
+    with zo.initialize(make_model(), _config(1)) as engine:
         engine.save_checkpoint(small_disk, tag="first")
         _train(engine, 0, 1)
         with pytest.raises(CheckpointError, match=rf"{small_disk}/second.partial: no room to save the checkpoint "

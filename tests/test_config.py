@@ -15,7 +15,7 @@ from zerooffload.config import ConfigError, apply_override, format_size, parse_s
 DESIGN_KEYS = {
     "train": {"micro_batch_size", "grad_accum_steps", "precision", "grad_clip", "seed", "activation_checkpointing",
               "skip_nonfinite", "threads", "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis", "min_loss_scale"},
-    "optimizer": {"type", "lr", "betas", "eps", "weight_decay", "momentum"},
+    "optimizer": {"type", "lr", "betas", "eps", "weight_decay", "momentum", "update_in_backward"},
     "scheduler": {"type", "warmup_steps", "total_steps", "min_lr"},
     "zero": {"stage", "unit_modules", "bucket_size", "prefetch_size", "max_live_size", "persist_threshold",
              "overlap_comm"},
@@ -23,7 +23,7 @@ DESIGN_KEYS = {
     "offload.optimizer": {"tier", "path", "fraction"},
     "memory": {"device_budget", "host_budget"},
     "nvme": {"path", "checksum"},
-    "aio": {"backend", "block_size", "queue_depth", "threads", "direct"},
+    "aio": {"backend", "block_size", "queue_depth", "threads", "direct", "blocks_in_flight"},
 }
 
 # A value for every key that differs from its default, as a user would write it.
@@ -50,6 +50,7 @@ betas = [0.8, 0.95]
 eps = 1e-6
 weight_decay = 0.1
 momentum = 0.9
+update_in_backward = "off"
 
 [scheduler]
 type = "warmup_cosine"
@@ -89,6 +90,7 @@ block_size = "4MiB"
 queue_depth = 8
 threads = 2
 direct = false
+blocks_in_flight = 4
 """
 
 
@@ -226,7 +228,7 @@ _WRONG = st.one_of(st.text(min_size=1).filter(_not_a_size), st.lists(st.integers
 @settings(max_examples=80, deadline=None)
 @given(section=st.sampled_from(["train", "optimizer", "zero", "aio"]), data=st.data())
 def test_wrong_types_are_refused_with_the_key_path(section, data):
-    numeric = sorted(k for k in DESIGN_KEYS[section] if k not in {"precision", "type", "backend", "unit_modules"})
+    numeric = sorted(k for k in DESIGN_KEYS[section] if k not in {"precision", "type", "backend", "unit_modules", "update_in_backward"})
     key = data.draw(st.sampled_from(numeric))
     value = data.draw(_WRONG)
     with pytest.raises(ConfigError, match=f"^{section}.{key}"):
@@ -273,5 +275,32 @@ def test_the_io_layer_defaults_are_the_aio_sections():
     from zerooffload.io.settings import IOSettings
 
     ours = {f.name: getattr(AioConfig(), f.name) for f in dataclasses.fields(AioConfig)}
-    assert dataclasses.asdict(IOSettings()) == ours
+    above = {"blocks_in_flight"}  # read by the block pipelines (block_stream), not by the I/O layer
+    assert dataclasses.asdict(IOSettings()) == {k: v for k, v in ours.items() if k not in above}
+    assert above <= set(ours)
     assert buffers.ALIGNMENT == ALIGNMENT
+
+
+_OFFLOADED = {"zero": {"stage": 2}, "offload": {"optimizer": {"tier": "host"}}}
+
+
+@pytest.mark.parametrize("extra, needs", [
+    ({"train": {"grad_clip": 1.0}}, r"train\.grad_clip = 0 \(it is 1\.0"),
+    ({"train": {"precision": "fp16"}}, r"train\.precision other than fp16"),
+    ({"zero": {"stage": 1}}, r"zero\.stage >= 2 with offload\.optimizer\.tier"),
+    ({"offload": {"optimizer": {"tier": "device"}}}, r"zero\.stage >= 2 with offload\.optimizer\.tier"),
+])
+def test_update_in_backward_on_is_refused_where_it_cannot_apply(extra, needs):
+    data = {**_OFFLOADED, "optimizer": {"update_in_backward": "on"}}
+    for section, values in extra.items():
+        data[section] = {**data.get(section, {}), **values}
+    with pytest.raises(ConfigError, match=r"^optimizer\.update_in_backward = 'on' needs .*" + needs):
+        zo.Config.load(data)
+
+
+def test_update_in_backward_on_where_it_applies_and_off_anywhere():
+    assert zo.Config.load({**_OFFLOADED, "optimizer": {"update_in_backward": "on"}}).optimizer.update_in_backward == "on"
+    off = {"train": {"grad_clip": 1.0, "precision": "fp16"}, "optimizer": {"update_in_backward": "off"}}
+    assert zo.Config.load(off).optimizer.update_in_backward == "off"
+    with pytest.raises(ConfigError, match=r"optimizer\.update_in_backward"):
+        zo.Config.load({"optimizer": {"update_in_backward": "sometimes"}})

@@ -27,31 +27,32 @@ def exact_fp32_matmuls():
 @pytest.mark.parametrize("window", list(WINDOWS))
 @pytest.mark.parametrize("offload", list(OFFLOADS))
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_engine_on_cuda_matches_plain_pytorch_on_the_cpu(stage, offload, window):
+def test_engine_on_cuda_matches_plain_pytorch_on_the_cpu(make_engine, stage, offload, window):
     if stage < 3 and "param" in OFFLOADS[offload] or stage == 0 and OFFLOADS[offload]:
         pytest.skip("parameter offload needs stage 3, optimizer offload stage >= 1")
     accum, clip = WINDOWS[window]
     batches = make_batches(3, accum, 2)
     model = make_model()
     initial = {k: v.clone() for k, v in model.state_dict().items()}
-    engine = zo.initialize(model, {"zero": {"stage": stage}, "offload": OFFLOADS[offload],
-                                   "train": {"grad_accum_steps": accum, "grad_clip": clip},
-                                   "optimizer": {"lr": 1e-2, "weight_decay": 0.1}})
-    assert engine.comm.device.type == "cuda"
+    engine = make_engine(model, {"zero": {"stage": stage}, "offload": OFFLOADS[offload],
+                                 "train": {"grad_accum_steps": accum, "grad_clip": clip},
+                                 "optimizer": {"lr": 1e-2, "weight_decay": 0.1}})
+    with engine.gathered() as module:
+        assert {p.device.type for p in module.parameters()} == {"cuda"}
     for window in batches:
         for idx, targets in window:
-            engine.backward(engine(idx.cuda(), targets.cuda()))
+            loss = engine(idx.cuda(), targets.cuda())
+            assert loss.device.type == "cuda"
+            engine.backward(loss)
             engine.step()
     full = engine.full_state_dict()
-    engine.close()
     errors = update_errors(initial, full, reference_train(make_model(), batches, clip=clip))
     assert max(errors.values()) < 1e-4, max(errors.items(), key=lambda kv: kv[1])
 
 
-def test_host_tier_buffers_are_pinned():
-    engine = zo.initialize(make_model(), {"zero": {"stage": 2}, "offload": {"optimizer": {"tier": "host"}}})
-    assert all(state.block.data.is_pinned() for state in engine.opt_states)
-    engine.close()
+def test_host_tier_buffers_are_pinned(make_engine):
+    engine = make_engine(make_model(), {"zero": {"stage": 2}, "offload": {"optimizer": {"tier": "host"}}})
+    assert all(state.block.data.is_pinned() for state in engine.opt_states)  # private: no public accessor
 
 
 def test_side_stream_copies_arrive_before_their_use_and_free_the_host_buffer_after():

@@ -314,14 +314,14 @@ def one_thread():
 
 
 @pytest.mark.parametrize("name", sorted(VENDORED))
-def test_vendored_config_loads_maps_and_trains(name, tmp_path, one_thread):
+def test_vendored_config_loads_maps_and_trains(name, tmp_path, one_thread, make_engine):
     config, warning = _vendored(name, tmp_path)
     mapped = {key: reduce(getattr, key.split("."), config) for key in VENDORED[name]}
     assert mapped == VENDORED[name]
     if config.offload.param.tier == "nvme":
         assert config.nvme.path == str(tmp_path)  # the file's one nvme_path became nvme.path, moved here
     torch.manual_seed(0)
-    engine = zo.initialize(make_model(), config)
+    engine = make_engine(make_model(), config)
     updates = 0
     for window in make_batches(3, config.train.grad_accum_steps, config.train.micro_batch_size):
         for idx, targets in window:
@@ -330,7 +330,6 @@ def test_vendored_config_loads_maps_and_trains(name, tmp_path, one_thread):
             engine.backward(loss)
             updates += engine.step()
     stats = engine.stats
-    engine.close()
     assert updates + stats.skipped_steps == 3  # fp16 skips overflowing steps as DeepSpeed's loss scaler does
     if config.train.precision != "fp16":
         assert updates == 3

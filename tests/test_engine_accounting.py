@@ -6,6 +6,7 @@ import re
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,8 +14,8 @@ import torch.distributed as dist
 from torch import nn
 
 import zerooffload as zo
+from reference import ALIGN, padded_numel, trainable_spans, unit_shards, units_of
 from zerooffload.estimate import estimate
-from zerooffload.partition import ALIGN_ELEMENTS
 from zerooffload.tiers import BudgetError
 
 
@@ -33,14 +34,14 @@ def accounting_case(stage: int, precision: str, prefetch_size: str = "0", steps:
     world = dist.get_world_size() if dist.is_initialized() else 1
     model = _mlp()
     psi = sum(p.numel() for p in model.parameters())
-    engine = zo.initialize(model, {"zero": {"stage": stage, "prefetch_size": prefetch_size},
-                                   "train": {"precision": precision}})
-    padded = sum(u.layout.padded_numel for u in engine.units)
-    for _ in range(steps):
-        _one_step(engine)
-    report, stats = engine.memory_report(), engine.stats
-    engine.close()
-    return {"psi": psi, "padded": padded, "world": world, "units": len(engine.units),
+    shards = world if stage >= 1 else 1  # stage 0 replicates: every unit is one whole "shard"
+    padded, units = padded_numel(model, shards), len(units_of(model))
+    with zo.initialize(model, {"zero": {"stage": stage, "prefetch_size": prefetch_size},
+                               "train": {"precision": precision}}) as engine:
+        for _ in range(steps):
+            _one_step(engine)
+        report, stats = engine.memory_report(), engine.stats
+    return {"psi": psi, "padded": padded, "world": world, "units": units,
             "param": report.bytes("device", "param"), "grad": report.bytes("device", "grad"),
             "optimizer": report.bytes("device", "optimizer"), "gathered": report.bytes("device", "gathered"),
             "data_elements": stats.data_elements}
@@ -62,7 +63,7 @@ def _check_memory(result: dict, stage: int, precision: str) -> None:
     for kind in ("param", "grad", "optimizer"):
         assert result[kind] == exact[kind], kind
     assert result["gathered"] == 0  # stage 3 frees every gathered unit by the end of the step
-    slack = result["units"] * nd * ALIGN_ELEMENTS  # padding: at most one aligned block per unit shard
+    slack = result["units"] * nd * ALIGN  # padding: at most one aligned block per unit shard
     assert result["psi"] <= result["padded"] <= result["psi"] + slack
     loose = _expected(stage, precision, result["psi"], nd)
     for kind in ("param", "grad", "optimizer"):
@@ -96,7 +97,7 @@ def test_stage_3_prefetch_keeps_units_reused_soon_and_moves_less(rank_pools):
         assert 2 * result["padded"] <= result["data_elements"] < 3 * result["padded"]
 
 
-def test_budget_one_byte_short_is_refused_before_training():
+def test_budget_one_byte_short_is_refused_before_training(make_engine):
     with pytest.raises(BudgetError) as info:
         zo.initialize(_mlp(), {"memory": {"device_budget": 4096}})
     needed = int(re.search(r"the device tier needs (\d+) bytes", str(info.value)).group(1))
@@ -107,7 +108,7 @@ def test_budget_one_byte_short_is_refused_before_training():
                                           r"\(1 short\)"):
         zo.initialize(model, {"memory": {"device_budget": needed - 1}})
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # refused before touching it
-    engine = zo.initialize(_mlp(), {"memory": {"device_budget": needed}})
+    engine = make_engine(_mlp(), {"memory": {"device_budget": needed}})
     for _ in range(3):
         _one_step(engine)  # the plan is an upper bound: the run never passes it
     assert engine.memory_report().peaks["device"] <= needed
@@ -128,24 +129,26 @@ def test_estimate_reproduces_the_zero_paper_example():
         assert figure in out
 
 
-def offload_accounting_case() -> dict:
-    """Stage 3, bf16, parameter shards and optimizer states both on NVMe: what each tier holds."""
+def offload_accounting_case(root: str) -> dict:
+    """Stage 3, bf16, parameter shards and optimizer states both on NVMe (this rank's own swap directory
+    under ``root``): what each tier holds, and the swap files there before and after close()."""
     model = _mlp()
-    engine = zo.initialize(model, {"zero": {"stage": 3}, "train": {"precision": "bf16"},
-                                   "offload": {"param": {"tier": "nvme"}, "optimizer": {"tier": "nvme"}}})
-    shard = sum(u.layout.shard_numel for u in engine.units)
-    for _ in range(2):
-        _one_step(engine)
-    report = engine.memory_report()
-    result = {"shard": shard, "bytes": {t: dict(k) for t, k in report.bytes_by_tier.items()},
-              "peaks": dict(report.peaks), "swap_files": [str(p) for p in engine.tiers["nvme"].swap.paths]}
-    engine.close()
-    result["swap_files_left"] = [p for p in result["swap_files"] if os.path.exists(p)]
+    swap = os.path.join(root, f"nvme{dist.get_rank()}")
+    os.makedirs(swap, exist_ok=True)
+    shard = sum(unit_shards(model, dist.get_world_size()))
+    with zo.initialize(model, {"zero": {"stage": 3}, "train": {"precision": "bf16"}, "nvme": {"path": swap},
+                               "offload": {"param": {"tier": "nvme"}, "optimizer": {"tier": "nvme"}}}) as engine:
+        for _ in range(2):
+            _one_step(engine)
+        report = engine.memory_report()
+        result = {"shard": shard, "bytes": {t: dict(k) for t, k in report.bytes_by_tier.items()},
+                  "peaks": dict(report.peaks), "swap_files": [str(p) for p in Path(swap).rglob("*.swap")]}
+    result["swap_files_left"] = [str(p) for p in Path(swap).rglob("*")]
     return result
 
 
-def test_offloaded_states_are_accounted_on_their_tiers(rank_pools):
-    for result in rank_pools(2).run(offload_accounting_case):
+def test_offloaded_states_are_accounted_on_their_tiers(rank_pools, tmp_path):
+    for result in rank_pools(2).run(offload_accounting_case, str(tmp_path)):
         shard, held = result["shard"], result["bytes"]
         assert held["nvme"]["param"] == 2 * shard  # bf16 shards: 2Ψ/Nd (padded)
         assert held["nvme"]["optimizer"] == 12 * shard  # fp32 master, m, v: 12Ψ/Nd
@@ -153,16 +156,17 @@ def test_offloaded_states_are_accounted_on_their_tiers(rank_pools):
         assert held["device"]["grad"] == 0 and held["nvme"]["grad"] == 0  # reduced shards go straight to the update
         # after the step only the next pass's first shards are staged in host memory (read ahead)
         assert 0 < held["host"]["buffer"] <= 2 * shard < result["peaks"]["host"]
-        assert result["swap_files"] and not result["swap_files_left"]  # close() removes the swap files
+        assert result["swap_files"] and not any(p.endswith(".swap") for p in result["swap_files_left"])  # close()
+        # removes the swap files
 
 
-def test_fp32_parameter_shards_on_nvme_are_read_from_the_optimizer_blocks():
+def test_fp32_parameter_shards_on_nvme_are_read_from_the_optimizer_blocks(make_engine):
     """fp32, both on NVMe: a shard is its optimizer block's master segment, so it takes no swap space and
     the step writes only the optimizer blocks (and, clipping, the gradients)."""
     model = _mlp()
-    engine = zo.initialize(model, {"zero": {"stage": 3}, "train": {"grad_clip": 1.0},
-                                   "offload": {"param": {"tier": "nvme"}, "optimizer": {"tier": "nvme"}}})
-    shard_bytes = 4 * sum(u.layout.shard_numel for u in engine.units)
+    shard_bytes = 4 * sum(unit_shards(model, 1))
+    engine = make_engine(model, {"zero": {"stage": 3}, "train": {"grad_clip": 1.0},
+                                 "offload": {"param": {"tier": "nvme"}, "optimizer": {"tier": "nvme"}}})
     report = engine.memory_report()
     assert report.bytes("nvme", "param") == 0 and report.bytes("nvme", "optimizer") == 3 * shard_bytes
     for _ in range(2):
@@ -171,7 +175,6 @@ def test_fp32_parameter_shards_on_nvme_are_read_from_the_optimizer_blocks():
         blocks, grads = 3 * shard_bytes, shard_bytes
         assert io.write_bytes == blocks + grads  # no parameter shard written
         assert io.read_bytes >= blocks + grads + shard_bytes  # and each shard at least once, from the blocks
-    engine.close()
     # that the shards read are the updated masters: test_engine_equivalence's offloaded-parameter runs
 
 
@@ -180,55 +183,70 @@ def test_fp32_parameter_shards_on_nvme_are_read_from_the_optimizer_blocks():
     ({"param": {"tier": "host"}}, 2, 1),  # up: shards for forward and backward; down: new shards
     ({"param": {"tier": "nvme"}, "optimizer": {"tier": "nvme"}}, 2, 1),  # up: shards; down: gradients
 ])
-def test_host_device_link_bytes_per_step(offload, to_device, to_host):
+def test_host_device_link_bytes_per_step(make_engine, offload, to_device, to_host):
     """engine.stats.link: bytes across the host-device link per step, in units of the bf16 shards (2 B
-    per parameter): what crosses is fixed by where each state lives (stage 3, nothing kept gathered)."""
-    engine = zo.initialize(_mlp(), {"zero": {"stage": 3, "prefetch_size": 0}, "train": {"precision": "bf16"},
-                                    "offload": offload})
-    shard_bytes = 2 * sum(u.layout.shard_numel for u in engine.units)
+    per parameter): what crosses is fixed by where each state lives (stage 3, nothing kept gathered).
+    link_gbps is those bytes over the window's wall time, which lies within the time this test saw pass."""
+    model = _mlp()
+    shard_bytes = 2 * sum(unit_shards(model, 1))
+    mark = time.perf_counter()  # before the first window opens (in initialize)
+    engine = make_engine(model, {"zero": {"stage": 3, "prefetch_size": 0}, "train": {"precision": "bf16"},
+                                 "offload": offload})
     for _ in range(2):
+        started = time.perf_counter()
         _one_step(engine)
-        link = engine.stats.link
+        seen = time.perf_counter() - mark  # covers the window: it opened as the previous step ended, after mark
+        mark = started
+        stats = engine.stats
+        link = stats.link
         assert (link.host_to_device_bytes, link.device_to_host_bytes) == (to_device * shard_bytes, to_host * shard_bytes)
-    assert engine.stats.link_gbps > 0
-    engine.close()
+        moved = (to_device + to_host) * shard_bytes
+        assert 0 < stats.seconds <= seen
+        assert stats.link_gbps == pytest.approx(moved / stats.seconds / 1e9, rel=1e-9)
+        assert stats.link_gbps >= moved / seen / 1e9
 
 
 @pytest.mark.parametrize("clip, accum, grad_trips", [(1.0, 1, 1), (0.0, 1, 0), (1.0, 2, 2), (0.0, 2, 1)])
-def test_nvme_traffic_per_step_is_every_optimizer_block_once_each_way(clip, accum, grad_trips):
+def test_nvme_traffic_per_step_is_every_optimizer_block_once_each_way(make_engine, clip, accum, grad_trips):
     """Optimizer blocks: read and written once per window. Gradient shards, when the step needs their
     global norm (clipping): written when first reduced (their norm taken then), read back, added to and
     written again for each further micro-batch, read once by the update. Without clipping the closing
     micro-batch's part goes straight into the update (engine's [Note: updates in backward]): one trip
     fewer, and with one micro-batch none at all and no swap space."""
-    engine = zo.initialize(_mlp(), {"zero": {"stage": 2}, "train": {"grad_clip": clip, "grad_accum_steps": accum},
-                                    "offload": {"optimizer": {"tier": "nvme"}}})
+    model = _mlp()
+    engine = make_engine(model, {"zero": {"stage": 2}, "train": {"grad_clip": clip, "grad_accum_steps": accum},
+                                 "offload": {"optimizer": {"tier": "nvme"}}})
     blocks = engine.memory_report().bytes("nvme", "optimizer")
-    grads = 4 * sum(u.layout.shard_numel for u in engine.units)
+    grads = 4 * sum(trainable_spans(model, 1, 0))  # fp32, each unit's trainable part rounded up for O_DIRECT
+    assert blocks == 3 * grads  # fp32 master, m and v over the same spans
     assert engine.memory_report().bytes("nvme", "grad") == (grads if grad_trips else 0)  # no swap kept for nothing
     assert engine.memory_report().bytes("device", "grad") == 0
     moved = blocks + grad_trips * grads
-    for _ in range(2):
+    mark = time.perf_counter()  # the first window opened in initialize, before: only the second is bounded
+    for window in range(2):
+        started = time.perf_counter()
         for _ in range(accum):
             _one_step(engine)
-        io = engine.stats.io
-        assert (io.read_bytes, io.write_bytes) == (moved, moved)
-        assert 0 < engine.stats.stall_seconds <= engine.stats.seconds
-        assert engine.stats.seconds > 0 and engine.stats.io_gbps > 0
-    engine.close()
+        seen = time.perf_counter() - mark if window else float("inf")
+        mark = started
+        stats = engine.stats
+        assert (stats.io.read_bytes, stats.io.write_bytes) == (moved, moved)
+        assert 0 < stats.stall_seconds <= stats.seconds <= seen
+        assert stats.io_gbps == pytest.approx(2 * moved / stats.seconds / 1e9, rel=1e-9)
 
 
-def test_fraction_splits_optimizer_state_between_the_tier_and_the_device():
+def test_fraction_splits_optimizer_state_between_the_tier_and_the_device(make_engine):
     """Whole units in order, at most the fraction: here the first two of four equal-ish units."""
     model = torch.nn.Sequential(*(torch.nn.Linear(64, 64) for _ in range(4)))
-    engine = zo.initialize(model, {"zero": {"stage": 1}, "train": {"precision": "bf16"},
-                                   "offload": {"optimizer": {"tier": "host", "fraction": 0.6}}})
-    shards = [u.layout.shard_numel for u in engine.units]
+    shards = unit_shards(model, 1)
+    assert len(shards) == 4
+    engine = make_engine(model, {"zero": {"stage": 1}, "train": {"precision": "bf16"},
+                                 "offload": {"optimizer": {"tier": "host", "fraction": 0.6}}})
     report = engine.memory_report()
     assert report.bytes("host", "optimizer") == 12 * sum(shards[:2])
     assert report.bytes("device", "optimizer") == 12 * sum(shards[2:])
     _one_step(engine)
-    engine.close()
+    assert engine.memory_report().bytes("host", "optimizer") == 12 * sum(shards[:2])
 
 
 def test_a_model_larger_than_ram_is_refused_before_anything_is_allocated():
@@ -254,7 +272,7 @@ def _planned(model, config: dict, world: int) -> dict[str, int]:
     """The bytes the engine plans per tier for ``model`` (the same on every rank of a symmetric model)."""
     from zerooffload.config import Config
     from zerooffload.memory_plan import plan_for_config
-    from zerooffload.partition import find_units
+    from zerooffload.unit_layout import find_units
 
     config = Config.load(config)
     layouts = find_units(model, config.zero.unit_modules, world if config.zero.stage >= 1 else 1)
@@ -271,14 +289,13 @@ def plan_bound_case(config: dict) -> dict:
     """Budgets set to exactly what the plan says: a run that ever held more would raise BudgetError."""
     world = dist.get_world_size() if dist.is_initialized() else 1
     budgets = {tier: n for tier, n in _planned(_gpt(), config, world).items() if tier in ("device", "host")}
-    engine = zo.initialize(_gpt(), {**config, "memory": {f"{t}_budget": n for t, n in budgets.items()}})
     x = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(dist.get_rank() if
                                                                                 dist.is_initialized() else 0))
-    for _ in range(2 * engine.config.train.grad_accum_steps):
-        engine.backward(engine(x, x))
-        engine.step()
-    peaks = engine.memory_report().peaks
-    engine.close()
+    with zo.initialize(_gpt(), {**config, "memory": {f"{t}_budget": n for t, n in budgets.items()}}) as engine:
+        for _ in range(2 * config.get("train", {}).get("grad_accum_steps", 1)):
+            engine.backward(engine(x, x))
+            engine.step()
+        peaks = engine.memory_report().peaks
     return {"budgets": budgets, "peaks": dict(peaks)}
 
 

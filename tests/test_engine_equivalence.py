@@ -8,8 +8,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import zerooffload as zo
-from reference import VOCAB, WIDTH, Block, TinyLM, make_batches, make_model, reference_train, update_errors
-from zerooffload.partition import ALIGN_ELEMENTS
+from reference import (ALIGN, VOCAB, WIDTH, Block, TinyLM, make_batches, make_model, reference_train,
+                       trainable_spans, update_errors)
 
 MICRO = 2  # samples per rank per micro-batch
 TOLERANCE = {"fp32": 2e-5, "bf16": 3e-3}
@@ -39,18 +39,17 @@ def train_case(stage: int, precision: str, accum: int = 2, clip: float = 0.05, s
     batches = make_batches(steps, accum, MICRO * world)
     model = make_model()
     initial = {k: v.clone() for k, v in model.state_dict().items()}
-    engine = zo.initialize(model, _config(stage, precision, accum, clip, **extra))
-    updates = []
-    for window in batches:
-        for idx, targets in window:
-            rows = slice(rank * MICRO, (rank + 1) * MICRO)
-            engine.backward(engine(idx[rows], targets[rows]))
-            updates.append(engine.step())
-        if eval_between:
-            _evaluate(engine, *window[0])
-    full = engine.full_state_dict()
-    stats = engine.stats
-    engine.close()
+    with zo.initialize(model, _config(stage, precision, accum, clip, **extra)) as engine:
+        updates = []
+        for window in batches:
+            for idx, targets in window:
+                rows = slice(rank * MICRO, (rank + 1) * MICRO)
+                engine.backward(engine(idx[rows], targets[rows]))
+                updates.append(engine.step())
+            if eval_between:
+                _evaluate(engine, *window[0])
+        full = engine.full_state_dict()
+        stats = engine.stats
     if rank != 0:
         return None
     parts = world if precision == "bf16" else 1  # see reference_train: bf16 rounding of a split batch
@@ -191,13 +190,11 @@ class _LargeRoot(torch.nn.Module):
 
 def _large_root_run(offload: dict) -> dict:
     torch.manual_seed(0)
-    engine = zo.initialize(_LargeRoot(), {"zero": {"stage": 2}, "offload": offload})
-    for step in range(2):
-        engine.backward(engine(torch.randint(0, 4000, (4, 3), generator=torch.Generator().manual_seed(step))))
-        engine.step()
-    full = engine.full_state_dict()
-    engine.close()
-    return full
+    with zo.initialize(_LargeRoot(), {"zero": {"stage": 2}, "offload": offload}) as engine:
+        for step in range(2):
+            engine.backward(engine(torch.randint(0, 4000, (4, 3), generator=torch.Generator().manual_seed(step))))
+            engine.step()
+        return engine.full_state_dict()
 
 
 def test_nvme_streams_units_of_different_sizes():
@@ -231,17 +228,16 @@ def _backward_then_step(clip: float) -> dict:
     model = make_model()
     initial = {k: v.clone() for k, v in model.state_dict().items()}
     offload = {"param": {"tier": "nvme"}, "optimizer": {"tier": "nvme"}}
-    engine = zo.initialize(model, _config(3, "fp32", 1, clip, offload=offload))
-    (idx, targets), = batches[0]
-    engine.backward(engine(idx, targets))
-    moved_in_backward = any(not torch.equal(v, initial[k]) for k, v in engine.full_state_dict().items())
-    engine.step()
-    (idx, targets), = batches[1]
-    engine.backward(engine(idx, targets))
-    engine.step()
-    io, full = engine.stats.io, engine.full_state_dict()
-    grad_bytes = 4 * sum(u.trainable_span for u in engine.units)  # fp32, of the shards' trainable parts
-    engine.close()
+    grad_bytes = 4 * sum(trainable_spans(model, 1, 0))  # fp32, of the shards' trainable parts
+    with zo.initialize(model, _config(3, "fp32", 1, clip, offload=offload)) as engine:
+        (idx, targets), = batches[0]
+        engine.backward(engine(idx, targets))
+        moved_in_backward = any(not torch.equal(v, initial[k]) for k, v in engine.full_state_dict().items())
+        engine.step()
+        (idx, targets), = batches[1]
+        engine.backward(engine(idx, targets))
+        engine.step()
+        io, full = engine.stats.io, engine.full_state_dict()
     return {"moved": moved_in_backward, "io": io, "full": full, "grad_bytes": grad_bytes}
 
 
@@ -257,9 +253,17 @@ WINDOWS = {"updates in the step": (2, 0.05), "updates in backward": (1, 0.0),
            "accumulation, updates in backward": (2, 0.0)}
 
 
-@pytest.mark.parametrize("window", list(WINDOWS))
-@pytest.mark.parametrize("stage", [1, 2, 3])
-@pytest.mark.parametrize("world", [1, 2])
+TIERS_IN_CI = {(1, 3, "updates in the step"), (2, 3, "accumulation, updates in backward")}
+"""Stage 3's cases (ten runs each) in CI: one per world size, the accumulating window at world 2. The others
+are ``slow``; stage 3's tiers stay covered at world 2 in the step (test_stage_3_offloaded_parameters_equal_the_
+device_run) and in backward (test_updates_in_backward_equal_the_updates_in_the_step), and at world 1 with
+everything on NVMe in backward (test_updates_in_backward_skip_the_gradients_round_trip_through_nvme)."""
+TIER_GRID = [pytest.param(world, stage, window, id=f"{world}-{stage}-{window}",
+                          marks=[] if stage < 3 or (world, stage, window) in TIERS_IN_CI else [pytest.mark.slow])
+             for window in WINDOWS for stage in (1, 2, 3) for world in (1, 2)]
+
+
+@pytest.mark.parametrize("world, stage, window", TIER_GRID)
 def test_every_tier_combination(rank_pools, world, stage, window):
     """Optimizer tier × parameter tier (stage 3), fp32, at world size 1 (no launcher) and 2: within the
     bound of plain PyTorch AdamW and bitwise the device run. Clipping keeps the updates in the step;
@@ -317,17 +321,16 @@ def frozen_case(stage: int, precision: str, extra: int, accum: int, clip: float,
     model = _frozen_base(extra)
     initial = {k: v.clone() for k, v in model.state_dict().items()}
     frozen = [name for name, p in model.named_parameters() if not p.requires_grad]
-    engine = zo.initialize(model, _config(stage, precision, accum, clip, **config))
-    written = []
-    for window in batches:
-        for idx, targets in window:
-            rows = slice(rank * MICRO, (rank + 1) * MICRO)
-            engine.backward(engine(idx[rows], targets[rows]))
-            engine.step()
-        written.append(engine.stats.io.write_bytes)
-    held = sum(kinds["optimizer"] for kinds in engine.memory_report().bytes_by_tier.values())
-    full = engine.full_state_dict()
-    engine.close()
+    with zo.initialize(model, _config(stage, precision, accum, clip, **config)) as engine:
+        written = []
+        for window in batches:
+            for idx, targets in window:
+                rows = slice(rank * MICRO, (rank + 1) * MICRO)
+                engine.backward(engine(idx[rows], targets[rows]))
+                engine.step()
+            written.append(engine.stats.io.write_bytes)
+        held = sum(kinds["optimizer"] for kinds in engine.memory_report().bytes_by_tier.values())
+        full = engine.full_state_dict()
     result = {"written": written, "optimizer_bytes": held}
     if rank == 0:
         dtype = DTYPES[precision]
@@ -382,7 +385,7 @@ def test_a_frozen_base_trains_like_pytorch_and_only_trainable_state_is_held_and_
     model = _frozen_base(3)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     units = 3  # with trainable parameters: block 1, block 2, the root
-    slack = units * world * ALIGN_ELEMENTS  # each rank's part of each unit is rounded up for O_DIRECT
+    slack = units * world * ALIGN  # each rank's part of each unit is rounded up for O_DIRECT
     # fp32 master and two moments, the parameter shard, and the gradient kept for the step (each part)
     per_element = 12 + (4 if offload == "all on nvme" else 0) + 4 * accum
     written = sum(r["written"][-1] for r in ranks)

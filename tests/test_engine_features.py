@@ -29,18 +29,18 @@ BAD_STEPS = {1, 4, 5}
 def fp16_case(steps: int = 9) -> dict:
     """Every rank trains; overflow is injected on the LAST rank only, yet every rank must skip."""
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-    engine = zo.initialize(_mlp(), {"zero": {"stage": 2}, "optimizer": {"type": "sgd", "lr": 0.1},
-                                    "train": {"precision": "fp16", "initial_scale_power": 8,
-                                              "loss_scale_window": 2, "hysteresis": 1}})
-    updated, scales = [], []
-    for step in range(steps):
-        loss = engine(_data(step)[rank::world]).float().square().mean()
-        if step in BAD_STEPS and rank == world - 1:
-            loss = loss * float("inf")
-        engine.backward(loss)
-        updated.append(engine.step())
-        scales.append(engine.stats.loss_scale)
-    return {"updated": updated, "scales": scales, "skipped": engine.stats.skipped_steps}
+    with zo.initialize(_mlp(), {"zero": {"stage": 2}, "optimizer": {"type": "sgd", "lr": 0.1},
+                                "train": {"precision": "fp16", "initial_scale_power": 8,
+                                          "loss_scale_window": 2, "hysteresis": 1}}) as engine:
+        updated, scales = [], []
+        for step in range(steps):
+            loss = engine(_data(step)[rank::world]).float().square().mean()
+            if step in BAD_STEPS and rank == world - 1:
+                loss = loss * float("inf")
+            engine.backward(loss)
+            updated.append(engine.step())
+            scales.append(engine.stats.loss_scale)
+        return {"updated": updated, "scales": scales, "skipped": engine.stats.skipped_steps}
 
 
 def _grad_scaler_reference(steps: int = 9) -> dict:
@@ -100,12 +100,12 @@ def _max_diff(a: dict, b: dict) -> float:
     return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
 
 
-def test_torch_lr_scheduler_and_param_groups_behave_as_in_torch():
+def test_torch_lr_scheduler_and_param_groups_behave_as_in_torch(make_engine):
     model = _mlp()
     decay = [p for n, p in model.named_parameters() if n.endswith("weight")]
     no_decay = [p for n, p in model.named_parameters() if n.endswith("bias")]
     groups = [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0, "lr": 0.05}]
-    engine = zo.initialize(model, {"optimizer": {"lr": 0.01}}, param_groups=groups)
+    engine = make_engine(model, {"optimizer": {"lr": 0.01}}, param_groups=groups)
     assert isinstance(engine.optimizer, torch.optim.Optimizer)
     scheduler = torch.optim.lr_scheduler.StepLR(engine.optimizer, step_size=1, gamma=0.5)
     _train(engine, scheduler=scheduler)
@@ -127,8 +127,8 @@ def _expected_lr(step: int, peak: float, floor: float, warmup: int, total: int) 
     return floor + (peak - floor) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def test_built_in_warmup_cosine_schedule():
-    engine = zo.initialize(_mlp(), {"optimizer": {"lr": 0.1}, "scheduler": {
+def test_built_in_warmup_cosine_schedule(make_engine):
+    engine = make_engine(_mlp(), {"optimizer": {"lr": 0.1}, "scheduler": {
         "type": "warmup_cosine", "warmup_steps": 3, "total_steps": 8, "min_lr": 0.01}})
     lrs = []
     for step in range(10):
@@ -140,16 +140,16 @@ def test_built_in_warmup_cosine_schedule():
     assert [lr_factor(s, linear, 1.0) for s in range(8)] == pytest.approx([0, 0.5, 1, 0.75, 0.5, 0.25, 0, 0])
 
 
-def test_eval_forward_between_steps_changes_nothing():
-    plain = zo.initialize(_mlp(), {"train": {"precision": "bf16"}})
+def test_eval_forward_between_steps_changes_nothing(make_engine):
+    plain = make_engine(_mlp(), {"train": {"precision": "bf16"}})
     _train(plain)
-    with_eval = zo.initialize(_mlp(), {"train": {"precision": "bf16"}})
+    with_eval = make_engine(_mlp(), {"train": {"precision": "bf16"}})
     _train(with_eval, eval_between=True)
     assert _max_diff(plain.full_state_dict(), with_eval.full_state_dict()) == 0.0
 
 
-def test_gathered_writes_reach_the_masters_and_untouched_values_keep_fp32():
-    engine = zo.initialize(_mlp(), {"train": {"precision": "bf16"}, "zero": {"stage": 1}})
+def test_gathered_writes_reach_the_masters_and_untouched_values_keep_fp32(make_engine):
+    engine = make_engine(_mlp(), {"train": {"precision": "bf16"}, "zero": {"stage": 1}})
     _train(engine, steps=2)
     before = engine.full_state_dict()
     with engine.gathered() as module:
@@ -159,8 +159,8 @@ def test_gathered_writes_reach_the_masters_and_untouched_values_keep_fp32():
     assert all(torch.equal(after[k], before[k]) for k in before if k != "0.weight")  # still full fp32
 
 
-def test_step_updates_only_at_accumulation_boundaries():
-    engine = zo.initialize(_mlp(), {"train": {"grad_accum_steps": 3}})
+def test_step_updates_only_at_accumulation_boundaries(make_engine):
+    engine = make_engine(_mlp(), {"train": {"grad_accum_steps": 3}})
     flags = []
     for step in range(6):
         engine.backward(engine(_data(step)).square().mean())
@@ -168,7 +168,7 @@ def test_step_updates_only_at_accumulation_boundaries():
     assert flags == [(False, False, False), (False, False, False), (True, True, False)] * 2
 
 
-def test_activation_checkpointing_recomputes_block_forwards():
+def test_activation_checkpointing_recomputes_block_forwards(make_engine):
     from zerooffload.models import GPT, GPTConfig
 
     calls = []
@@ -177,7 +177,7 @@ def test_activation_checkpointing_recomputes_block_forwards():
         model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16))
         count = [0]
         model.h[0].mlp.fc.register_forward_hook(lambda *_: count.__setitem__(0, count[0] + 1))
-        engine = zo.initialize(model, {"train": {"activation_checkpointing": checkpointing}})
+        engine = make_engine(model, {"train": {"activation_checkpointing": checkpointing}})
         idx = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
         engine.backward(engine(idx, idx))
         engine.step()
@@ -202,16 +202,15 @@ class _FailsMidBackward(nn.Module):
         return _FailingBackward.apply(x)
 
 
-def test_a_backward_failing_midway_through_its_updates_raises_and_frees_the_stream():
+def test_a_backward_failing_midway_through_its_updates_raises_and_frees_the_stream(make_engine):
     """Updates in backward (NVMe optimizer, no clip): the autograd error surfaces as it is, the block
     stream's transfers are waited for and its host buffers let go; nothing hangs."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, 32), _FailsMidBackward(), nn.Linear(32, 32), nn.Linear(32, 32))
-    engine = zo.initialize(model, {"zero": {"stage": 3}, "offload": {"optimizer": {"tier": "nvme"}}})
+    engine = make_engine(model, {"zero": {"stage": 3}, "offload": {"optimizer": {"tier": "nvme"}}})
     with pytest.raises(RuntimeError, match="planted failure in backward"):
         engine.backward(engine(torch.randn(4, 32)).square().mean())
     assert engine.memory_report().bytes("host", "buffer") == 0
-    engine.close()
 
 
 class _FailsMidBackwardOnRank1(nn.Module):
@@ -222,10 +221,10 @@ class _FailsMidBackwardOnRank1(nn.Module):
 def fail_on_rank_1_mid_backward() -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, 32), _FailsMidBackwardOnRank1(), nn.Linear(32, 32), nn.Linear(32, 32))
-    engine = zo.initialize(model, {"zero": {"stage": 2}})
-    for _ in range(2):  # rank 0 finishes its backward and waits in the step's collectives
-        engine.backward(engine(torch.randn(4, 32)).square().mean())
-        engine.step()
+    with zo.initialize(model, {"zero": {"stage": 2}}) as engine:
+        for _ in range(2):  # rank 0 finishes its backward and waits in the step's collectives
+            engine.backward(engine(torch.randn(4, 32)).square().mean())
+            engine.step()
 
 
 def test_an_error_on_one_rank_makes_every_rank_raise_at_once(rank_pools):

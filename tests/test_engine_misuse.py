@@ -35,21 +35,18 @@ def _backward(engine, batch, poison: float = 1.0) -> None:
 
 # ---------------------------------------------------------------------------------------------- misuse
 @pytest.mark.parametrize("offload", [None, {"optimizer": {"tier": "nvme"}}])
-def test_backward_twice_without_step_is_refused(offload):
-    engine = zo.initialize(make_model(), _config(2, offload=offload))
-    try:
-        (batch,), = make_batches(1, 1, 2)
+def test_backward_twice_without_step_is_refused(make_engine, offload):
+    engine = make_engine(make_model(), _config(2, offload=offload))
+    (batch,), = make_batches(1, 1, 2)
+    _backward(engine, batch)
+    with pytest.raises(RuntimeError, match=r"backward\(\) called again before step\(\): with "
+                                           r"train.grad_accum_steps = 1"):
         _backward(engine, batch)
-        with pytest.raises(RuntimeError, match=r"backward\(\) called again before step\(\): with "
-                                               r"train.grad_accum_steps = 1"):
-            _backward(engine, batch)
-        assert engine.step()  # the first window still updates, once
-    finally:
-        engine.close()
+    assert engine.step()  # the first window still updates, once
 
 
-def test_every_call_on_a_closed_engine_says_so(tmp_path):
-    engine = zo.initialize(make_model(), _config(3, offload=NVME))
+def test_every_call_on_a_closed_engine_says_so(tmp_path, make_engine):
+    engine = make_engine(make_model(), _config(3, offload=NVME))
     (batch,), = make_batches(1, 1, 2)
     _backward(engine, batch)
     engine.step()
@@ -70,14 +67,11 @@ def test_every_call_on_a_closed_engine_says_so(tmp_path):
 def _trained(param_groups=None, steps: int = 2) -> dict:
     model = make_model()
     groups = param_groups(model) if param_groups else None
-    engine = zo.initialize(model, _config(1), param_groups=groups)
-    try:
+    with zo.initialize(model, _config(1), param_groups=groups) as engine:
         for (batch,) in make_batches(steps, 1, 2):
             _backward(engine, batch)
             engine.step()
         return engine.full_state_dict()
-    finally:
-        engine.close()
 
 
 def test_a_plain_list_of_parameters_is_one_group_as_in_torch():
@@ -118,8 +112,7 @@ def nonfinite_case(stage: int, clip: float, offload: dict | None, skip: bool = T
     batches = make_batches(4, 1, 2 * world, seed=4)
     states = []
     for poisoned in (True, False):
-        engine = zo.initialize(make_model(), _config(stage, clip, offload, skip_nonfinite=skip))
-        try:
+        with zo.initialize(make_model(), _config(stage, clip, offload, skip_nonfinite=skip)) as engine:
             for number, (batch,) in enumerate(batches):
                 if number == POISONED and not poisoned:
                     continue
@@ -129,8 +122,6 @@ def nonfinite_case(stage: int, clip: float, offload: dict | None, skip: bool = T
                 if number == POISONED and poisoned:
                     skipped_update = updated
             states.append((engine.full_state_dict(), engine.stats.skipped_steps))
-        finally:
-            engine.close()
     if rank:
         return None
     (poisoned, skipped), (clean, _) = states
@@ -185,14 +176,14 @@ class _PoisonAfter(nn.Module):
 
 @pytest.mark.parametrize("poisoned_block, clip, outcome", [(2, 0.0, "skipped"), (0, 0.0, "raises"),
                                                           (0, 1.0, "skipped")])
-def test_a_nonfinite_gradient_with_a_finite_loss(tmp_path, poisoned_block, clip, outcome):
+def test_a_nonfinite_gradient_with_a_finite_loss(tmp_path, make_engine, poisoned_block, clip, outcome):
     """Without clipping, blocks update in backward last to first. An inf gradient reaching the first
     unit to update (everything below block 2's output) skips the window; one found after blocks 2 and
     1 updated (below block 0) cannot be undone: a clear error naming the unit and the last checkpoint.
     With clipping the updates wait for the global norm, which is inf: the window is skipped."""
     model = make_model()
     model.blocks[poisoned_block] = _PoisonAfter(model.blocks[poisoned_block])
-    engine = zo.initialize(model, _config(2, clip, offload={"optimizer": {"tier": "nvme"}}))
+    engine = make_engine(model, _config(2, clip, offload={"optimizer": {"tier": "nvme"}}))
     try:
         (good,), (bad,) = make_batches(2, 1, 2, seed=6)
         _backward(engine, good)
@@ -214,7 +205,6 @@ def test_a_nonfinite_gradient_with_a_finite_loss(tmp_path, poisoned_block, clip,
         assert engine.step()  # and training goes on
     finally:
         _InfGrad.armed = False
-        engine.close()
 
 
 # ---------------------------------------------------------------------------------------------- failing together
@@ -222,22 +212,21 @@ def fail_inside(where: str, directory: str) -> dict:
     """Every rank: rank 1 fails inside ``where`` (a collective the user drives); each rank reports what
     it raised and how long it took, then proves the user's own (default) group still works."""
     rank, _ = _rank_world()
-    engine = zo.initialize(make_model(), _config(1))
-    start, error = time.monotonic(), None
-    try:
-        if where == "gathered":
-            with engine.gathered():
-                if rank == 1:
-                    raise ValueError("planted failure inside gathered()")
-        else:
-            zo.load_safetensors(engine, directory if rank == 0 else directory + "-missing")
-        (batch,), = make_batches(1, 1, 4)  # a peer that got through meets the failure in its next collective
-        _backward(engine, batch)
-        engine.step()
-    except Exception as exc:  # what each rank saw is the result
-        error = f"{type(exc).__name__}: {exc}"
-    seconds = time.monotonic() - start
-    engine.close()
+    with zo.initialize(make_model(), _config(1)) as engine:
+        start, error = time.monotonic(), None
+        try:
+            if where == "gathered":
+                with engine.gathered():
+                    if rank == 1:
+                        raise ValueError("planted failure inside gathered()")
+            else:
+                zo.load_safetensors(engine, directory if rank == 0 else directory + "-missing")
+            (batch,), = make_batches(1, 1, 4)  # a peer that got through meets the failure in its next collective
+            _backward(engine, batch)
+            engine.step()
+        except Exception as exc:  # what each rank saw is the result
+            error = f"{type(exc).__name__}: {exc}"
+        seconds = time.monotonic() - start
     total = torch.ones(1)
     dist.all_reduce(total)  # the user's process group is alive
     return {"error": error, "seconds": seconds, "world": float(total)}

@@ -26,7 +26,7 @@ ADAM_BYTES_PER_PARAM = 12
 """fp32 master + two fp32 Adam moments (README/DESIGN's K = 12)."""
 SEGMENT_SLACK = 3 * 4096
 """Per unit and rank, what alignment may add to the three segments (master, two moments): O_DIRECT
-writes and shards are 4 KiB-aligned (``partition.ALIGN_ELEMENTS``)."""
+writes and shards are 4 KiB-aligned (``unit_layout.ALIGN_ELEMENTS``)."""
 
 
 def _run(launcher: list[str], out: Path, *args: str, timeout: int = 240) -> dict:

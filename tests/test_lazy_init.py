@@ -16,25 +16,29 @@ def _train_two_steps(engine) -> dict:
         rows = slice(rank * 2, (rank + 1) * 2)
         engine.backward(engine(idx[rows], targets[rows]))
         engine.step()
-    return engine.full_state_dict()
+    return engine.full_state_dict(all_ranks=True)
 
 
-def lazy_case(stage: int, offload: dict) -> bool:
-    """Every rank builds TinyLM twice, eagerly and under init_context: same values, same training."""
+def lazy_case(stage: int, offload: dict) -> dict:
+    """Every rank builds TinyLM twice, eagerly and under init_context: same values, same training (every
+    rank compares the whole state, gathered to it)."""
     config = {"zero": {"stage": stage}, "offload": offload}
-    eager = zo.initialize(make_model(seed=0), config)
-    initial_eager, trained_eager = eager.full_state_dict(), _train_two_steps(eager)
-    eager.close()
+    with zo.initialize(make_model(seed=0), config) as eager:
+        initial_eager, trained_eager = eager.full_state_dict(all_ranks=True), _train_two_steps(eager)
     torch.manual_seed(0)
     with zo.init_context():
         model = TinyLM()
     assert all(p.is_meta for p in model.parameters())
-    lazy = zo.initialize(model, config)
-    same_initial = _equal(lazy.full_state_dict(), initial_eager)
-    same_trained = _equal(_train_two_steps(lazy), trained_eager)
+    with zo.initialize(model, config) as lazy:
+        same_initial = _equal(lazy.full_state_dict(all_ranks=True), initial_eager)
+        same_trained = _equal(_train_two_steps(lazy), trained_eager)
     tied = model.head.weight is model.embed.weight and not model.frozen.weight.requires_grad
-    lazy.close()
-    return (dist.get_rank() != 0 if dist.is_initialized() else False) or (same_initial and same_trained and tied)
+    return {"same_initial": same_initial, "same_trained": same_trained, "tied": tied,
+            "trained": not _equal(trained_eager, initial_eager), "keys": list(initial_eager) == list(make_model().state_dict())}
+
+
+def _check_lazy(result: dict) -> None:
+    assert result == {"same_initial": True, "same_trained": True, "tied": True, "trained": True, "keys": True}
 
 
 def _equal(a: dict, b: dict) -> bool:
@@ -43,11 +47,12 @@ def _equal(a: dict, b: dict) -> bool:
 
 @pytest.mark.parametrize("stage, offload", [(1, {}), (3, {"param": {"tier": "nvme"}, "optimizer": {"tier": "nvme"}})])
 def test_lazy_build_equals_eager_build_at_world_size_2(rank_pools, stage, offload):
-    assert rank_pools(2).run(lazy_case, stage, offload) == [True, True]
+    for result in rank_pools(2).run(lazy_case, stage, offload):
+        _check_lazy(result)
 
 
 def test_lazy_build_at_world_size_1_stage_0():
-    assert lazy_case(0, {})
+    _check_lazy(lazy_case(0, {}))
 
 
 class RawParameter(nn.Module):
@@ -56,12 +61,12 @@ class RawParameter(nn.Module):
         self.scale = nn.Parameter(torch.ones(3))
 
 
-def test_a_module_without_reset_parameters_needs_init_fn():
+def test_a_module_without_reset_parameters_needs_init_fn(make_engine):
     with zo.init_context():
         model = nn.Sequential(nn.Linear(3, 3), RawParameter())
     with pytest.raises(ValueError, match=r"RawParameter has parameters \(scale\) but no reset_parameters"):
         zo.initialize(model)
     with zo.init_context():
         model = nn.Sequential(nn.Linear(3, 3), RawParameter())
-    engine = zo.initialize(model, init_fn=lambda m: [nn.init.constant_(p, 0.5) for p in m.parameters(recurse=False)])
+    engine = make_engine(model, init_fn=lambda m: [nn.init.constant_(p, 0.5) for p in m.parameters(recurse=False)])
     assert all(bool((v == 0.5).all()) for v in engine.full_state_dict().values())

@@ -13,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from zerooffload.comm import Comm
+from zerooffload.partition import ParamState
 from zerooffload.scheduler import ParamScheduler
 from zerooffload.tiers import Block, DeviceTier, HostTier, Kind
 
@@ -23,36 +24,48 @@ class _Layout:
 
 
 class FakeUnit:
-    """What the scheduler asks of a unit: a shard block, a full buffer to gather into, views to attach."""
+    """What the scheduler asks of a unit: an index, a shard block, a full buffer to gather into, views to
+    attach; its parameter states move as partition's [Note: unit states] says, or the test fails."""
 
     compute_dtype = torch.float32
 
-    def __init__(self, name: str, numel: int, tier: DeviceTier):
+    def __init__(self, index: int, name: str, numel: int, tier: DeviceTier):
+        self.index = index
         self.layout = _Layout(name, numel)
         self.param_block = Block(tier.empty(Kind.PARAM, numel, torch.float32).fill_(len(name)))
-        self.gathered = False
-        self.attached = False
+        self.param_state = ParamState.SHARDED
         self._buffer: torch.Tensor | None = None
 
-    def gather_buffer(self, tier: DeviceTier) -> torch.Tensor:
-        assert not self.gathered
-        self.gathered = True
+    @property
+    def gathered(self) -> bool:
+        """Live: gathered or being gathered (its bytes count)."""
+        return self.param_state is not ParamState.SHARDED
+
+    @property
+    def attached(self) -> bool:
+        return self.param_state is ParamState.GATHERED
+
+    def begin_gather(self, tier: DeviceTier) -> torch.Tensor:
+        assert self.param_state is ParamState.SHARDED
+        self.param_state = ParamState.GATHERING
         self._buffer = tier.empty(Kind.GATHERED, self.layout.padded_numel, torch.float32)
         return self._buffer
 
-    def attach_params(self) -> None:
-        assert self.gathered and torch.equal(self._buffer, self.param_block.data)  # the gather arrived
-        self.attached = True
+    def finish_gather(self) -> None:
+        assert self.param_state is ParamState.GATHERING
+        assert torch.equal(self._buffer, self.param_block.data)  # the gather arrived
+        self.param_state = ParamState.GATHERED
 
     def reshard(self, tier: DeviceTier) -> None:
+        assert self.param_state is ParamState.GATHERED
         tier.free(Kind.GATHERED, self._buffer)
-        self.gathered = self.attached = False
+        self.param_state = ParamState.SHARDED
         self._buffer = None
 
 
 def _scheduler(sizes: list[int], prefetch: int, max_live: int) -> tuple[ParamScheduler, list[FakeUnit]]:
     device = DeviceTier("device", torch.device("cpu"), None)
-    units = [FakeUnit(f"u{i}", n, device) for i, n in enumerate(sizes)]
+    units = [FakeUnit(10 + i, f"u{i}", n, device) for i, n in enumerate(sizes)]  # unit indices: not positions
     comm = Comm(None, 0, 1, torch.device("cpu"))
     return ParamScheduler(comm, units, device, HostTier("host", torch.device("cpu"), None),
                           prefetch_bytes=prefetch, max_live_bytes=max_live), units

@@ -85,22 +85,21 @@ def save_then_fail(root: str, faulty_ranks: tuple[int, ...]) -> dict:
     queue, which shares their memory with the process that sent them)."""
     rank, _ = _rank_world()
     nvme = Path(root) / f"nvme{rank}"  # one directory per rank: its only swap file is this rank's
-    engine = zo.initialize(make_model(), _config(nvme))
-    _train_step(engine, 0)
-    engine.save_checkpoint(Path(root) / "ckpt")
-    saved = engine.full_state_dict()
-    if rank == 0:
-        torch.save(saved, Path(root) / SAVED)
-    swap_files = sorted(str(p) for p in nvme.rglob("*.swap"))
-    error, start = None, time.monotonic()
-    try:
-        with _file_size_limit(LIMIT) if rank in faulty_ranks else contextlib.nullcontext():
-            for step in range(1, 1 + FAULTY_STEPS):
-                _train_step(engine, step)
-    except Exception as exc:  # the outcome under test: returned, so that every rank's reaches the test
-        error = exc
-    seconds = time.monotonic() - start
-    engine.close()
+    with zo.initialize(make_model(), _config(nvme)) as engine:
+        _train_step(engine, 0)
+        engine.save_checkpoint(Path(root) / "ckpt")
+        saved = engine.full_state_dict()
+        if rank == 0:
+            torch.save(saved, Path(root) / SAVED)
+        swap_files = sorted(str(p) for p in nvme.rglob("*.swap"))
+        error, start = None, time.monotonic()
+        try:
+            with _file_size_limit(LIMIT) if rank in faulty_ranks else contextlib.nullcontext():
+                for step in range(1, 1 + FAULTY_STEPS):
+                    _train_step(engine, step)
+        except Exception as exc:  # the outcome under test: returned, so that every rank's reaches the test
+            error = exc
+        seconds = time.monotonic() - start
     return {"error": _describe(error), "seconds": seconds, "swap_files": swap_files}
 
 
@@ -108,11 +107,10 @@ def load_fresh(root: str) -> dict | None:
     """Every rank: a fresh engine (another init, so a load that did nothing shows) loads the checkpoint
     and trains a step on it; rank 0 returns the state loaded."""
     rank, _ = _rank_world()
-    engine = zo.initialize(make_model(seed=1), _config(Path(root) / f"nvme{rank}"))
-    engine.load_checkpoint(Path(root) / "ckpt")
-    loaded = engine.full_state_dict()
-    _train_step(engine, 1)
-    engine.close()
+    with zo.initialize(make_model(seed=1), _config(Path(root) / f"nvme{rank}")) as engine:
+        engine.load_checkpoint(Path(root) / "ckpt")
+        loaded = engine.full_state_dict()
+        _train_step(engine, 1)
     return loaded if rank == 0 else None
 
 

@@ -8,7 +8,6 @@ import sys
 
 import torch
 
-import zerooffload as zo
 from reference import make_model
 
 
@@ -28,11 +27,10 @@ def test_nothing_changes_when_torch_loaded_first():
     assert _fresh(code) == "False | as torch was loaded with (it was imported before zerooffload)"
 
 
-def test_train_threads_sets_torchs_thread_count():
+def test_train_threads_sets_torchs_thread_count(make_engine):
     before = torch.get_num_threads()
     try:
-        engine = zo.initialize(make_model(), {"train": {"threads": 1}})
+        make_engine(make_model(), {"train": {"threads": 1}})
         assert torch.get_num_threads() == 1
-        engine.close()
     finally:
         torch.set_num_threads(before)

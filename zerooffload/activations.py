@@ -30,13 +30,14 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 from torch.nn.attention import SDPBackend
 from torch.overrides import TorchFunctionMode
 
-from .partition import UnitLayout
+from .unit_layout import UnitLayout
 
-__all__ = ["ActivationProfile", "measure_activations"]
+__all__ = ["ActivationProfile", "measure_activations", "checkpoint_forward"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,3 +147,19 @@ def _on_meta(value: Any) -> Any:
     if isinstance(value, torch.Tensor):
         return torch.empty_like(value, device="meta")
     return value
+
+
+def checkpoint_forward(module: nn.Module) -> None:
+    """Recompute ``module``'s activations in backward (``train.activation_checkpointing``).
+
+    The module's own ``forward`` is wrapped on the instance (its class is left alone) with torch's
+    non-reentrant checkpoint, only while gradients are enabled so evaluation runs plainly.
+    """
+    forward = module.forward
+
+    def checkpointed(*args: Any, **kwargs: Any) -> Any:
+        if torch.is_grad_enabled():
+            return torch.utils.checkpoint.checkpoint(forward, *args, use_reentrant=False, **kwargs)
+        return forward(*args, **kwargs)
+
+    module.forward = checkpointed

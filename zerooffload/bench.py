@@ -22,6 +22,7 @@ import argparse
 import contextlib
 import dataclasses
 import difflib
+import importlib
 import json
 import logging
 import os
@@ -187,7 +188,7 @@ def _grid(backend: str, pinned: set[str]) -> list[dict]:
 def _require_matplotlib() -> None:
     """Fail before measuring, not after minutes of I/O, when ``--plot`` cannot be honoured."""
     try:
-        import matplotlib  # noqa: F401
+        importlib.import_module("matplotlib")
     except ImportError:
         raise BenchError("--plot needs matplotlib: pip install 'zerooffload[plot]'", code=2) from None
 

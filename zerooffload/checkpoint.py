@@ -19,13 +19,16 @@ size and CRC-32 of every file.
   ``broadcast_buffers`` makes rank 0's the model's) and loaded on every rank.
 - *Resharding*: a loading rank rebuilds each of its new unit shards from the saved shards by
   parameter name: for every parameter part it needs it reads the byte range of each old rank file
-  that holds it. So any world size, stage or tier layout loads into any other; names or shapes that
-  differ are refused with the list.
+  that holds it (``checkpoint_layout``). So any world size, stage or tier layout loads into any other;
+  names or shapes that differ are refused with the list.
 - Blocks on NVMe are streamed through host buffers on the way out and in, one unit at a time.
 - *Frozen parameters* keep no optimizer state (optim.state's frozen prefix rule), but the format is
   the same whatever is frozen: a shard's master segment holds the frozen values too, from the
   weights in fp32, and its moment segments zeros there. A load puts frozen values into the weights
   (and their shard home); in bf16/fp16 runs only their compute-dtype rounding is kept.
+
+The engine is seen as a ``training_state.Trainable``: nothing else of it is read, and its state
+changes only through its own methods. Every collective goes through ``comm``.
 """
 from __future__ import annotations
 
@@ -33,32 +36,31 @@ import contextlib
 import json
 import math
 import os
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from .checkpoint_files import (CheckpointError, ChecksummedWriter, begin_partial, file_record, load_manifest_json,
-                               out_of_space, publish, resolve_tag, verify_file, write_manifest)
-from .io import AsyncIO, OffsetReader
-from .partition import FlatUnit
+from .block_stream import checkpoint_depth
+from .checkpoint_files import (CheckpointError, ChecksummedWriter, begin_partial, file_record, out_of_space, publish,
+                               resolve_tag, write_manifest)
+from .checkpoint_layout import (FORMAT, VERSION, Manifest, RankFiles, Source, malformed, parameter_sources,
+                                rank_file, read_manifest, read_range, read_saved_buffers)
+from .comm import all_gather_object, barrier
+from .io import AsyncIO
+from .training_state import Trainable
+
+if TYPE_CHECKING:
+    from .optim.state import UnitOptimizerState
+    from .partition import FlatUnit
 
 __all__ = ["CheckpointError", "save_checkpoint", "load_checkpoint", "consolidate", "default_tag", "resolve_tag",
-           "read_manifest", "Manifest", "persistent_buffers"]
-
-FORMAT = "zerooffload-checkpoint"
-VERSION = 1
+           "read_manifest", "Manifest", "persistent_buffers", "Trainable"]
 
 
 def default_tag(step: int) -> str:
     return f"step{step:08d}"
-
-
-def rank_file(rank: int, suffix: str) -> str:
-    return f"rank{rank:05d}.{suffix}"
 
 
 def persistent_buffers(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
@@ -68,59 +70,15 @@ def persistent_buffers(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
 
 
 # ---------------------------------------------------------------------------------------------- layout
-def _unit_record(unit: FlatUnit) -> dict:
+def _unit_record(unit: "FlatUnit") -> dict:
     layout = unit.layout
     return {"name": layout.name, "shards": layout.shards, "shard_numel": layout.shard_numel,
             "slots": [{"names": list(s.names), "offset": s.offset, "numel": s.numel, "shape": list(s.shape),
                        "trainable": s.trainable} for s in layout.slots]}
 
 
-@dataclass(frozen=True, slots=True)
-class Manifest:
-    """A loaded ``manifest.json`` and where its files are."""
-
-    directory: Path
-    data: dict
-
-    @property
-    def units(self) -> list[dict]:
-        return self.data["units"]
-
-    @property
-    def segments(self) -> int:
-        """Tensors per unit shard in a rank file: the master and each moment."""
-        return 1 + len(self.data["moments"])
-
-    def unit_offset(self, index: int) -> int:
-        """Byte offset of unit ``index``'s shard block in each rank file that holds it."""
-        return sum(u["shard_numel"] * 4 * self.segments for u in self.units[:index])
-
-
-_MANIFEST_KEYS = {"format": str, "version": int, "world_size": int, "moments": list, "units": list, "steps": dict,
-                  "groups": list, "scaler": dict, "counters": dict, "buffers": list, "files": dict}
-
-
-def read_manifest(directory: str | os.PathLike, tag: str | None = None, verify: bool = True) -> Manifest:
-    """The manifest of ``tag`` (default: ``latest``), its digest and (with ``verify``) every file it
-    lists checked; anything malformed is a ``CheckpointError`` naming the file."""
-    path = resolve_tag(Path(directory), tag)
-    data = load_manifest_json(path)
-    if data.get("format") != FORMAT or data.get("version") != VERSION:
-        raise CheckpointError(f"{path / 'manifest.json'}: format {data.get('format')!r} version "
-                              f"{data.get('version')!r}; this zerooffload reads {FORMAT!r} version {VERSION}")
-    malformed = [f"{key} (expected a JSON {kind.__name__})" for key, kind in _MANIFEST_KEYS.items()
-                 if not isinstance(data.get(key), kind)]
-    if malformed:
-        raise CheckpointError(f"{path / 'manifest.json'}: not a valid manifest: missing or malformed "
-                              + ", ".join(malformed))
-    if verify:
-        for name, expected in data["files"].items():
-            verify_file(path / name, expected)
-    return Manifest(path, data)
-
-
 # ---------------------------------------------------------------------------------------------- save
-def save_checkpoint(engine: Any, directory: str | os.PathLike, tag: str | None = None,
+def save_checkpoint(engine: Trainable, directory: str | os.PathLike, tag: str | None = None,
                     client_state: dict | None = None) -> Path:
     """Write ``engine``'s full training state (see the note); collective: every rank calls it."""
     directory = Path(directory)
@@ -130,9 +88,9 @@ def save_checkpoint(engine: Any, directory: str | os.PathLike, tag: str | None =
         raise TypeError(f"client_state must be JSON-serializable (it goes into the manifest): {client_state!r:.200}")
     rank = engine.comm.rank
     partial = begin_partial(directory, tag) if rank == 0 else directory / f"{tag}.partial"
-    _barrier(engine)
+    barrier(engine.comm)
     files = _write_rank_files(engine, partial)
-    everyone = _gather(engine, (files, _optimizer_steps(engine)))
+    everyone = all_gather_object(engine.comm, (files, _optimizer_steps(engine)))
     if rank == 0:
         steps: dict[str, float] = {}
         for _, per_rank in everyone:  # a parameter may have pieces on several ranks, or on one only
@@ -141,7 +99,7 @@ def save_checkpoint(engine: Any, directory: str | os.PathLike, tag: str | None =
                              steps, client_state)
         write_manifest(partial, manifest)
         publish(partial, tag)
-    _barrier(engine)
+    barrier(engine.comm)
     return directory / tag
 
 
@@ -152,7 +110,7 @@ def _check_tag(tag: str) -> None:
                          "and not ending in .partial, .replaced or .tmp")
 
 
-def _write_rank_files(engine: Any, partial: Path) -> dict[str, dict]:
+def _write_rank_files(engine: Trainable, partial: Path) -> dict[str, dict]:
     """This rank's files in ``partial``; name -> size and CRC. Out of room: a ``CheckpointError``
     naming the directory and the bytes, and this rank's files removed (the previous checkpoint stays)."""
     rank = engine.comm.rank
@@ -171,11 +129,12 @@ def _write_rank_files(engine: Any, partial: Path) -> dict[str, dict]:
         raise clear from error
 
 
-def _write_rank_data(engine: Any, partial: Path, size: int) -> dict[str, dict]:
+def _write_rank_data(engine: Trainable, partial: Path, size: int) -> dict[str, dict]:
     """This rank's unit shards (units it holds a shard of) and RNG states; rank 0's also the buffers."""
     rank = engine.comm.rank
     with AsyncIO(engine.config.aio) as aio:
-        writer = ChecksummedWriter(partial / rank_file(rank, "bin"), aio, size)
+        depth = checkpoint_depth(engine.config.aio)
+        writer = ChecksummedWriter(partial / rank_file(rank, "bin"), aio, size, writes_in_flight=depth)
         try:
             for state in engine.visit_optimizer_states(write=False):
                 if rank < state.unit.layout.shards:
@@ -185,7 +144,7 @@ def _write_rank_data(engine: Any, partial: Path, size: int) -> dict[str, dict]:
         finally:
             files = {rank_file(rank, "bin"): writer.close()}
         if rank == 0:
-            buffers = ChecksummedWriter(partial / "buffers.bin", aio)
+            buffers = ChecksummedWriter(partial / "buffers.bin", aio, writes_in_flight=depth)
             try:
                 for _, buffer in persistent_buffers(engine.module):
                     buffers.write(buffer)
@@ -209,7 +168,7 @@ def _whole_shard(part: torch.Tensor, size: int) -> torch.Tensor:
     return whole
 
 
-def _optimizer_steps(engine: Any) -> dict[str, float]:
+def _optimizer_steps(engine: Trainable) -> dict[str, float]:
     """The optimizer step count of each parameter this rank holds a piece of, by its first name."""
     steps = {}
     for state in engine.opt_states:
@@ -219,7 +178,7 @@ def _optimizer_steps(engine: Any) -> dict[str, float]:
     return steps
 
 
-def _manifest(engine: Any, tag: str, files: dict, steps: dict[str, float], client_state: dict | None) -> dict:
+def _manifest(engine: Trainable, tag: str, files: dict, steps: dict[str, float], client_state: dict | None) -> dict:
     optimizer = engine.optimizer
     return {
         "format": FORMAT, "version": VERSION, "tag": tag, "world_size": engine.comm.world_size,
@@ -251,33 +210,20 @@ def _jsonable(value: Any) -> bool:
     return True
 
 
-def _barrier(engine: Any) -> None:
-    if engine.comm.world_size > 1:
-        dist.barrier(group=engine.comm.group)
-
-
-def _gather(engine: Any, value: Any) -> list:
-    if engine.comm.world_size == 1:
-        return [value]
-    out: list = [None] * engine.comm.world_size
-    dist.all_gather_object(out, value, group=engine.comm.group)
-    return out
-
-
 # ---------------------------------------------------------------------------------------------- load
-def load_checkpoint(engine: Any, directory: str | os.PathLike, tag: str | None = None, *,
+def load_checkpoint(engine: Trainable, directory: str | os.PathLike, tag: str | None = None, *,
                     verify: bool = True) -> dict | None:
     """Restore ``engine`` from a checkpoint of any layout; returns the saved client state. Everything
     is checked (and the buffers read) before the first state changes: a refused load changes nothing.
     ``verify=False``: the data files' CRCs were checked already (``read_manifest``)."""
     manifest = read_manifest(directory, tag, verify=verify)
-    with _malformed(manifest):
-        sources = _parameter_sources(manifest)
+    with malformed(manifest):
+        sources = parameter_sources(manifest)
         _check_same_model(engine, sources, manifest.directory)
         _check_same_buffers(engine, manifest)
         _check_same_optimizer(engine, manifest)
-    with _RankFiles(manifest) as files:
-        buffers = _read_buffers(manifest, files)
+    with RankFiles(manifest) as files:
+        buffers = read_saved_buffers(manifest, files)
         engine.set_optimizer_states(lambda state, frozen: _fill_state(state, frozen, sources, files), whole=True)
     _restore_buffers(engine, buffers)
     _restore_optimizer(engine, manifest)
@@ -285,41 +231,12 @@ def load_checkpoint(engine: Any, directory: str | os.PathLike, tag: str | None =
     return manifest.data["client_state"]
 
 
-@contextlib.contextmanager
-def _malformed(manifest: Manifest) -> Any:
-    """A manifest whose records lack what they should hold is refused by name, not with a KeyError."""
-    try:
-        yield
-    except (KeyError, TypeError, ValueError, IndexError, AttributeError) as error:
-        raise CheckpointError(f"{manifest.directory / 'manifest.json'}: not a valid manifest "
-                              f"({type(error).__name__}: {error})") from None
-
-
-@dataclass(frozen=True, slots=True)
-class _Source:
-    """Where one parameter's values lie in the saved layout."""
-
-    unit_index: int
-    unit: dict
-    offset: int
-    shape: tuple[int, ...]
-
-
-def _parameter_sources(manifest: Manifest) -> dict[str, _Source]:
-    sources = {}
-    for index, unit in enumerate(manifest.units):
-        for slot in unit["slots"]:
-            for name in slot["names"]:
-                sources[name] = _Source(index, unit, slot["offset"], tuple(slot["shape"]))
-    return sources
-
-
-def _check_same_model(engine: Any, sources: dict[str, _Source], path: Path) -> None:
+def _check_same_model(engine: Trainable, sources: dict[str, Source], path: Path) -> None:
     ours = {name: tuple(s.shape) for u in engine.units for s in u.layout.slots for name in s.names}
     _refuse_differences(path, "parameter", {n: s.shape for n, s in sources.items()}, ours)
 
 
-def _check_same_buffers(engine: Any, manifest: Manifest) -> None:
+def _check_same_buffers(engine: Trainable, manifest: Manifest) -> None:
     saved = {r["name"]: (tuple(r["shape"]), r["dtype"]) for r in manifest.data["buffers"]}
     ours = {n: (tuple(b.shape), str(b.dtype).removeprefix("torch.")) for n, b in persistent_buffers(engine.module)}
     _refuse_differences(manifest.directory, "buffer", saved, ours)
@@ -344,7 +261,7 @@ def _some(names: list[str], shown: int = 10) -> str:
     return f"{names[:shown]}{more} ({len(names)})" if more else str(names)
 
 
-def _check_same_optimizer(engine: Any, manifest: Manifest) -> None:
+def _check_same_optimizer(engine: Trainable, manifest: Manifest) -> None:
     data = manifest.data
     ours = list(engine.opt_states[0].moment_names) if engine.opt_states else []
     if data["moments"] != ours:
@@ -358,33 +275,8 @@ def _check_same_optimizer(engine: Any, manifest: Manifest) -> None:
         int(counters[key])
 
 
-class _RankFiles:
-    """The checkpoint's data files, opened on demand, read by byte offset: a rank's shards, the buffers."""
-
-    def __init__(self, manifest: Manifest):
-        self.manifest = manifest
-        self._reader = OffsetReader()
-
-    def read(self, rank: int, offset: int, out: torch.Tensor) -> None:
-        self._read(rank_file(rank, "bin"), offset, out)
-
-    def read_buffers(self, offset: int, out: torch.Tensor) -> None:
-        self._read("buffers.bin", offset, out)
-
-    def _read(self, name: str, offset: int, out: torch.Tensor) -> None:
-        try:
-            self._reader.read_into(self.manifest.directory / name, offset, out)
-        except EOFError as error:
-            raise CheckpointError(str(error)) from None
-
-    def __enter__(self) -> "_RankFiles":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._reader.close()
-
-
-def _fill_state(state: Any, frozen: torch.Tensor | None, sources: dict[str, _Source], files: _RankFiles) -> None:
+def _fill_state(state: "UnitOptimizerState", frozen: torch.Tensor | None, sources: dict[str, Source],
+                files: RankFiles) -> None:
     """This rank's new master and moment shards of one unit, from wherever the parameters were saved;
     values past the trainable part (frozen: no moments) into ``frozen``, the weights there."""
     unit, trainable = state.unit, state.unit.trainable_numel
@@ -398,27 +290,13 @@ def _fill_state(state: Any, frozen: torch.Tensor | None, sources: dict[str, _Sou
         cut = piece.start + unit.held(piece)
         if cut > piece.start:
             for segment, target in enumerate(targets):
-                _read_range(files, source, segment, start, start + cut - piece.start, target[piece.start:cut])
+                read_range(files, source, segment, start, start + cut - piece.start, target[piece.start:cut])
         if cut < piece.stop:
-            _read_range(files, source, 0, start + cut - piece.start, stop,
-                        frozen[cut - trainable:piece.stop - trainable])
+            read_range(files, source, 0, start + cut - piece.start, stop,
+                       frozen[cut - trainable:piece.stop - trainable])
 
 
-def _read_range(files: _RankFiles, source: _Source, segment: int, start: int, stop: int,
-                out: torch.Tensor) -> None:
-    """Elements [start, stop) of one saved parameter's ``segment`` (0 master, 1.. moments) into ``out``."""
-    manifest, shard = files.manifest, source.unit["shard_numel"]
-    base = manifest.unit_offset(source.unit_index)
-    flat_lo, flat_hi = source.offset + start, source.offset + stop
-    buffer = torch.empty(stop - start, dtype=torch.float32)
-    for rank in range(flat_lo // shard, (flat_hi - 1) // shard + 1):
-        lo, hi = max(flat_lo, rank * shard), min(flat_hi, (rank + 1) * shard)
-        byte = base + (segment * shard + lo - rank * shard) * 4
-        files.read(rank, byte, buffer[lo - flat_lo:hi - flat_lo])
-    out.copy_(buffer)
-
-
-def _restore_optimizer(engine: Any, manifest: Manifest) -> None:
+def _restore_optimizer(engine: Trainable, manifest: Manifest) -> None:
     data, optimizer = manifest.data, engine.optimizer
     for group, saved in zip(optimizer.param_groups, data["groups"], strict=True):
         group.update(saved)
@@ -435,23 +313,12 @@ def _restore_optimizer(engine: Any, manifest: Manifest) -> None:
     engine.restore_counters(counters["global_steps"], counters["micro_steps"], counters["skipped_steps"])
 
 
-def _read_buffers(manifest: Manifest, files: _RankFiles) -> dict[str, torch.Tensor]:
-    """The saved buffers, by name, read into new CPU tensors (checked against the model already)."""
-    values, offset = {}, 0
-    for record in manifest.data["buffers"]:
-        value = torch.empty(record["shape"], dtype=getattr(torch, record["dtype"]))
-        files.read_buffers(offset, value)
-        values[record["name"]] = value
-        offset += value.numel() * value.element_size()
-    return values
-
-
-def _restore_buffers(engine: Any, values: dict[str, torch.Tensor]) -> None:
+def _restore_buffers(engine: Trainable, values: dict[str, torch.Tensor]) -> None:
     for name, buffer in persistent_buffers(engine.module):
         buffer.copy_(values[name])
 
 
-def _restore_rng(engine: Any, manifest: Manifest) -> None:
+def _restore_rng(engine: Trainable, manifest: Manifest) -> None:
     """RNG states come back on ranks that existed in the saved run (others keep theirs)."""
     path = manifest.directory / rank_file(engine.comm.rank, "pt")
     if not path.exists():
@@ -474,7 +341,7 @@ def consolidate(directory: str | os.PathLike, out: str | os.PathLike, dtype: tor
     safetensors file, tensor by tensor, so peak memory stays near the largest tensor. Parameters are
     cast from the fp32 masters to ``dtype`` (round to nearest even, as torch casts); buffers keep theirs."""
     manifest = read_manifest(directory, tag)
-    with _malformed(manifest):
+    with malformed(manifest):
         entries = _consolidated_entries(manifest, dtype)
     header: dict[str, Any] = {"__metadata__": {"format": "pt", "source": str(manifest.directory)}}
     offset = 0
@@ -487,7 +354,7 @@ def consolidate(directory: str | os.PathLike, out: str | os.PathLike, dtype: tor
     encoded += b" " * (-len(encoded) % 8)
     out = Path(out)
     temporary = out.with_name(out.name + ".partial")
-    with _RankFiles(manifest) as files, open(temporary, "wb") as f:
+    with RankFiles(manifest) as files, open(temporary, "wb") as f:
         f.write(len(encoded).to_bytes(8, "little"))
         f.write(encoded)
         for _, _, _, produce in entries:
@@ -503,11 +370,11 @@ def _consolidated_entries(manifest: Manifest, dtype: torch.dtype) -> list[tuple]
     entries = []
     for index, unit in enumerate(manifest.units):
         for slot in unit["slots"]:
-            source = _Source(index, unit, slot["offset"], tuple(slot["shape"]))
+            source = Source(index, unit, slot["offset"], tuple(slot["shape"]))
 
-            def produce(files: _RankFiles, source: _Source = source, numel: int = slot["numel"]) -> torch.Tensor:
+            def produce(files: RankFiles, source: Source = source, numel: int = slot["numel"]) -> torch.Tensor:
                 values = torch.empty(numel, dtype=torch.float32)
-                _read_range(files, source, 0, 0, numel, values)
+                read_range(files, source, 0, 0, numel, values)
                 return values.to(dtype)
             entries += [(name, source.shape, dtype, produce) for name in slot["names"]]
     offset = 0
@@ -515,7 +382,7 @@ def _consolidated_entries(manifest: Manifest, dtype: torch.dtype) -> list[tuple]
         buffer_dtype = getattr(torch, record["dtype"])
         shape = tuple(record["shape"])
 
-        def produce_buffer(files: _RankFiles, offset: int = offset, shape: tuple = shape,
+        def produce_buffer(files: RankFiles, offset: int = offset, shape: tuple = shape,
                            buffer_dtype: torch.dtype = buffer_dtype) -> torch.Tensor:
             values = torch.empty(shape, dtype=buffer_dtype)
             files.read_buffers(offset, values)

@@ -29,12 +29,12 @@ import logging
 import os
 import shutil
 import zlib
-from collections import deque
 from pathlib import Path
-from typing import Any
 
 import torch
+from torch.profiler import record_function
 
+from .block_stream import BLOCK_WRITE, CHECKPOINT_WRITES, InFlight
 from .io import AsyncIO, aligned_empty, open_file
 
 __all__ = ["CheckpointError", "ChecksummedWriter", "MANIFEST", "LATEST", "begin_partial", "publish", "recover",
@@ -81,21 +81,21 @@ def _write_text_atomically(path: Path, text: str) -> None:
 # ---------------------------------------------------------------------------------------------- data files
 class ChecksummedWriter:
     """A file written front to back with O_DIRECT through the async-I/O engine, ``writes_in_flight``
-    transfers at a time, its CRC-32 computed from the bytes as they go out.
+    transfers at a time (``block_stream.InFlight``: [Note: block pipelines]), its CRC-32 computed from
+    the bytes as they go out.
 
     Each write is copied into its own aligned buffer first, so the caller's tensor (often a stream's
     host buffer about to be reused) is free at once and reading the next block overlaps this write.
     A known ``size`` is preallocated: ext4 serializes writes that extend a file (half speed here).
     """
 
-    def __init__(self, path: Path, aio: AsyncIO, size: int = 0, writes_in_flight: int = 3):
+    def __init__(self, path: Path, aio: AsyncIO, size: int = 0, writes_in_flight: int = CHECKPOINT_WRITES):
         self.path = path
         self.aio = aio
-        self.writes_in_flight = writes_in_flight
+        self._writes = InFlight(writes_in_flight)  # each with its staging buffer, kept until it finished
         self.file = open_file(path, "w", direct=aio.config.direct)
         self.crc = 0
         self.bytes = 0
-        self._pending: deque[tuple[torch.Tensor, Any]] = deque()
         if size:
             try:
                 os.posix_fallocate(self.file.fd, 0, size)
@@ -103,27 +103,28 @@ class ChecksummedWriter:
                 self.file.close()
                 raise
 
+    @property
+    def writes_in_flight(self) -> int:
+        return self._writes.depth
+
     def write(self, tensor: torch.Tensor) -> None:
-        while len(self._pending) >= self.writes_in_flight:
-            self._pending.popleft()[1].wait()
+        self._writes.make_room()
         staging = aligned_empty(tensor.numel() * tensor.element_size())
         staging.copy_(tensor.detach().reshape(-1).view(torch.uint8))  # one copy, from wherever it lives
         self.crc = zlib.crc32(memoryview(staging.numpy()), self.crc)
-        self._pending.append((staging, self.aio.write(self.file, staging, self.bytes)))
+        with record_function(BLOCK_WRITE):
+            handle = self.aio.write(self.file, staging, self.bytes)
+        self._writes.add(handle, staging)
         self.bytes += staging.numel()
 
     def close(self) -> dict:
-        """Wait for every write, fsync and close; the file's record for the manifest."""
+        """Wait for every write (the first failure raises once all landed), fsync and close; the
+        file's record for the manifest."""
         try:
-            while self._pending:
-                self._pending.popleft()[1].wait()
+            self._writes.drain()
             os.fsync(self.file.fd)
         finally:
-            while self._pending:  # after a failed write: let the others land before their buffers go
-                try:
-                    self._pending.popleft()[1].wait()
-                except OSError:
-                    pass
+            self._writes.abandon()  # interrupted while draining: let the others land before the file closes
             self.file.close()
         return {"bytes": self.bytes, "crc32": self.crc}
 

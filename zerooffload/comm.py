@@ -39,13 +39,15 @@ import os
 import traceback
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
+from torch.profiler import record_function
 
 __all__ = ["Comm", "CommCounters", "EngineGroupEnded", "ExchangeWork", "init_comm", "failing_together", "end_group",
-           "all_reduce", "reduce_scatter", "all_gather", "control_all_reduce", "broadcast"]
+           "all_reduce", "reduce_scatter", "all_gather", "control_all_reduce", "broadcast", "barrier",
+           "all_gather_object"]
 
 logger = logging.getLogger(__name__)
 
@@ -215,7 +217,8 @@ def all_reduce(comm: Comm, tensor: torch.Tensor, *, async_op: bool = False) -> d
     if comm.world_size == 1:
         return None
     _count(comm, 2 * tensor.numel(), tensor)
-    return dist.all_reduce(tensor, group=comm.group, async_op=async_op)
+    with record_function("zerooffload::all_reduce"):
+        return dist.all_reduce(tensor, group=comm.group, async_op=async_op)
 
 
 def reduce_scatter(comm: Comm, output: torch.Tensor, input: torch.Tensor, *, scratch: torch.Tensor | None = None,
@@ -229,6 +232,12 @@ def reduce_scatter(comm: Comm, output: torch.Tensor, input: torch.Tensor, *, scr
         output.copy_(input)
         return None
     _count(comm, input.numel(), input)
+    with record_function("zerooffload::reduce_scatter"):
+        return _reduce_scatter(comm, output, input, scratch, async_op)
+
+
+def _reduce_scatter(comm: Comm, output: torch.Tensor, input: torch.Tensor, scratch: torch.Tensor | None,
+                    async_op: bool) -> dist.Work | ExchangeWork | None:
     if not comm.direct_exchange:
         return _reduce_scatter_single(output, input, group=comm.group, async_op=async_op)
     parts, peers = input.view(comm.world_size, -1), comm.peers
@@ -252,17 +261,33 @@ def all_gather(comm: Comm, output: torch.Tensor, input: torch.Tensor, *,
             output.copy_(input)
         return None
     _count(comm, output.numel(), output)
-    if not comm.direct_exchange:
-        return _all_gather_single(output, input, group=comm.group, async_op=async_op)
-    rows = output.view(comm.world_size, -1)
-    return _exchange(comm, {peer: input for peer in comm.peers}, {peer: rows[peer] for peer in comm.peers},
-                     lambda: rows[comm.rank].copy_(input), async_op)
+    with record_function("zerooffload::all_gather"):
+        if not comm.direct_exchange:
+            return _all_gather_single(output, input, group=comm.group, async_op=async_op)
+        rows = output.view(comm.world_size, -1)
+        return _exchange(comm, {peer: input for peer in comm.peers}, {peer: rows[peer] for peer in comm.peers},
+                         lambda: rows[comm.rank].copy_(input), async_op)
 
 
 def broadcast(comm: Comm, tensor: torch.Tensor, src: int = 0) -> None:
     """Make every rank's ``tensor`` equal to ``src``'s (initial weights, as DDP does); not counted per step."""
     if comm.world_size > 1:
         dist.broadcast(tensor, src, group=comm.group)
+
+
+def barrier(comm: Comm) -> None:
+    """Wait until every rank of the engine's group got here (nothing to wait for alone)."""
+    if comm.world_size > 1:
+        dist.barrier(group=comm.group)
+
+
+def all_gather_object(comm: Comm, value: Any) -> list:
+    """Every rank's picklable ``value``, in rank order (``[value]`` alone); not counted per step."""
+    if comm.world_size == 1:
+        return [value]
+    out: list = [None] * comm.world_size
+    dist.all_gather_object(out, value, group=comm.group)
+    return out
 
 
 def control_all_reduce(comm: Comm, values: torch.Tensor) -> torch.Tensor:

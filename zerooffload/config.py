@@ -216,6 +216,9 @@ class OptimizerConfig(_Section):
     eps: float = _opt(1e-8, "Adam denominator term", above=0)
     weight_decay: float = _opt(0.01, "weight decay", min=0)
     momentum: float = _opt(0.0, "SGD momentum", min=0, below=1)
+    update_in_backward: Literal["auto", "on", "off"] = _opt(
+        "auto", "update units whose gradients leave the device in the backward that closes a window (auto: "
+        "whenever the update needs nothing global, i.e. no train.grad_clip and no fp16)")
 
     def check(self) -> None:
         for i, beta in enumerate(self.betas):
@@ -326,6 +329,15 @@ class AioConfig(_Section):
     queue_depth: int = _opt(32, "I/O request pieces in flight per engine", min=1, max=4096)
     threads: int = _opt(4, "worker threads of the pool/python/aiofiles backends", min=1, max=256)
     direct: bool = _opt(True, "O_DIRECT: bypass the page cache")
+    blocks_in_flight: int = _opt(
+        0, "host buffers each block pipeline holds at most (the optimizer/parameter block stream, the "
+        "background block writer, offloaded-gradient reads, the checkpoint writer's writes in flight); 0 = "
+        "each its own default (3, 3, 2, 3); else at least 2", min=0, max=64)
+
+    def check(self) -> None:
+        if self.blocks_in_flight == 1:
+            raise ConfigError("aio.blocks_in_flight = 1: must be 0 (each pipeline's default) or at least 2 (a "
+                              "block stream holds the block being worked on while it reads the next)")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -354,6 +366,24 @@ class Config(_Section):
             raise ConfigError(
                 f"offload.optimizer.tier = {self.offload.optimizer.tier!r} needs zero.stage >= 1 (stage 0 keeps no "
                 "optimizer shards): set zero.stage = 1, 2 or 3")
+        self._check_update_in_backward()
+
+    def _check_update_in_backward(self) -> None:
+        """``optimizer.update_in_backward = "on"`` only where it can apply: an update that needs nothing
+        global, of units whose reduced gradients leave the device."""
+        if self.optimizer.update_in_backward != "on":
+            return
+        needs = []
+        if self.train.grad_clip > 0:
+            needs.append(f"train.grad_clip = 0 (it is {self.train.grad_clip}: clipping waits for the global norm)")
+        if self.train.precision == "fp16":
+            needs.append("train.precision other than fp16 (an fp16 step may be skipped for overflow)")
+        if self.zero.stage < 2 or self.offload.optimizer.tier == "device" or self.offload.optimizer.fraction == 0:
+            needs.append("zero.stage >= 2 with offload.optimizer.tier = 'host' or 'nvme' and a fraction > 0 (only "
+                         "gradients that leave the device are updated in backward)")
+        if needs:
+            raise ConfigError("optimizer.update_in_backward = 'on' needs " + "; and ".join(needs)
+                              + ": set it to 'auto' or 'off', or change those keys")
 
     @classmethod
     def load(cls, source: "Config | dict | str | Path", *, overrides: list[str] | tuple[str, ...] = (),

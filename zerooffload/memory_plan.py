@@ -10,21 +10,22 @@ checks add them to the device tier.
 """
 from __future__ import annotations
 
+import os
 from typing import Callable
 
+import torch
 from torch import nn
 
 from .activations import ActivationProfile
-from .config import Config, ConfigError, TrainConfig, dtype_bytes
+from .config import Config, ConfigError, dtype_bytes
 from .optim.optimizer import moment_names
-from .optim.state import units_to_offload
-from .partition import UnitLayout, find_units
+from .unit_layout import UnitLayout, find_units
+from .placement import Placement, place
 from .reduction import MAX_BUCKETS_IN_FLIGHT, REDUCE_DTYPE
-from .tiers import STREAM_BUFFERS, Kind, Plan, swap_free_bytes
+from .block_stream import GRAD_READS, STREAM_BUFFERS, grad_read_depth, stream_depth
+from .tiers import Kind, Plan, Tier, check_plan, check_ram, swap_bytes, swap_free_bytes
 
-__all__ = ["plan_memory", "plan_for_config", "fitting_layout", "activation_bytes", "updates_in_backward",
-           "grads_kept_for_step",
-           "master_is_param", "params_in_masters", "LAYOUTS_TO_TRY"]
+__all__ = ["plan_memory", "plan_for_config", "check_memory", "fitting_layout", "activation_bytes", "LAYOUTS_TO_TRY"]
 
 LAYOUTS_TO_TRY = (
     ("offload.optimizer.tier=host",),
@@ -35,46 +36,13 @@ LAYOUTS_TO_TRY = (
 """Layouts a refusal may suggest, in the order they give up speed for memory."""
 
 
-def updates_in_backward(train: TrainConfig) -> bool:
-    """Whether units whose gradients leave the device are updated in the backward that closes a window
-    (engine's [Note: updates in backward]): only when the update needs nothing global."""
-    return train.grad_clip == 0 and train.precision != "fp16"
-
-
-def grads_kept_for_step(train: TrainConfig) -> bool:
-    """Whether reduced shards leaving the device wait on the optimizer's tier for the step."""
-    return train.grad_accum_steps > 1 or not updates_in_backward(train)
-
-
-def master_is_param(config: Config, optimizer_tier: str) -> bool:
-    """Whether a unit's fp32 masters are simply views of its compute weights (no copy, no bytes): fp32
-    weights on the device, with the unit's optimizer block there too."""
-    return (config.train.precision == "fp32" and config.offload.param.tier == "device"
-            and optimizer_tier == "device")
-
-
-def params_in_masters(config: Config, optimizer_tier: str) -> bool:
-    """Whether a partitioned unit's fp32 shard on NVMe is read from its optimizer block's master
-    segment (no second copy written each step); not with ``nvme.checksum``, which covers whole
-    blocks only."""
-    return (config.train.precision == "fp32" and config.offload.param.tier == "nvme" and optimizer_tier == "nvme"
-            and not config.nvme.checksum)
-
-
 def plan_for_config(layouts: list[UnitLayout], config: Config, world_size: int) -> Plan:
     """``plan_memory`` for the placement ``config`` makes of ``layouts``."""
-    stage, train, offload = config.zero.stage, config.train, config.offload
-    moved = units_to_offload(layouts, offload.optimizer.fraction)
-    return plan_memory(
-        layouts, stage=stage, compute_bytes=dtype_bytes(train.precision), optimizer_tier=offload.optimizer.tier,
-        param_tier=offload.param.tier, offloaded=[layout for layout, m in zip(layouts, moved) if m],
-        master_is_param=master_is_param(config, "device"),
-        params_in_masters=params_in_masters(config, offload.optimizer.tier),
-        grads_kept_for_step=grads_kept_for_step(train), updates_in_backward=updates_in_backward(train),
-        moments=len(moment_names(config.optimizer)),
-        bucket_bytes=config.zero.bucket_size, world_size=world_size,
-        partitioned=[layout for layout in layouts if stage == 3 and layout.numel >= config.zero.persist_threshold],
-        max_live_bytes=config.zero.max_live_size, prefetch_bytes=config.zero.prefetch_size)
+    return plan_memory(layouts, place(layouts, config), stage=config.zero.stage,
+                       compute_bytes=dtype_bytes(config.train.precision), moments=len(moment_names(config.optimizer)),
+                       bucket_bytes=config.zero.bucket_size, world_size=world_size,
+                       max_live_bytes=config.zero.max_live_size, prefetch_bytes=config.zero.prefetch_size,
+                       stream_buffers=stream_depth(config.aio), grad_reads=grad_read_depth(config.aio))
 
 
 def fitting_layout(module: nn.Module, config: Config, world_size: int, fits: Callable[[Plan, int], bool],
@@ -93,11 +61,38 @@ def fitting_layout(module: nn.Module, config: Config, world_size: int, fits: Cal
             shards = world_size if candidate.zero.stage >= 1 else 1
             layouts = find_units(module, candidate.zero.unit_modules, shards)
             plan = plan_for_config(layouts, candidate, world_size)
-            on_disk = sum(plan.get("nvme", {}).values()) * local_ranks
+            on_disk = swap_bytes(plan) * local_ranks
             if (fits(plan, activation_bytes(activations, candidate))
                     and (not on_disk or on_disk <= swap_free_bytes(candidate))):
                 return " ".join(overrides)
     return None
+
+
+def check_memory(module: nn.Module, layouts: list[UnitLayout], config: Config, tiers: dict[str, Tier],
+                 activations: ActivationProfile | None, world_size: int, device: torch.device) -> Plan:
+    """The run's plan, refused before anything is allocated when it does not fit its budgets or the
+    RAM (the refusal names a layout that would fit: ``fitting_layout``)."""
+    plan = plan_for_config(layouts, config, world_size)
+    measured = activation_bytes(activations, config)
+    check_plan(plan, tiers, measured)  # memory budgets first: they are cheap to check, swap space is not
+    local_ranks = _local_ranks(world_size)
+    check_ram(plan, config.memory, device, activations=measured, released=_storage_bytes(module),
+              local_ranks=local_ranks, suggestion=lambda fits: fitting_layout(
+                  module, config, world_size, fits, activations, local_ranks))
+    return plan
+
+
+def _storage_bytes(module: nn.Module) -> int:
+    """Bytes the module's parameters hold now, each storage once: what flattening them gives back
+    (an eager build's weights; a lazy build's placeholders hold next to nothing)."""
+    storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in module.parameters()
+                if not p.is_meta and p.device.type == "cpu"}
+    return sum(storages.values())
+
+
+def _local_ranks(world_size: int) -> int:
+    """Ranks sharing this machine's RAM (torchrun's LOCAL_WORLD_SIZE; all of them without it)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
 
 
 def activation_bytes(activations: ActivationProfile | None, config: Config) -> int:
@@ -114,46 +109,45 @@ def _with_overrides(config: Config, overrides: tuple[str, ...]) -> Config | None
         return None
 
 
-def plan_memory(layouts: list[UnitLayout], *, stage: int, compute_bytes: int, optimizer_tier: str, param_tier: str,
-                offloaded: list[UnitLayout], master_is_param: bool, moments: int, bucket_bytes: int, world_size: int,
-                partitioned: list[UnitLayout], max_live_bytes: int, prefetch_bytes: int,
-                params_in_masters: bool = False, grads_kept_for_step: bool = True, updates_in_backward: bool = False
-                ) -> Plan:
-    """Bytes by tier and kind: parameters full on the device, except the ``partitioned`` units of stage
-    3 (a shard each on ``param_tier``, plus at most ``max_live_bytes`` gathered on the device);
-    optimizer states of the ``offloaded`` units on ``optimizer_tier``, the others' on the device (whose
-    fp32 masters are the weights themselves when ``master_is_param``); gradients by stage. With
-    ``params_in_masters`` an offloaded partitioned unit's shard is its optimizer block's master segment
-    and takes no space of its own; without ``grads_kept_for_step`` offloaded units are updated as
-    their gradients are reduced, which are then kept nowhere; with ``updates_in_backward`` the new
-    weights of those updates wait for their all-gather beside the reduction's buffers."""
+def plan_memory(layouts: list[UnitLayout], placement: Placement, *, stage: int, compute_bytes: int, moments: int,
+                bucket_bytes: int, world_size: int, max_live_bytes: int, prefetch_bytes: int,
+                stream_buffers: int = STREAM_BUFFERS, grad_reads: int = GRAD_READS) -> Plan:
+    """Bytes by tier and kind of ``placement`` ([Note: placement]): full parameters on the device but for
+    partitioned units (a shard each on its home, plus at most ``max_live_bytes`` gathered on the device);
+    optimizer blocks on their tiers (no master for units whose master is the weights); gradients by
+    stage, a shard that leaves on the optimizer's tier when kept for the step; an offloaded partitioned
+    unit's shard in its block's master segment takes no space of its own; temporaries per phase, with
+    ``stream_buffers`` host buffers per block stream or writer and ``grad_reads`` for gradients read
+    back (``block_stream``)."""
+    units = list(zip(layouts, placement.units))
+    device, staging = placement.compute, placement.staging
+    plan: Plan = {name: {k: 0 for k in Kind} for name in placement.tiers()}
     full = sum(u.padded_numel for u in layouts) * compute_bytes
     shard = sum(u.shard_numel for u in layouts)
     largest = max(u.padded_numel for u in layouts) * compute_bytes
+    partitioned = [u for u, p in units if p.partitioned]
     partitioned_full = sum(u.padded_numel for u in partitioned) * compute_bytes
-    moved_ids = {id(u) for u in offloaded} if optimizer_tier != "device" else set()
-    moved = sum(u.shard_numel for u in layouts if id(u) in moved_ids)
-    plan: Plan = {"device": {k: 0 for k in Kind}}
-    for tier in (optimizer_tier, param_tier, "host"):
-        plan.setdefault(tier, {k: 0 for k in Kind})
-    device = plan["device"]
-    device[Kind.PARAM] = full - partitioned_full
-    in_masters = {id(u) for u in partitioned if params_in_masters and id(u) in moved_ids
-                  and u.trainable_numel == u.padded_numel}  # a master holds no frozen values
-    own_shards = [u for u in partitioned if id(u) not in in_masters]
-    plan[param_tier][Kind.PARAM] += sum(u.shard_numel for u in own_shards) * compute_bytes
-    device[Kind.GATHERED] = min(max_live_bytes, partitioned_full)
-    if partitioned and param_tier != "device":  # shards staged in host memory (scheduler's note)
+    moved_units = [(u, p) for u, p in units if p.offloaded]
+    moved = sum(u.shard_numel for u, _ in moved_units)
+    plan[device][Kind.PARAM] = full - partitioned_full
+    for u, p in units:
+        in_masters = p.params_in_masters and p.offloaded and u.trainable_numel == u.padded_numel  # no frozen values
+        if p.partitioned and not in_masters:
+            plan[p.param_home][Kind.PARAM] += u.shard_numel * compute_bytes
+        plan[p.optimizer][Kind.OPTIMIZER] += u.shard_numel * 4 * (moments + (0 if p.master_is_param else 1))
+    plan[device][Kind.GATHERED] = min(max_live_bytes, partitioned_full)
+    if partitioned and placement.shards_off_device:  # shards staged in host memory (scheduler's note)
         largest_shard = max(u.shard_numel for u in partitioned) * compute_bytes
         staged = (2 * prefetch_bytes + max_live_bytes) // world_size + largest_shard
-        plan["host"][Kind.BUFFER] += min(staged, partitioned_full // world_size + largest_shard)
-    device[Kind.GRAD] = (shard - moved) * compute_bytes if stage >= 2 else full
-    if stage >= 2 and moved and grads_kept_for_step:  # reduced shards go to the optimizer's tier (offloaded_grads)
-        plan[optimizer_tier][Kind.GRAD] += moved * compute_bytes  # written and read through host buffers
-        largest_moved_grad = max(u.shard_numel for u in layouts if id(u) in moved_ids) * compute_bytes
-        plan["host"][Kind.BUFFER] += (STREAM_BUFFERS + 1) * largest_moved_grad
-    device[Kind.OPTIMIZER] += (shard - moved) * 4 * (moments + (0 if master_is_param else 1))
-    plan[optimizer_tier][Kind.OPTIMIZER] += moved * 4 * (moments + 1)
+        plan[staging][Kind.BUFFER] += min(staged, partitioned_full // world_size + largest_shard)
+    plan[device][Kind.GRAD] = (shard - moved) * compute_bytes if stage >= 2 else full
+    kept = [(u, p) for u, p in moved_units if p.grads_kept]
+    if stage >= 2 and kept:  # reduced shards go to the optimizer's tier (offloaded_grads)
+        for u, p in kept:
+            plan[p.optimizer][Kind.GRAD] += u.shard_numel * compute_bytes  # written and read through host buffers
+        # the writer's buffers and the reads ahead, one of which the update holds (not both at once)
+        buffers = stream_buffers + grad_reads - 1
+        plan[staging][Kind.BUFFER] += buffers * max(u.shard_numel for u, _ in kept) * compute_bytes
     reduce_bytes = REDUCE_DTYPE.itemsize
     in_flight = (MAX_BUCKETS_IN_FLIGHT + 1) * (bucket_bytes + largest // compute_bytes * reduce_bytes)
     full_reduce = full // compute_bytes * reduce_bytes
@@ -163,24 +157,23 @@ def plan_memory(layouts: list[UnitLayout], *, stage: int, compute_bytes: int, op
         if stage >= 1:
             # reduce-scatter outputs, and on gloo the peers' parts received beside them (world − 1 as many)
             reduce_phase += world_size * min(in_flight, shard * reduce_bytes)
-    kept = {id(u) for u in partitioned}
-    gathered_after_step = [u for u in layouts if id(u) not in kept] if stage >= 1 and world_size > 1 else []
+    gathered_after_step = [(u, p) for u, p in units if not p.partitioned] if stage >= 1 and world_size > 1 else []
     if stage >= 2:
         reduce_phase += min(full, _waiting_grads(layouts, compute_bytes, bucket_bytes, world_size))
-        if updates_in_backward:  # all-gather inputs of the units updated in backward, until it ends
-            reduce_phase += sum(u.shard_numel for u in gathered_after_step if id(u) in moved_ids) * compute_bytes
+        # all-gather inputs of the units updated in backward, until it ends
+        reduce_phase += sum(u.shard_numel for u, p in gathered_after_step if p.updates_in_backward) * compute_bytes
     if stage == 1:
         reduce_phase += shard * compute_bytes  # the reduced shards, held until the step
     step_device = shard * compute_bytes if stage == 1 else 0
     step_fp32 = 0 if compute_bytes == 4 else (shard - moved) * 4  # scaled fp32 gradients of one unit at most
-    gather = sum(u.shard_numel for u in gathered_after_step) * compute_bytes  # all-gather inputs, all at once
-    device[Kind.BUFFER] = max(reduce_phase, step_device + step_fp32 + gather)
+    gather = sum(u.shard_numel for u, _ in gathered_after_step) * compute_bytes  # all-gather inputs, all at once
+    plan[device][Kind.BUFFER] = max(reduce_phase, step_device + step_fp32 + gather)
     if moved:
-        largest_moved = max(u.shard_numel for u in layouts if id(u) in moved_ids)
-        plan["host"][Kind.BUFFER] += largest_moved * 4  # one offloaded unit's fp32 gradient for its update
-        if optimizer_tier == "nvme":  # blocks stream through host buffers (tiers.stream_blocks)
-            plan["host"][Kind.BUFFER] += STREAM_BUFFERS * largest_moved * 4 * (moments + 1)
-    return _drop_empty(plan)
+        largest_moved = max(u.shard_numel for u, _ in moved_units)
+        plan[staging][Kind.BUFFER] += largest_moved * 4  # one offloaded unit's fp32 gradient for its update
+        if any(p.streamed for _, p in moved_units):  # blocks stream through host buffers (block_stream)
+            plan[staging][Kind.BUFFER] += stream_buffers * largest_moved * 4 * (moments + 1)
+    return _drop_empty(plan, device)
 
 
 def _waiting_grads(layouts: list[UnitLayout], compute_bytes: int, bucket_bytes: int, world_size: int) -> int:
@@ -196,6 +189,6 @@ def _waiting_grads(layouts: list[UnitLayout], compute_bytes: int, bucket_bytes: 
     return (root + largest_block + in_buckets) * compute_bytes
 
 
-def _drop_empty(plan: Plan) -> Plan:
+def _drop_empty(plan: Plan, device: str) -> Plan:
     """Tiers the run does not use at all are left out (so no swap space is reserved for nothing)."""
-    return {name: kinds for name, kinds in plan.items() if name == "device" or any(kinds.values())}
+    return {name: kinds for name, kinds in plan.items() if name == device or any(kinds.values())}

@@ -4,23 +4,25 @@
 At stages 2–3 with ``offload.optimizer.tier`` host or NVMe, a unit's reduced gradient shard leaves the
 device as soon as it is reduced: it is a block (``tiers.Block``) on the optimizer's tier, in the
 compute dtype. The first reduced part of an accumulation window is written home in the background
-(``tiers.BlockWriter``: at most three host buffers); a later part (gradient accumulation) is added to
-what is home: read back, added to, and written home again in the background. The norm of what is home is taken each time it is
-written, so the step's global norm reads nothing; the update reads each block once. That is one
-write and one read of the gradient per step (2 × 2 B/param in bf16) beside the 24 B/param the
-optimizer blocks move, and it frees the device of Ψ/Nd gradient elements. When the update needs no
+(``block_stream.BlockWriter``: at most three host buffers by default); a later part (gradient
+accumulation) is added to what is home: read back, added to, and written home again in the background.
+The norm of what is home is taken each time it is written, so the step's global norm reads nothing; the
+update reads each block once, ahead of its use (``block_stream.BlockReader``: shared by the units, at
+most ``GRAD_READS`` host buffers by default; without one, each unit reads through a buffer of its own).
+That is one write and one read of the gradient per step (2 × 2 B/param in bf16) beside the 24 B/param
+the optimizer blocks move, and it frees the device of Ψ/Nd gradient elements. When the update needs no
 global view of the gradients, units are updated in backward instead and no shard is kept here at
 all (engine's [Note: updates in backward]). A unit with frozen parameters keeps only its shard's
-trainable span here (partition's [Note: unit vocabulary]): the rest of its gradient is zeros.
+trainable span here (unit_layout's [Note: unit vocabulary]): the rest of its gradient is zeros.
 """
 from __future__ import annotations
 
-import contextlib
-from typing import Any, Iterator
+from typing import ContextManager
 
 import torch
 
-from .tiers import Block, BlockWriter, Kind, Tier
+from .block_stream import BlockReader, BlockWriter
+from .tiers import Block, Tier
 
 __all__ = ["OffloadedGrad"]
 
@@ -28,12 +30,14 @@ __all__ = ["OffloadedGrad"]
 class OffloadedGrad:
     """One unit's reduced gradient shard on the optimizer's tier (see the note)."""
 
-    def __init__(self, block: Block, writer: BlockWriter, host: Tier):
+    def __init__(self, block: Block, writer: BlockWriter, host: Tier, *, reader: BlockReader | None = None):
+        """``reader``: the units' shared reads ahead (``BlockReader(host, depth=grad_read_depth(config.aio))``);
+        None: one buffer of this unit's own, as many reads ahead as the caller prefetches."""
         self.block, self.writer, self.host = block, writer, host
+        self.reader = BlockReader(host, depth=1) if reader is None else reader
         self.written = False
         self.norm = torch.zeros((), dtype=torch.float32)
         """The fp32 norm of the gradient home now, taken as it was written."""
-        self._reading: tuple[torch.Tensor | None, Any] | None = None
 
     def add(self, reduced: torch.Tensor) -> None:
         """Accumulate one micro-batch's reduced shard into the window's gradient: the first part is
@@ -50,24 +54,15 @@ class OffloadedGrad:
         self.written = True
 
     def prefetch(self) -> None:
-        """Start reading the gradient now, so that ``loaded`` later finds it (or finds it arriving)."""
-        if self._reading is None:
-            buffer = None if self.block.resident else self.host.empty(Kind.BUFFER, self.block.nbytes, torch.uint8)
-            self._reading = (buffer, self.block.load(buffer))
+        """Start reading the gradient now, so that ``loaded`` later finds it (or finds it arriving);
+        nothing when the reader's buffers are all taken (it is read on use then)."""
+        self.reader.prefetch(self.block)
 
-    @contextlib.contextmanager
-    def loaded(self) -> Iterator[torch.Tensor]:
+    def loaded(self) -> ContextManager[torch.Tensor]:
         """The window's gradient in memory (a host buffer when it lives on NVMe)."""
-        self.prefetch()
-        buffer, reading = self._reading
-        self._reading = None
-        try:
-            reading.wait()
-            yield self.block.data
-        finally:
-            self.block.unload()
-            self.host.free(Kind.BUFFER, buffer)
+        return self.reader.loaded(self.block)
 
     def clear(self) -> None:
-        """The window is over: the next reduced part overwrites the block."""
+        """The window is over: the next reduced part overwrites the block (a read ahead not used is dropped)."""
         self.written = False
+        self.reader.discard(self.block)

@@ -1,223 +1,231 @@
-"""Units and flat shards: which parameters are managed together, and the one object that owns them.
+"""Flat units: the one object that owns every tensor of a unit on this rank, and its states.
 
-[Note: unit vocabulary]
-- A *unit* is a module subtree whose parameters are flattened into one buffer and moved by one
-  collective: each module named by ``zero.unit_modules`` (by default each direct child of an
-  ``nn.ModuleList``/``nn.Sequential``), outermost first, plus a *root unit* for the rest. A parameter
-  reached from several modules (tied weights) belongs to the unit of their lowest common ancestor.
-- A unit's *flat* layout puts its parameters end to end, the trainable ones first (each kind in
-  registration order), then pads the total to ``shards × shard_numel``, with ``shard_numel`` a
-  multiple of ``ALIGN_ELEMENTS`` so every shard is 4 KiB-aligned in fp32 (and so on disk). Shard ``r``
-  is ``flat[r*S:(r+1)*S]``.
-- The *trainable prefix* is ``flat[:T]``: every trainable slot, ``T`` the offset of the first frozen
-  one (``requires_grad=False``); a unit without frozen slots is trainable to its end, padding
-  included. A shard's *trainable part* is its first ``t`` elements, its share of the prefix
-  (``UnitLayout.trainable_in_shard``): all of a shard without frozen elements, none of a frozen one.
-  Only that part has optimizer state and gradients kept for the step; the rest, frozen values and
-  padding, lives in the compute weights alone (optim.state's frozen prefix rule). Blocks over the
-  trainable part are sized to its *span*, ``t`` rounded up to ``ALIGN_ELEMENTS`` (4 KiB-aligned I/O).
-- A *slot* is one parameter's place in the flat layout (offset, numel, shape, every name it has).
-- A *piece* is the part of one slot inside this rank's shard: the optimizer works on pieces, so a
-  parameter that got no gradient can be skipped exactly as torch skips ``grad is None``.
-- ``FlatUnit`` owns every tensor of one unit on this rank: ``flat_param`` (compute dtype, full: the
-  module's parameters are views of it), ``flat_grad`` (compute dtype, full, while gradients are
-  accumulated or reduced), ``grad_shard`` (compute dtype, this rank's reduced shard) and ``master``
-  (fp32, the shard's trainable part, a view of the weights when fp32 weights already live where the
-  optimizer runs). A unit with no trainable slot keeps no gradient buffer at all.
+See unit_layout's [Note: unit vocabulary] for units, slots, pieces and the trainable prefix.
 
 [Note: partitioned units (stage 3)]
 A *partitioned* unit keeps only ``param_block`` (compute dtype, this rank's shard, a ``tiers.Block``
 whose home is ``offload.param.tier``: device, host or NVMe) between uses. Its
 ``flat_param`` tensor stays, but its storage is *released* (zero bytes) while the unit is *sharded*
-and *restored* and all-gathered into when the unit is *gathered*. Autograd saves views of the weights
-(``weight.t()``), which share that storage: they are freed with it and valid again once the unit is
-gathered for backward. The module's parameters are views of ``flat_param`` only while gathered; while
-sharded each is a *placeholder* of the right shape holding one NaN (an expanded view), so reading a
-parameter outside forward and backward shows NaN instead of crashing or looking like real weights.
+and *restored* and all-gathered into when the unit is *gathered* (``ParamState``, see [Note: unit
+states]). Autograd saves views of the weights (``weight.t()``), which share that storage: they are
+freed with it and valid again once the unit is gathered for backward. The module's parameters are
+views of ``flat_param`` only while gathered; while sharded each is a *placeholder* of the right shape
+holding one NaN (an expanded view), so reading a parameter outside forward and backward shows NaN
+instead of crashing or looking like real weights.
 On NVMe a shard with both trainable and frozen elements is stored as two blocks
 (``SplitShardBlock``), so that a step rewrites its trainable span alone.
+
+[Note: unit states]
+A unit's life on this rank is two small state machines, ``param_state`` and ``grad_state``. Only the
+unit's own methods change them (and its fields), and each checks its move: one this note does not
+list raises ``UnitStateError``, naming the unit, the move and both states.
+
+Parameters (``ParamState``; FSDP2's unshard/reshard, with the all-gather's flight in view)::
+
+    SHARDED --begin_gather--> GATHERING --finish_gather--> GATHERED --reshard--> SHARDED
+
+A unit that is not partitioned is GATHERED for good; a partitioned one is SHARDED between uses, and
+the ``scheduler`` moves it (GATHERING while its all-gather is in flight: ``begin_gather`` restores
+the storage the collective writes into, ``finish_gather`` attaches the parameters once it has
+arrived). Gathering a unit that is not SHARDED, or resharding one that is not GATHERED, is an error
+rather than a no-op, both ways alike: each move is paired with a collective every rank issues and
+with the scheduler's byte count, so a repeated one is a bug to see, not to absorb.
+
+Gradients (``GradState``), over one accumulation window::
+
+    EMPTY/ACCUMULATING --accumulate--> ACCUMULATING
+    EMPTY/ACCUMULATING --begin_reduction--> REDUCING --add_grad_shard, reduced_in_place--> REDUCED
+                                                     --mark_updated_in_backward---------> UPDATED
+                                                     --release_flat_grad, nothing kept--> DISCARDED
+    REDUCED --accumulate--> ACCUMULATING, --begin_reduction--> REDUCING   (stages 2–3 only)
+    any --clear_grads--> EMPTY                                            (the window's end: the step)
+
+- ACCUMULATING: ``accumulate`` adds each parameter's gradient into the full ``flat_grad``. At stages
+  0–1 that buffer persists and takes the whole window; the step reduces it once (all-reduced in place
+  at stage 0: ``reduced_in_place``; reduce-scattered into a shard at stage 1), so a REDUCED unit takes
+  no more gradients there.
+- At stages 2–3 a unit is reduced each micro-batch, as soon as its gradients are complete: the next
+  micro-batch's gradients move it from REDUCED back to ACCUMULATING, and its reduced part adds into
+  the window's shard. A unit with no gradient on this rank in a micro-batch is reduced all the same
+  (zeros: its peers may have some), from EMPTY or REDUCED.
+- REDUCING: ``begin_reduction`` has handed the full gradient to the reducer; ``note_nonfinite`` reads
+  it then. The hand-off ends it: the shard kept (``add_grad_shard``: REDUCED), used by an update in
+  backward (``mark_updated_in_backward``: UPDATED, nothing kept, no gradient may follow in the window),
+  or dropped because the window is being skipped (``release_flat_grad`` finds it still REDUCING:
+  DISCARDED).
+- ``begin_backward`` needs EMPTY, ACCUMULATING or (stages 2–3) REDUCED: a unit still REDUCING, or
+  UPDATED or DISCARDED, waits for the step. ``local_grad`` (the optimizer's read) needs REDUCED.
+- ``clear_grads`` ends every window, updated or skipped: EMPTY again.
 """
 from __future__ import annotations
 
-import contextlib
+import enum
 import math
-from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
-from torch import nn
 
 from .offloaded_grads import OffloadedGrad
 from .tiers import Block, Kind, Tier
+from .unit_layout import ALIGN_ELEMENTS, Piece, UnitLayout
 
-__all__ = ["ALIGN_ELEMENTS", "Slot", "Piece", "UnitLayout", "FlatUnit", "SplitShardBlock", "find_units",
-           "span_block"]
+if TYPE_CHECKING:
+    from .placement import UnitPlacement
 
-ALIGN_ELEMENTS = 1024
-"""Shard granularity in elements: 4 KiB of fp32, the O_DIRECT alignment."""
-
-
-@dataclass(frozen=True, slots=True)
-class Slot:
-    """One parameter's place in its unit's flat buffer."""
-
-    names: tuple[str, ...]
-    param: nn.Parameter
-    offset: int
-    numel: int
-    shape: torch.Size
-
-    @property
-    def trainable(self) -> bool:
-        return self.param.requires_grad
+__all__ = ["FlatUnit", "ParamState", "GradState", "UnitStateError"]
 
 
-@dataclass(frozen=True, slots=True)
-class Piece:
-    """The part of ``slot`` inside this rank's shard: ``[start, stop)`` in shard coordinates."""
+class ParamState(enum.Enum):
+    """Where a unit's parameters are on this rank (see [Note: unit states])."""
 
-    slot_index: int
-    start: int
-    stop: int
-
-
-@dataclass(frozen=True, slots=True)
-class UnitLayout:
-    """Where a unit's parameters go, computed before any memory is touched."""
-
-    name: str
-    module: nn.Module
-    slots: tuple[Slot, ...]
-    shards: int
-    shard_numel: int
-
-    @property
-    def numel(self) -> int:
-        return sum(s.numel for s in self.slots)
-
-    @property
-    def padded_numel(self) -> int:
-        return self.shards * self.shard_numel
-
-    @property
-    def trainable_numel(self) -> int:
-        """``T``, the end of the trainable prefix (see [Note: unit vocabulary]): the first frozen
-        slot's offset, or the padded end when no slot is frozen (0: the unit is frozen)."""
-        return next((s.offset for s in self.slots if not s.trainable), self.padded_numel)
-
-    @property
-    def trainable(self) -> bool:
-        """Whether any slot trains: a unit without one gets no gradient, reduction or update."""
-        return self.trainable_numel > 0
-
-    def trainable_in_shard(self, rank: int) -> int:
-        """How many of shard ``rank``'s first elements are trainable: its part of the trainable prefix."""
-        return min(max(self.trainable_numel - rank * self.shard_numel, 0), self.shard_numel)
-
-    def pieces(self, rank: int) -> list[Piece]:
-        """The slots' parts inside shard ``rank`` (slots outside it have none)."""
-        lo, hi = rank * self.shard_numel, (rank + 1) * self.shard_numel
-        out = []
-        for index, slot in enumerate(self.slots):
-            start, stop = max(slot.offset, lo), min(slot.offset + slot.numel, hi)
-            if start < stop:
-                out.append(Piece(index, start - lo, stop - lo))
-        return out
+    SHARDED = "sharded"
+    """A partitioned unit between uses: only its shard (``param_block``); parameters are placeholders."""
+    GATHERING = "gathering"
+    """``flat_param``'s storage restored, its all-gather in flight: parameters not attached yet."""
+    GATHERED = "gathered"
+    """``flat_param`` holds the full weights and the module's parameters are views of it."""
 
 
-def _unit_roots(model: nn.Module, unit_modules: list[str]) -> list[str]:
-    """Module paths that start units, outermost only, in registration order."""
-    wanted = set(unit_modules)
-    roots: list[str] = []
-    for path, module in model.named_modules():
-        if any(path.startswith(root + ".") for root in roots):
-            continue
-        if wanted:
-            if path and type(module).__name__ in wanted:
-                roots.append(path)
-        elif isinstance(module, (nn.ModuleList, nn.Sequential)):
-            roots.extend(f"{path}.{name}" if path else name for name, _ in module.named_children())
-    return [r for r in dict.fromkeys(roots) if not any(r.startswith(o + ".") for o in roots if o != r)]
+class GradState(enum.Enum):
+    """Where a unit's gradient of the accumulation window is on this rank (see [Note: unit states])."""
+
+    EMPTY = "empty"
+    """No gradient yet this window."""
+    ACCUMULATING = "accumulating"
+    """Gradients being added into the full ``flat_grad``, not yet reduced."""
+    REDUCING = "reducing"
+    """The full gradient handed to the reducer: its collective launched or about to be."""
+    REDUCED = "reduced"
+    """The window's gradient so far reduced and kept: the shard (here or on the optimizer's tier), or
+    at stage 0 the all-reduced full buffer."""
+    UPDATED = "updated"
+    """Updated in backward from its reduced gradient (``backward_updates``): nothing is kept."""
+    DISCARDED = "discarded"
+    """Reduced in a window that will not update (the engine skips it): nothing is kept."""
 
 
-def _common_prefix(paths: list[str]) -> str:
-    parts = [p.split(".") if p else [] for p in paths]
-    common = []
-    for items in zip(*parts):
-        if len(set(items)) > 1:
-            break
-        common.append(items[0])
-    return ".".join(common)
-
-
-def find_units(model: nn.Module, unit_modules: list[str], shards: int) -> list[UnitLayout]:
-    """Group the model's parameters into units (see [Note: unit vocabulary]); the root unit comes last."""
-    roots = _unit_roots(model, unit_modules)
-    names: dict[int, list[str]] = {}
-    params: dict[int, nn.Parameter] = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        names.setdefault(id(param), []).append(name)
-        params[id(param)] = param
-    members: dict[str, list[tuple[tuple[str, ...], nn.Parameter]]] = {root: [] for root in [*roots, ""]}
-    for key, param in params.items():
-        owner = _common_prefix([n.rpartition(".")[0] for n in names[key]])
-        unit = next((r for r in roots if owner == r or owner.startswith(r + ".")), "")
-        members[unit].append((tuple(names[key]), param))
-    modules = dict(model.named_modules())
-    return [_layout(root, modules[root], members[root], shards) for root in [*roots, ""] if members[root]]
-
-
-def _layout(name: str, module: nn.Module, members: list, shards: int) -> UnitLayout:
-    """Trainable parameters first (stable), so they are the flat buffer's prefix (see the note)."""
-    slots, offset = [], 0
-    for param_names, param in sorted(members, key=lambda member: not member[1].requires_grad):
-        slots.append(Slot(param_names, param, offset, param.numel(), param.shape))
-        offset += param.numel()
-    per_shard = -(-offset // shards)
-    shard_numel = max(1, -(-per_shard // ALIGN_ELEMENTS)) * ALIGN_ELEMENTS
-    return UnitLayout(name, module, tuple(slots), shards, shard_numel)
+class UnitStateError(RuntimeError):
+    """A unit was asked for a move its state does not allow (see [Note: unit states])."""
 
 
 class FlatUnit:
-    """Every tensor of one unit on this rank, and the moves between them (see the note above).
+    """Every tensor of one unit on this rank, and the moves between them (see the notes above).
 
-    Which gradient buffers persist depends on the stage: ``keep_full_grad`` (stages 0–1 accumulate
-    full gradients over the window) and ``keep_grad_shard`` (stages 2–3 accumulate reduced shards).
-    A buffer that does not persist is a temporary (``Kind.BUFFER``), freed as soon as it is used; a
-    frozen unit keeps none. ``partitioned`` units (stage 3) gather their parameters only while in use
-    (see the note above).
+    Built from the unit's ``placement.UnitPlacement``, which decides once which gradient buffers
+    persist: ``keep_full_grad`` (stages 0–1 accumulate full gradients over the window) and
+    ``keep_grad_shard`` (stages 2–3 accumulate reduced shards). A buffer that does not persist is a
+    temporary (``Kind.BUFFER``), freed as soon as it is used; a frozen unit keeps none.
+    ``partitioned`` units (stage 3) gather their parameters only while in use. Only this class's
+    methods change a unit's fields, each move checked against its states ([Note: unit states]).
     """
 
-    def __init__(self, layout: UnitLayout, rank: int, compute_dtype: torch.dtype, *, keep_full_grad: bool,
-                 keep_grad_shard: bool, partitioned: bool = False):
+    def __init__(self, layout: UnitLayout, placement: UnitPlacement, rank: int, compute_dtype: torch.dtype):
         self.layout = layout
+        self.placement = placement
+        """Where this unit's state lives and its update runs (``placement``): read-only, decided once."""
         self.rank = rank if layout.shards > 1 else 0
         self.compute_dtype = compute_dtype
-        self.keep_full_grad = keep_full_grad and layout.trainable
-        self.keep_grad_shard = keep_grad_shard and layout.trainable
         self.trainable_numel = layout.trainable_in_shard(self.rank)
         """This rank's shard's trainable part: its first elements, the only ones with optimizer state."""
         self.trainable_span = -(-self.trainable_numel // ALIGN_ELEMENTS) * ALIGN_ELEMENTS
         """The trainable part rounded up to ``ALIGN_ELEMENTS``: the size of the blocks that hold it."""
-        self.partitioned = partitioned
-        self.gathered = True
         self.pieces = layout.pieces(self.rank)
         self.flat_param: torch.Tensor | None = None
         self.param_block: Block | None = None
-        self.grad_leaves = False
-        """Whether the reduced shard leaves the device: for the optimizer's tier (``offloaded_grad``) or
-        straight into the update (engine's [Note: updates in backward])."""
-        self.offloaded_grad: OffloadedGrad | None = None
-        """Set when the reduced shard lives on the optimizer's tier until the step (``offloaded_grads``)."""
-        self.backward_update_norm: torch.Tensor | None = None
-        """Set when the unit was updated in this window's backward: the norm of the gradient it used."""
         self._placeholder: torch.Tensor | None = None
         self.flat_grad: torch.Tensor | None = None
         self.grad_shard: torch.Tensor | None = None
         self.master: torch.Tensor | None = None
-        self.master_is_param = False
         self.has_grad = [False] * len(layout.slots)
         self._written = [False] * len(layout.slots)
+        self._nonfinite = False
         self.pending = 0
+        self._offloaded_grad: OffloadedGrad | None = None
+        self._backward_update_norm: torch.Tensor | None = None
+        self._param_state = ParamState.GATHERED  # materialize fills flat_param; a partitioned unit then reshards
+        self._grad_state = GradState.EMPTY
+
+    # ---------------------------------------------------------------- what the placement decided
+    @property
+    def index(self) -> int:
+        """The unit's position in the model's unit order (its placement's)."""
+        return self.placement.index
+
+    @property
+    def name(self) -> str:
+        """The unit's module path, ``<root>`` for the root unit (for messages)."""
+        return self.layout.name or "<root>"
+
+    @property
+    def partitioned(self) -> bool:
+        """Stage 3: only a shard lives between uses (see [Note: partitioned units (stage 3)])."""
+        return self.placement.partitioned
+
+    @property
+    def keep_full_grad(self) -> bool:
+        """Stages 0–1: the full gradient buffer persists over the window."""
+        return self.placement.keep_full_grad
+
+    @property
+    def keep_grad_shard(self) -> bool:
+        """Stages 2–3: the reduced shard persists over the window (unless it leaves the device)."""
+        return self.placement.keep_grad_shard
+
+    @property
+    def grad_leaves(self) -> bool:
+        """Whether the reduced shard leaves the device: for the optimizer's tier (``offloaded_grad``) or
+        straight into the update (backward_updates' [Note: updates in backward])."""
+        return self.placement.grad_leaves
+
+    @property
+    def master_is_param(self) -> bool:
+        """The fp32 master is the weights' own shard (its trainable part): no copy."""
+        return self.placement.master_is_param
+
+    # ---------------------------------------------------------------- states
+    @property
+    def param_state(self) -> ParamState:
+        return self._param_state
+
+    @property
+    def grad_state(self) -> GradState:
+        return self._grad_state
+
+    @property
+    def offloaded_grad(self) -> OffloadedGrad | None:
+        """Where the reduced shard waits for the step on the optimizer's tier (``keep_grads_on``), if it does."""
+        return self._offloaded_grad
+
+    @property
+    def backward_update_norm(self) -> torch.Tensor | None:
+        """The norm of the gradient this window's update in backward used (None: not updated in backward)."""
+        return self._backward_update_norm
+
+    def _refuse(self, what: str, action: str, current: enum.Enum, to: enum.Enum | None,
+                allowed: tuple[enum.Enum, ...]) -> UnitStateError:
+        names = [state.name for state in allowed]
+        wanted = names[0] if len(names) == 1 else f"{', '.join(names[:-1])} or {names[-1]}"
+        does = f"moves them from {wanted} to {to.name}" if to is not None else f"needs them {wanted}"
+        return UnitStateError(f"unit {self.name!r}: cannot {action}: its {what} are {current.name}, and {action} "
+                              f"{does} (partition's [Note: unit states])")
+
+    def _move_grads(self, action: str, to: GradState | None, *allowed: GradState) -> None:
+        """Check that ``action`` may run in the current gradient state, then enter ``to`` (None: stay)."""
+        if self._grad_state not in allowed:
+            raise self._refuse("gradients", action, self._grad_state, to, allowed)
+        if to is not None:
+            self._grad_state = to
+
+    def _move_params(self, action: str, to: ParamState, allowed: ParamState) -> None:
+        if self._param_state is not allowed:
+            raise self._refuse("parameters", action, self._param_state, to, (allowed,))
+        self._param_state = to
+
+    @property
+    def _reduced_again(self) -> tuple[GradState, ...]:
+        """REDUCED, when a reduced unit may take more gradients: at stages 2–3, reduced per micro-batch
+        (at stages 0–1 it is reduced once, at the step, and its full buffer holds the result)."""
+        return () if self.keep_full_grad else (GradState.REDUCED,)
 
     # ---------------------------------------------------------------- construction
     @property
@@ -247,8 +255,15 @@ class FlatUnit:
             flat[slot.offset:slot.offset + slot.numel] = slot.param.detach().reshape(-1).float().cpu()
         return flat
 
-    def materialize(self, full_fp32: torch.Tensor, device_tier: Tier, master_is_param: bool,
-                    param_block: Block | None = None) -> None:
+    def keep_grads_on(self, offloaded_grad: OffloadedGrad) -> None:
+        """Before ``materialize``: the reduced shard waits for the step in ``offloaded_grad``, on the
+        optimizer's tier (``offloaded_grads``), as the placement says (``grads_kept``)."""
+        if not self.placement.grads_kept or self.flat_param is not None or self._offloaded_grad is not None:
+            raise UnitStateError(f"unit {self.name!r}: keep_grads_on needs a unit whose placement keeps its "
+                                 "gradients off the device (grads_kept), once, before materialize")
+        self._offloaded_grad = offloaded_grad
+
+    def materialize(self, full_fp32: torch.Tensor, device_tier: Tier, param_block: Block | None = None) -> None:
         """Move the parameters into ``flat_param`` (the module's tensors become views) and make the
         persistent gradient buffers; a partitioned unit then keeps only ``param_block`` (which the
         caller fills with the shard). With ``master_is_param`` the fp32 master is the weights' shard
@@ -258,14 +273,13 @@ class FlatUnit:
         kind = Kind.GATHERED if self.partitioned else Kind.PARAM
         self.flat_param = device_tier.empty(kind, layout.padded_numel, self.compute_dtype)
         self.flat_param.copy_(full_fp32)
-        self.attach_params()
+        self._attach_params()
         weights = self.flat_param[self.shard_range]
         if self.partitioned:
             self.param_block = param_block
             weights = param_block.data
             self._placeholder = torch.full((1,), math.nan, dtype=self.compute_dtype, device=device_tier.device)
-        self.master_is_param = master_is_param
-        self.master = weights[:self.trainable_numel] if master_is_param else None
+        self.master = weights[:self.trainable_numel] if self.master_is_param else None
         if self.keep_full_grad:
             self.flat_grad = device_tier.zeros(Kind.GRAD, layout.padded_numel, self.compute_dtype)
         if self.keep_grad_shard and not self.grad_leaves:
@@ -273,16 +287,25 @@ class FlatUnit:
         if self.partitioned:
             self.reshard(device_tier)
 
+    def set_master(self, master: torch.Tensor | None) -> None:
+        """Point the fp32 master at a loaded optimizer block's segment, or at nothing once it unloads
+        (``optim.state``); a master that is the weights' shard stays as it is."""
+        if self.master_is_param and master is not self.master:
+            raise UnitStateError(f"unit {self.name!r}: its fp32 master is its weights' shard and cannot be "
+                                 "pointed elsewhere")
+        self.master = master
+
     # ---------------------------------------------------------------- gradients
     def begin_backward(self) -> None:
         """Expect one gradient from every trainable slot before the unit counts as complete."""
+        self._move_grads("begin_backward", None, GradState.EMPTY, GradState.ACCUMULATING, *self._reduced_again)
         self.pending = sum(1 for s in self.layout.slots if s.trainable)
 
-    def ensure_flat_grad(self, tier: Tier) -> torch.Tensor:
+    def _ensure_flat_grad(self, tier: Tier) -> torch.Tensor:
         """The full gradient buffer, made (temporary) when this pass has none yet.
 
         Only the padding is zeroed here: slots are overwritten by their first gradient, and
-        ``zero_unwritten`` clears the rest before the buffer is reduced.
+        ``begin_reduction`` clears the rest before the buffer is reduced.
         """
         if self.flat_grad is None:
             self.flat_grad = tier.empty(Kind.BUFFER, self.layout.padded_numel, self.compute_dtype)
@@ -294,10 +317,12 @@ class FlatUnit:
         """Put one parameter's gradient into ``flat_grad``; True once every trainable slot has reported.
 
         The first gradient of a window is copied over whatever the buffer held, later ones added, so a
-        persistent buffer is never zero-filled; ``zero_unwritten`` clears the slots nobody wrote.
+        persistent buffer is never zero-filled; ``begin_reduction`` clears the slots nobody wrote.
         """
+        self._move_grads("accumulate", GradState.ACCUMULATING, GradState.EMPTY, GradState.ACCUMULATING,
+                         *self._reduced_again)
         slot = self.layout.slots[slot_index]
-        view = self.ensure_flat_grad(tier)[slot.offset:slot.offset + slot.numel]
+        view = self._ensure_flat_grad(tier)[slot.offset:slot.offset + slot.numel]
         if self._written[slot_index]:
             view.add_(grad.reshape(-1))
         else:
@@ -307,34 +332,63 @@ class FlatUnit:
         self.pending -= 1
         return self.pending == 0
 
-    def zero_unwritten(self) -> None:
-        """Zero the slots that got no gradient this window, before the buffer is reduced."""
+    def begin_reduction(self, tier: Tier) -> torch.Tensor:
+        """The full gradient, handed to the reducer: made of zeros when this rank had none (the peers
+        may have some), the slots that got no gradient this window zeroed."""
+        self._move_grads("begin_reduction", GradState.REDUCING, GradState.EMPTY, GradState.ACCUMULATING,
+                         *self._reduced_again)
+        flat_grad = self._ensure_flat_grad(tier)
         for slot, written in zip(self.layout.slots, self._written):
             if not written:
-                self.flat_grad[slot.offset:slot.offset + slot.numel].zero_()
+                flat_grad[slot.offset:slot.offset + slot.numel].zero_()
+        return flat_grad
 
-    def release_flat_grad(self, tier: Tier) -> None:
-        """Drop a temporary full gradient once it has been reduced (a persistent one stays)."""
-        if not self.keep_full_grad:
-            tier.free(Kind.BUFFER, self.flat_grad)
-            self.flat_grad = None
+    def note_nonfinite(self) -> bool:
+        """Whether a full gradient of this window was non-finite on this rank, the current one included
+        (for flags that must agree over ranks before the step: reduction's [Note: flags in the payload])."""
+        self._move_grads("note_nonfinite", None, GradState.REDUCING)
+        self._nonfinite = self._nonfinite or not bool(torch.isfinite(self.flat_grad).all())
+        return self._nonfinite
+
+    def reduced_in_place(self) -> None:
+        """Stage 0: the all-reduce's result is in ``flat_grad`` itself."""
+        self._move_grads("reduced_in_place", GradState.REDUCED, GradState.REDUCING)
 
     def add_grad_shard(self, reduced: torch.Tensor, tier: Tier) -> None:
         """Accumulate a reduced gradient shard (stage 2 adds one per micro-batch), on the device or,
         offloaded, on the optimizer's tier."""
-        if self.offloaded_grad is not None:
-            self.offloaded_grad.add(reduced)
+        self._move_grads("add_grad_shard", GradState.REDUCED, GradState.REDUCING)
+        if self._offloaded_grad is not None:
+            self._offloaded_grad.add(reduced)
             return
         if self.grad_shard is None:
             self.grad_shard = tier.zeros(Kind.BUFFER, self.layout.shard_numel, self.compute_dtype)
         self.grad_shard.add_(reduced)
 
+    def mark_updated_in_backward(self, norm: torch.Tensor) -> None:
+        """Its last reduced shard went straight into its update (``backward_updates``); ``norm`` is the
+        norm of the window's gradient that update used (for the step's reported norm)."""
+        self._move_grads("mark_updated_in_backward", GradState.UPDATED, GradState.REDUCING)
+        self._backward_update_norm = norm
+
+    def release_flat_grad(self, tier: Tier) -> None:
+        """The reduced shard was handed on: drop a temporary full gradient (a persistent one stays). A
+        hand-off that kept nothing (a window being skipped) leaves the gradients DISCARDED."""
+        self._move_grads("release_flat_grad", None, GradState.REDUCING, GradState.REDUCED, GradState.UPDATED)
+        if self._grad_state is GradState.REDUCING:
+            self._grad_state = GradState.DISCARDED
+        if not self.keep_full_grad:
+            tier.free(Kind.BUFFER, self.flat_grad)
+            self.flat_grad = None
+
     def local_grad(self) -> torch.Tensor:
         """What the optimizer reads: the reduced shard, or at stage 0 the full all-reduced buffer."""
+        self._move_grads("local_grad", None, GradState.REDUCED)
         return self.grad_shard if self.grad_shard is not None else self.flat_grad
 
     def clear_grads(self, tier: Tier) -> None:
-        """End of an accumulation window: forget persistent gradients, free temporary ones.
+        """End of an accumulation window (whatever state it left): forget persistent gradients, free
+        temporary ones; the gradients are EMPTY again.
 
         A persistent full gradient is not zero-filled: the next window's first gradients overwrite it.
         """
@@ -346,95 +400,39 @@ class FlatUnit:
         elif self.grad_shard is not None:
             tier.free(Kind.BUFFER, self.grad_shard)
             self.grad_shard = None
-        if self.offloaded_grad is not None:
-            self.offloaded_grad.clear()
-        self.backward_update_norm = None
+        if self._offloaded_grad is not None:
+            self._offloaded_grad.clear()
+        self._backward_update_norm = None
+        self._nonfinite = False
         self.has_grad = [False] * len(self.layout.slots)
         self._written = [False] * len(self.layout.slots)
+        self._grad_state = GradState.EMPTY
 
     # ---------------------------------------------------------------- parameters
-    def attach_params(self) -> None:
+    def _attach_params(self) -> None:
         """Make the module's parameters views of ``flat_param`` (whose storage must be present)."""
         for slot in self.layout.slots:
             slot.param.data = self.flat_param[slot.offset:slot.offset + slot.numel].view(slot.shape)
 
-    def gather_buffer(self, tier: Tier) -> torch.Tensor:
-        """``flat_param`` with its storage restored, for the all-gather of a partitioned unit."""
-        if self.gathered:
-            raise RuntimeError(f"unit {self.layout.name or '<root>'} is already gathered")
+    def begin_gather(self, tier: Tier) -> torch.Tensor:
+        """SHARDED → GATHERING: ``flat_param`` with its storage restored, for the all-gather of a
+        partitioned unit (``finish_gather`` once it has arrived)."""
+        self._move_params("begin_gather", ParamState.GATHERING, ParamState.SHARDED)
         tier.restore_storage(Kind.GATHERED, self.flat_param)
-        self.gathered = True
         return self.flat_param
 
+    def finish_gather(self) -> None:
+        """GATHERING → GATHERED: the all-gather arrived; the module's parameters become its views."""
+        self._move_params("finish_gather", ParamState.GATHERED, ParamState.GATHERING)
+        self._attach_params()
+
     def reshard(self, tier: Tier) -> None:
-        """Back to the shard alone: parameters become placeholders and the full buffer's memory is freed."""
-        if not self.gathered:
-            return
+        """GATHERED → SHARDED: back to the shard alone; parameters become placeholders and the full
+        buffer's memory is freed (a partitioned unit only)."""
+        if not self.partitioned:
+            raise UnitStateError(f"unit {self.name!r}: reshard needs a partitioned unit (stage 3); this one "
+                                 "keeps its full parameters")
+        self._move_params("reshard", ParamState.SHARDED, ParamState.GATHERED)
         for slot in self.layout.slots:
             slot.param.data = self._placeholder.expand(slot.shape)
         tier.release_storage(Kind.GATHERED, self.flat_param)
-        self.gathered = False
-
-
-def span_block(tier: Tier, kind: Kind, key: str, numel: int, dtype: torch.dtype) -> Block:
-    """``tier.block(...)`` for state over a trainable span; a span of nothing (a frozen shard) gets an
-    empty resident block instead: streams load and store it at no cost, and no tier counts it."""
-    if numel == 0:
-        return Block(torch.empty(0, dtype=dtype, device=tier.device))
-    return tier.block(kind, key, numel, dtype)
-
-
-class _Both:
-    """The moves of a block's two parts, waited for together (every one, even after a failure)."""
-
-    def __init__(self, handles: list):
-        self.handles = handles
-
-    def wait(self) -> int:
-        error = None
-        for handle in self.handles:
-            try:
-                handle.wait()
-            except Exception as exc:  # keep waiting: no buffer may be freed under a transfer
-                error = error or exc
-        if error is not None:
-            raise error
-        return 0
-
-
-class SplitShardBlock(Block):
-    """A partitioned unit's shard home on NVMe kept as two blocks: ``head``, the trainable span, which a
-    step rewrites (``publication``: read first, for the few frozen values in its last granule), and
-    ``tail``, the frozen values past it, which only whole writes store (first values, loads,
-    ``gathered``). Loading reads both into one buffer, so to the scheduler the shard is one tensor;
-    storing writes both. Frozen weights are thus read every pass and never written back by a step
-    (bar those sharing the head's last 4 KiB-aligned granule, rewritten as read), and each block's
-    checksum (``nvme.checksum``) covers its own bytes."""
-
-    resident = False
-
-    def __init__(self, head: Block, tail: Block):
-        self.head, self.tail = head, tail
-        self.numel, self.dtype = head.numel + tail.numel, head.dtype
-        self.data: torch.Tensor | None = None
-        self._buffer: torch.Tensor | None = None
-
-    def load(self, buffer: torch.Tensor | None = None, *, read: bool = True) -> _Both:
-        raw = buffer.view(torch.uint8)
-        self._buffer, self.data = buffer, raw[:self.nbytes].view(self.dtype)
-        head = self.head.load(raw[:self.head.nbytes], read=read)
-        try:
-            return _Both([head, self.tail.load(raw[self.head.nbytes:], read=read)])
-        except BaseException:
-            with contextlib.suppress(Exception):  # already failing: the first error is the one to see
-                head.wait()  # the buffer must not be freed under the head's transfer
-            raise
-
-    def store(self) -> _Both:
-        return _Both([self.head.store(), self.tail.store()])
-
-    def unload(self) -> torch.Tensor | None:
-        self.head.unload()
-        self.tail.unload()
-        buffer, self._buffer, self.data = self._buffer, None, None
-        return buffer

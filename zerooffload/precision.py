@@ -11,11 +11,13 @@ A static scale never changes, and overflowing steps are still skipped.
 """
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from .config import TrainConfig
 
-__all__ = ["COMPUTE_DTYPES", "LossScaler"]
+__all__ = ["COMPUTE_DTYPES", "LossScaler", "cast_floats"]
 
 COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -58,3 +60,14 @@ class LossScaler:
             self.scale *= 2
             self._clean_steps = 0
             self._hysteresis_left = self.hysteresis
+
+
+def cast_floats(value: Any, dtype: torch.dtype) -> Any:
+    """Floating tensors nested in tuples, lists and dicts, cast to ``dtype``; everything else as is."""
+    if isinstance(value, torch.Tensor):
+        return value.to(dtype) if value.is_floating_point() else value
+    if isinstance(value, (list, tuple)):
+        return type(value)(cast_floats(v, dtype) for v in value)
+    if isinstance(value, dict):
+        return {k: cast_floats(v, dtype) for k, v in value.items()}
+    return value

@@ -16,12 +16,16 @@ import json
 import os
 import struct
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from .comm import failing_together
 from .io import OffsetReader
+from .training_state import Trainable
+
+if TYPE_CHECKING:
+    from .optim.state import UnitOptimizerState
 
 __all__ = ["load_safetensors", "SafetensorsSource"]
 
@@ -72,7 +76,7 @@ def _files(source: Path) -> list[Path]:
     return [source]
 
 
-def load_safetensors(engine: Any, source: str | os.PathLike, prefix: str = "", strict: bool = True) -> None:
+def load_safetensors(engine: Trainable, source: str | os.PathLike, prefix: str = "", strict: bool = True) -> None:
     """Set ``engine``'s parameters from safetensors (see the note); collective. With ``strict`` every
     parameter must be found and every ``prefix`` key used; shapes must match either way."""
     engine.ensure_open("load_safetensors")
@@ -85,7 +89,7 @@ def load_safetensors(engine: Any, source: str | os.PathLike, prefix: str = "", s
             files.close()
 
 
-def _match(engine: Any, files: SafetensorsSource, prefix: str, strict: bool) -> dict[int, str]:
+def _match(engine: Trainable, files: SafetensorsSource, prefix: str, strict: bool) -> dict[int, str]:
     """id(param) -> the key holding it, after checking names and shapes."""
     keys, missing, shapes = {}, [], []
     for unit in engine.units:
@@ -107,7 +111,8 @@ def _match(engine: Any, files: SafetensorsSource, prefix: str, strict: bool) -> 
     return keys
 
 
-def _fill_master(state: Any, frozen: torch.Tensor | None, files: SafetensorsSource, keys: dict[int, str]) -> None:
+def _fill_master(state: "UnitOptimizerState", frozen: torch.Tensor | None, files: SafetensorsSource,
+                 keys: dict[int, str]) -> None:
     """The parameter parts of one unit's shard found in the files: in the trainable part into the
     master, past it (frozen values, which have no master) into ``frozen``, the weights there."""
     unit, master, trainable = state.unit, state.master(), state.unit.trainable_numel

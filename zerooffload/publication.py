@@ -24,10 +24,14 @@ import contextlib
 from typing import Any
 
 import torch
+from torch.profiler import record_function
 
 from .comm import Comm, all_gather
-from .partition import FlatUnit, Piece, SplitShardBlock
-from .tiers import Block, BlockWriter, Kind, LinkStats, Tier
+from .partition import FlatUnit
+from .shard_blocks import SplitShardBlock
+from .unit_layout import Piece
+from .block_stream import STREAM_BUFFERS, BlockWriter
+from .tiers import Block, Kind, LinkStats, Tier
 
 __all__ = ["Publication"]
 
@@ -48,13 +52,14 @@ class Publication:
     """One round's new weights: their targets, and the stores and all-gathers that send them on."""
 
     def __init__(self, comm: Comm, device_tier: Tier, host_tier: Tier, link: LinkStats, shards_off_device: bool,
-                 whole_shards: bool = False):
+                 whole_shards: bool = False, depth: int = STREAM_BUFFERS):
         """``shards_off_device``: partitioned units' shards live in host memory or on NVMe;
-        ``whole_shards``: a round of loads, which may change frozen values too (see the note)."""
+        ``whole_shards``: a round of loads, which may change frozen values too (see the note);
+        ``depth``: host buffers of the shard stores in flight (``aio.blocks_in_flight``)."""
         self.comm, self.device_tier, self.link = comm, device_tier, link
         self.shards_off_device = shards_off_device
         self.whole_shards = whole_shards
-        self.writer = BlockWriter(host_tier)
+        self.writer = BlockWriter(host_tier, depth=depth)
         self._gathers: list[tuple[torch.Tensor, Any]] = []
 
     def target(self, unit: FlatUnit) -> torch.Tensor | None:
@@ -83,14 +88,15 @@ class Publication:
         """Complete ``target`` from the masters outside the ``stepped`` pieces and send it on."""
         if target is None:
             return
-        trainable = unit.trainable_numel
-        _copy_unstepped(target[:trainable], unit.master, stepped)
-        self._count(unit, target, updated_on_device)
-        if unit.partitioned:
-            self.writer.commit(self._home(unit))
-        elif self._gathered(unit):
-            target[trainable:].copy_(unit.flat_param[unit.shard_range][trainable:])  # frozen: the weights'
-            self._gathers.append((target, all_gather(self.comm, unit.flat_param, target, async_op=True)))
+        with record_function("zerooffload::publish"):
+            trainable = unit.trainable_numel
+            _copy_unstepped(target[:trainable], unit.master, stepped)
+            self._count(unit, target, updated_on_device)
+            if unit.partitioned:
+                self.writer.commit(self._home(unit))
+            elif self._gathered(unit):
+                target[trainable:].copy_(unit.flat_param[unit.shard_range][trainable:])  # frozen: the weights'
+                self._gathers.append((target, all_gather(self.comm, unit.flat_param, target, async_op=True)))
 
     def _home(self, unit: FlatUnit) -> Block:
         """The block this round writes of a partitioned unit: its shard home, or in a step only the
@@ -112,11 +118,12 @@ class Publication:
 
     def finish(self) -> None:
         """Every store home and every all-gather done (their inputs freed)."""
-        self.writer.finish()
-        for source, work in self._gathers:
-            work.wait()
-            self.device_tier.free(Kind.BUFFER, source)
-        self._gathers = []
+        with record_function("zerooffload::publish"):
+            self.writer.finish()
+            for source, work in self._gathers:
+                work.wait()
+                self.device_tier.free(Kind.BUFFER, source)
+            self._gathers = []
 
     def abandon(self) -> None:
         """After a failure: wait for what is in flight, so no buffer is freed under a transfer; the

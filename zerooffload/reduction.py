@@ -9,6 +9,14 @@ units are packed into *buckets* by that order and their sizes alone, never by ti
 the end launches whatever is left. Ranks thus agree on every bucket, and overlap with backward is
 as good as the model's real order allows.
 
+[Note: flags in the payload]
+Units updated in backward need, with their reduced shard, each slot's "had a gradient on some rank"
+count and whether any rank's gradient was non-finite over the window: their update starts before
+the step's control all-reduce. Those *flagged* units' flags travel in the reduce-scatter itself:
+every rank's part of the bucket ends with the bucket's flag vector (so every rank's output ends with
+the flags summed over ranks: a count above 0 means "somewhere"), and no collective of their own runs
+inside autograd. A flagged unit is therefore always staged, never reduced in its own buffer.
+
 A bucket holds small units until its fp32 staging reaches ``zero.bucket_size`` bytes, while a unit of
 half that or more is reduced alone, in its own buffer when it is fp32; at most
 ``MAX_BUCKETS_IN_FLIGHT`` are in flight, so staging memory stays bounded.
@@ -32,7 +40,7 @@ from .comm import Comm, all_reduce, reduce_scatter
 from .partition import FlatUnit
 from .tiers import Kind, Tier
 
-__all__ = ["Mode", "GradReducer"]
+__all__ = ["Mode", "GradReducer", "reduction_order"]
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +48,14 @@ MAX_BUCKETS_IN_FLIGHT = 2
 """Buckets whose collectives may run at once: one filling while one reduces is enough to overlap."""
 REDUCE_DTYPE = torch.float32
 """The dtype gradients are summed in over ranks (see the note)."""
+
+
+def reduction_order(units: list[FlatUnit]) -> list[FlatUnit]:
+    """Block units last to first, then the root unit: the order backward usually completes them.
+    Frozen units have no gradient to reduce."""
+    trainable = [u for u in units if u.layout.trainable]
+    blocks = [u for u in trainable if u.layout.name]
+    return blocks[::-1] + [u for u in trainable if not u.layout.name]
 
 
 class Mode(enum.Enum):
@@ -57,22 +73,29 @@ class _Bucket:
     staging: torch.Tensor | None = None
     output: torch.Tensor | None = None
     scratch: torch.Tensor | None = None
+    flags: torch.Tensor | None = None
+    """The flagged units' flags, end to end (see [Note: flags in the payload])."""
 
 
 class GradReducer:
     """Launches and completes gradient collectives for a list of units (see [Note: reduction order])."""
 
     def __init__(self, comm: Comm, units: list[FlatUnit], mode: Mode, bucket_bytes: int, tier: Tier,
-                 on_reduced: Callable[[FlatUnit, torch.Tensor], None] | None = None):
-        """``on_reduced(unit, shard)`` receives each reduced shard (``REDUCE_SCATTER``), in the fixed
-        order on every rank; by default it is added to the unit's gradient shard."""
+                 on_reduced: Callable[[FlatUnit, torch.Tensor, torch.Tensor | None], None] | None = None,
+                 flagged: Callable[[FlatUnit], bool] = lambda unit: False):
+        """``on_reduced(unit, shard, flags)`` receives each reduced shard (``REDUCE_SCATTER``), in the
+        fixed order on every rank, with the unit's flags summed over ranks when ``flagged(unit)`` (each
+        slot's "had a gradient" count, then the non-finite count: [Note: flags in the payload]), else
+        None; by default the shard is added to the unit's gradient shard."""
         self.comm = comm
-        self.on_reduced = on_reduced or (lambda unit, shard: unit.add_grad_shard(shard, tier))
+        self.on_reduced = on_reduced or (lambda unit, shard, flags: unit.add_grad_shard(shard, tier))
+        self.flagged = flagged
         self.order = units
         self.mode = mode
         self.bucket_bytes = bucket_bytes
         self.tier = tier
-        self._position = {id(u): i for i, u in enumerate(units)}
+        self._position = {u.index: position for position, u in enumerate(units)}
+        """Each unit's position in the fixed order, by ``unit.index``."""
         self._ready = [False] * len(units)
         self._next = 0
         self._filling = _Bucket()
@@ -81,7 +104,7 @@ class GradReducer:
 
     def mark_ready(self, unit: FlatUnit) -> None:
         """``unit``'s gradients for this pass are complete; launch what the fixed order now allows."""
-        position = self._position[id(unit)]
+        position = self._position[unit.index]
         self._ready[position] = True
         if position > self._next and not self._warned_order:
             self._warned_order = True
@@ -106,12 +129,13 @@ class GradReducer:
         self._next = 0
 
     def _add(self, unit: FlatUnit) -> None:
-        unit.ensure_flat_grad(self.tier)  # zeros here when this rank had none: the peers may have some
-        unit.zero_unwritten()
+        unit.begin_reduction(self.tier)  # zeros when this rank had none: the peers may have some
         if self.comm.world_size == 1:  # nothing to sum: no staging, no collective
             if self.mode is Mode.REDUCE_SCATTER:
-                self.on_reduced(unit, unit.flat_grad)
+                self.on_reduced(unit, unit.flat_grad, self._local_flags(unit) if self.flagged(unit) else None)
                 unit.release_flat_grad(self.tier)
+            else:
+                unit.reduced_in_place()
             return
         nbytes = unit.layout.padded_numel * REDUCE_DTYPE.itemsize
         alone = nbytes >= self.bucket_bytes // 2
@@ -133,6 +157,7 @@ class GradReducer:
             bucket.work = all_reduce(self.comm, bucket.staging, async_op=True)
         else:
             shard_total = sum(u.layout.shard_numel for u in bucket.units)
+            shard_total += 0 if bucket.flags is None else bucket.flags.numel()
             bucket.output = self.tier.empty(Kind.BUFFER, shard_total, REDUCE_DTYPE)
             if self.comm.direct_exchange:  # the peers' parts land here (comm's [Note: direct exchange on gloo])
                 bucket.scratch = self.tier.empty(Kind.BUFFER, (self.comm.world_size - 1) * shard_total, REDUCE_DTYPE)
@@ -148,14 +173,18 @@ class GradReducer:
         shard r end to end.
         """
         units = bucket.units
-        if len(units) == 1 and units[0].flat_grad.dtype == REDUCE_DTYPE:
+        if self.mode is Mode.REDUCE_SCATTER and any(self.flagged(u) for u in units):
+            bucket.flags = torch.cat([self._local_flags(u) for u in units if self.flagged(u)]).to(
+                REDUCE_DTYPE).to(self.tier.device)
+        if len(units) == 1 and units[0].flat_grad.dtype == REDUCE_DTYPE and bucket.flags is None:
             staging = units[0].flat_grad
         else:
             if self.mode is Mode.ALL_REDUCE:
                 parts = [u.flat_grad for u in units]
             else:
                 rows = [u.flat_grad.view(u.layout.shards, -1) for u in units]
-                parts = [r[rank] for rank in range(units[0].layout.shards) for r in rows]
+                tail = [] if bucket.flags is None else [bucket.flags]
+                parts = [part for rank in range(units[0].layout.shards) for part in [*(r[rank] for r in rows), *tail]]
             staging = self.tier.empty(Kind.BUFFER, sum(p.numel() for p in parts), REDUCE_DTYPE)
             offset = 0
             for part in parts:
@@ -165,18 +194,31 @@ class GradReducer:
             staging.div_(self.comm.world_size)
         return staging
 
+    @staticmethod
+    def _local_flags(unit: FlatUnit) -> torch.Tensor:
+        """This rank's flags of ``unit``: each slot had a gradient in the window (1/0), then whether a
+        gradient of this window was non-finite here (``FlatUnit.note_nonfinite``)."""
+        return torch.tensor([*unit.has_grad, 1.0 if unit.note_nonfinite() else 0.0], dtype=torch.float64)
+
     def _complete(self, bucket: _Bucket) -> None:
         if bucket.work is not None:
             bucket.work.wait()
         staged = bucket.staging is not bucket.units[0].flat_grad
         offset = 0
+        flag_offset = sum(u.layout.shard_numel for u in bucket.units)
         for unit in bucket.units:
             if self.mode is Mode.ALL_REDUCE:
                 if staged:
                     unit.flat_grad.copy_(bucket.staging[offset:offset + unit.layout.padded_numel])
+                unit.reduced_in_place()
                 offset += unit.layout.padded_numel
             else:
-                self.on_reduced(unit, bucket.output[offset:offset + unit.layout.shard_numel])
+                flags = None
+                if bucket.flags is not None and self.flagged(unit):
+                    count = len(unit.layout.slots) + 1
+                    flags = bucket.output[flag_offset:flag_offset + count].double().cpu()
+                    flag_offset += count
+                self.on_reduced(unit, bucket.output[offset:offset + unit.layout.shard_numel], flags)
                 offset += unit.layout.shard_numel
                 unit.release_flat_grad(self.tier)
         self.tier.free(Kind.BUFFER, bucket.output)

@@ -29,10 +29,11 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 import torch
+from torch.profiler import record_function
 
 from .comm import Comm, all_gather
 from .config import ConfigError
-from .partition import FlatUnit
+from .partition import FlatUnit, ParamState
 from .tiers import DeviceCopier, Kind, Tier
 
 __all__ = ["PrefetchStats", "ParamScheduler", "gathered_bytes", "check_live_bound"]
@@ -43,6 +44,11 @@ logger = logging.getLogger(__name__)
 def gathered_bytes(unit: FlatUnit) -> int:
     """Bytes a unit holds while gathered: its full padded buffer in the compute dtype."""
     return unit.layout.padded_numel * unit.compute_dtype.itemsize
+
+
+def _live(unit: FlatUnit) -> bool:
+    """Gathered or being gathered: its full buffer's bytes count toward ``zero.max_live_size``."""
+    return unit.param_state is not ParamState.SHARDED
 
 
 def check_live_bound(units: list[FlatUnit], max_live_bytes: int) -> None:
@@ -99,13 +105,14 @@ class ParamScheduler:
         self._staged: dict[int, Any] = {}
         self.prefetch_bytes = prefetch_bytes
         self.max_live_bytes = max_live_bytes
-        self._index = {id(u): i for i, u in enumerate(units)}
+        self._position = {u.index: position for position, u in enumerate(units)}
+        """Each unit's position in ``units`` (what the trace and the per-unit lists hold), by ``unit.index``."""
         self._in_flight: dict[int, tuple[Any, list[Callable[[], None]]]] = {}
         self._active = [0] * len(units)
         self.live_bytes = 0
         self.trace: list[int] | None = None
         self._recording: list[int] | None = None
-        self._position = 0
+        self._trace_position = 0
         self._training = False
         self.stats = PrefetchStats()
 
@@ -115,7 +122,7 @@ class ParamScheduler:
         if self._training:
             self.end_pass()  # the previous training forward had no backward through the engine
         self._training = training
-        self._position = 0
+        self._trace_position = 0
         if training and self.trace is None:
             self._recording = []
 
@@ -138,14 +145,14 @@ class ParamScheduler:
     # ------------------------------------------------------------------ uses
     def acquire(self, unit: FlatUnit) -> None:
         """``unit`` is about to compute: make it gathered, then fetch ahead along the trace."""
-        index = self._index[id(unit)]
+        index = self._position[unit.index]
         self._follow_trace(index)
         if self._training:
-            if unit.gathered:
+            if _live(unit):
                 self.stats.hits += 1
             else:
                 self.stats.misses += 1
-        if not unit.gathered:
+        if not _live(unit):
             self._make_room(gathered_bytes(unit))
             self._launch(index)
         self._wait(index)
@@ -154,7 +161,7 @@ class ParamScheduler:
 
     def release(self, unit: FlatUnit) -> None:
         """A use of ``unit`` ended: free it unless it is used again soon (and no other use is open)."""
-        index = self._index[id(unit)]
+        index = self._position[unit.index]
         if self._active[index] == 0:
             return  # its pass already ended (end_pass freed it)
         self._active[index] -= 1
@@ -172,7 +179,7 @@ class ParamScheduler:
     def gather_all(self) -> None:
         """Every unit gathered at once, outside any pass (``engine.gathered``): not bounded by max_live_size."""
         for index, unit in enumerate(self.units):
-            if not unit.gathered:
+            if not _live(unit):
                 self._launch(index)
         for index in list(self._in_flight):
             self._wait(index)
@@ -187,7 +194,7 @@ class ParamScheduler:
         self._staged.clear()
         for index, unit in enumerate(self.units):
             self._active[index] = 0
-            if unit.gathered:
+            if _live(unit):
                 self._free(index)
 
     # ------------------------------------------------------------------ the trace
@@ -199,19 +206,19 @@ class ParamScheduler:
             return
         if self.trace is None:
             return
-        expected = self.trace[self._position] if self._position < len(self.trace) else None
+        expected = self.trace[self._trace_position] if self._trace_position < len(self.trace) else None
         if expected == index:
-            self._position += 1
+            self._trace_position += 1
             return
         logger.info("unit order changed at use %d (trace: %s, now: %s): prefetch is off until the next pass "
-                    "records a new trace", self._position, self._name(expected), self._name(index))
+                    "records a new trace", self._trace_position, self._name(expected), self._name(index))
         self.trace = None
 
     def _window(self, scale: int = 1) -> list[int]:
         """Units this training pass uses next along the trace, within ``scale × prefetch_size`` bytes."""
         if not self._training or self._recording is not None:
             return []
-        return self._ahead(self._position, scale)
+        return self._ahead(self._trace_position, scale)
 
     def _ahead(self, position: int, scale: int) -> list[int]:
         """Units used from ``position`` on along the trace, within ``scale × prefetch_size`` bytes (none
@@ -229,11 +236,11 @@ class ParamScheduler:
 
     def _prefetch(self) -> None:
         for index in self._window(scale=2):
-            if not self.units[index].gathered:
+            if not _live(self.units[index]):
                 self._stage(index)
         for index in self._window():
             unit = self.units[index]
-            if unit.gathered:
+            if _live(unit):
                 continue
             if self.live_bytes + gathered_bytes(unit) > self.max_live_bytes:
                 break
@@ -270,23 +277,25 @@ class ParamScheduler:
         """Start ``units[index]``'s all-gather (its views attach once it is waited for)."""
         unit = self.units[index]
         source, releases = self._shard_source(index)
-        buffer = unit.gather_buffer(self.tier)
-        self.live_bytes += gathered_bytes(unit)
-        self.stats.gathers += 1
-        self.stats.peak_live_bytes = max(self.stats.peak_live_bytes, self.live_bytes)
-        self._in_flight[index] = (all_gather(self.comm, buffer, source, async_op=True), releases)
+        with record_function("zerooffload::gather"):
+            buffer = unit.begin_gather(self.tier)
+            self.live_bytes += gathered_bytes(unit)
+            self.stats.gathers += 1
+            self.stats.peak_live_bytes = max(self.stats.peak_live_bytes, self.live_bytes)
+            self._in_flight[index] = (all_gather(self.comm, buffer, source, async_op=True), releases)
 
     def _wait(self, index: int) -> None:
         if index not in self._in_flight:
             return
         work, releases = self._in_flight.pop(index)
-        if work is not None:
-            start = time.perf_counter()
-            work.wait()
-            self.stats.wait_seconds += time.perf_counter() - start
-        for release in releases:
-            release()
-        self.units[index].attach_params()
+        with record_function("zerooffload::gather"):
+            if work is not None:
+                start = time.perf_counter()
+                work.wait()
+                self.stats.wait_seconds += time.perf_counter() - start
+            for release in releases:
+                release()
+            self.units[index].finish_gather()
 
     def _free(self, index: int) -> None:
         self._wait(index)
@@ -307,5 +316,5 @@ class ParamScheduler:
 
     def _idle_live(self) -> Iterator[int]:
         for index, unit in enumerate(self.units):
-            if unit.gathered and self._active[index] == 0:
+            if _live(unit) and self._active[index] == 0:
                 yield index

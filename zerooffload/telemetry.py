@@ -1,9 +1,12 @@
 """What the engine reports: memory per tier × kind, and the last step's numbers (frozen snapshots)."""
 from __future__ import annotations
 
+import dataclasses
+import math
+import time
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Mapping
+from typing import Any, Callable, Mapping
 
 from .scheduler import PrefetchStats
 from .tiers import IOStats, Kind, LinkStats, Tier
@@ -89,3 +92,32 @@ class StepStats:
     def link_gbps(self) -> float:
         moved = self.link.host_to_device_bytes + self.link.device_to_host_bytes
         return moved / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+
+class WindowMeter:
+    """The counters of one accumulation window (collectives, prefetch, NVMe, link) and its wall time:
+    reset as a window starts, read into ``StepStats`` as it ends."""
+
+    def __init__(self, counters: Any, prefetch: PrefetchStats, live_bytes: Callable[[], int], io: IOStats,
+                 link: LinkStats):
+        self.counters, self.prefetch, self.live_bytes, self.io, self.link = counters, prefetch, live_bytes, io, link
+        self.started = time.perf_counter()
+
+    def start(self) -> None:
+        self.counters.reset()
+        self.prefetch.reset(self.live_bytes())
+        self.io.reset()
+        self.link.reset()
+        self.started = time.perf_counter()
+
+    def stats(self, *, step: int, updated: bool, skipped_steps: int, norm_sq: float, loss_scale: float, lr: float,
+              memory: MemoryReport) -> StepStats:
+        """The window's ``StepStats`` (``norm_sq``: the unscaled squared global gradient norm)."""
+        counters = self.counters
+        return StepStats(
+            step=step, updated=updated, skipped_steps=skipped_steps,
+            grad_norm=math.sqrt(norm_sq) if math.isfinite(norm_sq) else float("inf"), loss_scale=loss_scale, lr=lr,
+            data_elements=counters.data_elements, data_bytes=counters.data_bytes,
+            control_elements=counters.control_elements, memory=memory, prefetch=dataclasses.replace(self.prefetch),
+            io=dataclasses.replace(self.io), link=dataclasses.replace(self.link),
+            seconds=time.perf_counter() - self.started)

@@ -19,6 +19,7 @@ file and ``data`` is the caller's host buffer while loaded, read and written thr
 engine. Callers treat every block alike; the tier decides what moving means. A *prefix block* reads
 the first elements of another NVMe block (a partitioned unit's fp32 shard inside its optimizer block)
 and is never written through.
+Blocks are moved a few at a time through bounded host buffers by ``block_stream``'s pipelines.
 
 [Note: the host-device link]
 What crosses between host memory and the device tier is counted in ``LinkStats`` (bus traffic on a
@@ -30,13 +31,11 @@ from __future__ import annotations
 
 import abc
 import contextlib
-import enum
 import os
 import shutil
 import time
-from collections import deque
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import psutil
 import torch
@@ -45,23 +44,10 @@ from .config import Config, ConfigError, MemoryConfig
 from .io.aio import AsyncIO
 from .io.buffers import aligned_empty
 from .io.swapfile import SwapStore
+from .kinds import Kind
 
 __all__ = ["Kind", "Tier", "DeviceTier", "HostTier", "NvmeTier", "Block", "IOStats", "LinkStats", "DeviceCopier",
-           "BudgetError", "make_tiers", "check_plan", "Plan", "stream_blocks", "BlockWriter", "write_block",
-           "STREAM_BUFFERS"]
-
-
-class Kind(enum.Enum):
-    PARAM = "param"
-    """Parameters in the compute dtype: full, or this rank's shard."""
-    GRAD = "grad"
-    """Gradients in the compute dtype: full, or this rank's shard."""
-    OPTIMIZER = "optimizer"
-    """fp32 master weights (when separate from the parameters) and optimizer moments."""
-    GATHERED = "gathered"
-    """Stage 3: full parameters of units gathered for compute (bounded by ``zero.max_live_size``)."""
-    BUFFER = "buffer"
-    """Engine temporaries: gradients of a unit being reduced, reduce-scatter outputs, staging."""
+           "BudgetError", "make_tiers", "open_swap", "close_tiers", "swap_bytes", "check_plan", "check_ram", "Plan"]
 
 
 class BudgetError(ConfigError):
@@ -344,130 +330,6 @@ class NvmeTier(Tier):
         return _SwappedPrefix(self.swap, key, numel, dtype, self.io)
 
 
-STREAM_BUFFERS = 3
-"""Host buffers a block stream holds: one being read, one being worked on, one being written."""
-
-
-def stream_blocks(blocks: list[Block], buffer_tier: Tier, *, read: bool = True, write: bool = True
-                  ) -> Iterator[Block]:
-    """Yield each block loaded, in order: block i+1 loads while the caller works on block i and block
-    i−1 is stored, through at most ``STREAM_BUFFERS`` host buffers (``Kind.BUFFER`` of ``buffer_tier``).
-
-    ``read=False`` skips the reads (the caller overwrites ``data``), ``write=False`` the stores. The
-    caller must finish with a block before asking for the next: after that it is stored and unloaded.
-    """
-    size = max((b.nbytes for b in blocks if not b.resident), default=0)
-    owned: list[torch.Tensor] = []
-    spare: list[torch.Tensor] = []
-    storing: deque[tuple[Block, Any]] = deque()
-
-    def finish_oldest_store() -> None:
-        block, handle = storing.popleft()
-        handle.wait()
-        _recycle(block)
-
-    def _recycle(block: Block) -> None:
-        buffer = block.unload()
-        if buffer is not None:
-            spare.append(buffer)
-
-    def start_load(block: Block) -> Any:
-        if block.resident:
-            return block.load()
-        if not spare and len(owned) == STREAM_BUFFERS:
-            finish_oldest_store()
-        if not spare:
-            owned.append(buffer_tier.empty(Kind.BUFFER, size, torch.uint8))
-            spare.append(owned[-1])
-        return block.load(spare.pop(), read=read)
-
-    loading = deque()
-    try:
-        for index, block in enumerate(blocks):
-            if index == 0:
-                loading.append(start_load(block))
-            if index + 1 < len(blocks):
-                loading.append(start_load(blocks[index + 1]))
-            loading.popleft().wait()
-            yield block
-            if write:
-                storing.append((block, block.store()))
-                while len(storing) > 1:
-                    finish_oldest_store()
-            else:
-                _recycle(block)
-        while storing:
-            finish_oldest_store()
-    finally:
-        for handle in [*loading, *(h for _, h in storing)]:
-            with contextlib.suppress(Exception):  # already failing: the first error is the one to see
-                handle.wait()
-        for buffer in owned:
-            buffer_tier.free(Kind.BUFFER, buffer)
-
-
-class BlockWriter:
-    """Overwrites blocks with new values and stores them in the background, through at most
-    ``STREAM_BUFFERS`` host buffers (``Kind.BUFFER`` of ``buffer_tier``); ``finish`` waits for all."""
-
-    def __init__(self, buffer_tier: Tier):
-        self.buffer_tier = buffer_tier
-        self._pending: deque[tuple[Block, Any]] = deque()
-
-    def begin(self, block: Block, *, read: bool = False) -> torch.Tensor:
-        """``block.data`` to overwrite (a host buffer unless resident; with ``read``, holding what is
-        home, to change in place); ``commit`` stores it."""
-        if not block.resident:
-            while len(self._pending) >= STREAM_BUFFERS:
-                self._finish_oldest()
-            buffer = self.buffer_tier.empty(Kind.BUFFER, block.nbytes, torch.uint8)
-            try:
-                block.load(buffer, read=read).wait()
-            except BaseException:
-                self.buffer_tier.free(Kind.BUFFER, block.unload())
-                raise
-        return block.data
-
-    def commit(self, block: Block) -> None:
-        """Start storing a block filled since ``begin``."""
-        if block.resident:
-            return
-        try:
-            self._pending.append((block, block.store()))
-        except BaseException:
-            self.buffer_tier.free(Kind.BUFFER, block.unload())
-            raise
-
-    def write(self, block: Block, values: torch.Tensor) -> None:
-        self.begin(block).copy_(values)
-        self.commit(block)
-
-    def _finish_oldest(self) -> None:
-        block, handle = self._pending.popleft()
-        try:
-            handle.wait()
-        finally:
-            self.buffer_tier.free(Kind.BUFFER, block.unload())
-
-    def finish(self) -> None:
-        """Wait for every store (the first failure raises after the rest are waited for)."""
-        error = None
-        while self._pending:
-            try:
-                self._finish_oldest()
-            except Exception as exc:  # keep waiting: no buffer may be freed under a transfer
-                error = error or exc
-        if error is not None:
-            raise error
-
-
-def write_block(block: Block, values: torch.Tensor, buffer_tier: Tier) -> None:
-    """Overwrite ``block`` with ``values`` (cast to its dtype) and store it home, now."""
-    writer = BlockWriter(buffer_tier)
-    writer.write(block, values)
-    writer.finish()
-
-
 def _swap_paths(config: Config) -> list[str]:
     """``nvme.path``, or the ``offload.*.path`` that overrides it for the states that live on NVMe."""
     offload = config.offload
@@ -503,6 +365,27 @@ def make_tiers(memory: MemoryConfig, device: torch.device) -> dict[str, Tier]:
     host_budget = None if memory.host_budget == "auto" else int(memory.host_budget)
     return {"device": DeviceTier("device", device, _device_budget(memory.device_budget, device)),
             "host": HostTier("host", torch.device("cpu"), host_budget)}
+
+
+def open_swap(tiers: dict[str, Tier], plan: Plan, config: Config, rank: int) -> IOStats:
+    """Add the ``nvme`` tier when ``plan`` puts state there, its swap space reserved for the plan's
+    bytes; returns the I/O counters the run reports (empty without NVMe)."""
+    if "nvme" not in plan:
+        return IOStats()
+    tiers["nvme"] = NvmeTier(config, rank, reserve=swap_bytes(plan))
+    return tiers["nvme"].io
+
+
+def close_tiers(tiers: dict[str, Tier]) -> None:
+    """Stop accounting every tier's tensors and release what the tiers hold (swap files)."""
+    for tier in tiers.values():
+        tier.usage = {kind: 0 for kind in Kind}
+        tier.close()
+
+
+def swap_bytes(plan: Plan) -> int:
+    """The swap space ``plan`` needs on NVMe (per rank)."""
+    return sum(plan.get("nvme", {}).values())
 
 
 RAM_MARGIN = 0.10

@@ -57,7 +57,7 @@ from .checkpoint_files import LATEST, PARTIAL, CheckpointError
 from .comm import Comm, control_all_reduce
 from .config import Config, apply_override
 from .data import ByteCorpus
-from .engine import initialize
+from .initialization import initialize
 from .lazy_init import init_context
 from .models import GPT, PRESETS
 

@@ -1,7 +1,8 @@
 """What the I/O layer is told: five plain values, so it depends on nothing above it.
 
-``config.AioConfig`` (the ``[aio]`` section users write) has exactly these fields and defaults and is
-passed as it is; a test ties the two. ``IOSettings()`` is what an ``AsyncIO()`` made without one uses.
+``config.AioConfig`` (the ``[aio]`` section users write) has exactly these fields and defaults, plus
+``blocks_in_flight``, which the block pipelines above this layer read (``block_stream``), and is passed
+as it is; a test ties the two. ``IOSettings()`` is what an ``AsyncIO()`` made without one uses.
 """
 from __future__ import annotations
 

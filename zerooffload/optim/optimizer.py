@@ -2,7 +2,7 @@
 
 [Note: optimizer pieces]
 The tensors in ``param_groups[i]["params"]`` are *pieces*: views of the fp32 master shards, one per
-parameter part this rank owns (``partition.Piece``). Before a step the engine points each piece's
+parameter part this rank owns (``unit_layout.Piece``). Before a step the engine points each piece's
 ``.grad`` at its averaged fp32 gradient, or leaves it ``None`` when no rank produced a gradient for
 that parameter in the window, so torch skips it exactly as it skips an unused parameter. The update
 itself is torch's own (fused AdamW/Adam/SGD kernels where the device has them), sharing these group

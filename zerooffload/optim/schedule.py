@@ -27,8 +27,12 @@ def lr_factor(step: int, config: SchedulerConfig, peak_lr: float) -> float:
     return floor + (1 - floor) * shape
 
 
-def build_scheduler(optimizer: torch.optim.Optimizer, config: SchedulerConfig) -> torch.optim.lr_scheduler.LambdaLR:
-    """A LambdaLR over every group, each scaled from its own peak lr."""
+def build_scheduler(optimizer: torch.optim.Optimizer, config: SchedulerConfig
+                    ) -> torch.optim.lr_scheduler.LambdaLR | None:
+    """A LambdaLR over every group, each scaled from its own peak lr; None for the default schedule
+    (constant, no warmup), which leaves the optimizer's lr alone."""
+    if config.type == "constant" and config.warmup_steps == 0:
+        return None
     peaks = [group["lr"] for group in optimizer.param_groups]
     return torch.optim.lr_scheduler.LambdaLR(
         optimizer, [lambda step, peak=peak: lr_factor(step, config, peak) for peak in peaks])

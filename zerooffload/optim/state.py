@@ -2,11 +2,11 @@
 
 [Note: optimizer blocks]
 - A unit's *optimizer block* holds ``[master | moment_1 | moment_2 ...]`` in fp32 over this rank's
-  shard's *trainable part* (partition's [Note: unit vocabulary]), one segment each, sized to its
+  shard's *trainable part* (unit_layout's [Note: unit vocabulary]), one segment each, sized to its
   span (rounded up to ``ALIGN_ELEMENTS`` for O_DIRECT); the master is left out when it is a view of
   fp32 weights already (``memory_plan.master_is_param``). The block's home is
   ``offload.optimizer.tier``: device or host memory, or a swap file on NVMe paged through host
-  buffers (``tiers.stream_blocks``).
+  buffers (``block_stream.stream_blocks``).
 - *Frozen prefix rule*: trainable parameters come first in a unit, so a shard's trainable part is
   its first ``t`` elements, and everything past them is frozen (or padding) and held by the compute
   weights alone: no master, no moments, no gradient kept for the step, and never written by a step
@@ -24,7 +24,11 @@ from __future__ import annotations
 
 import torch
 
-from ..partition import FlatUnit, Piece, span_block
+from ..partition import FlatUnit
+
+from ..shard_blocks import span_block
+
+from ..unit_layout import Piece
 from ..tiers import Kind, Tier
 
 __all__ = ["UnitOptimizerState", "units_to_offload"]
@@ -91,7 +95,7 @@ class UnitOptimizerState:
     def point(self, optimizer: torch.optim.Optimizer) -> None:
         """Point the pieces, their moments and ``unit.master`` into the loaded block."""
         master = self.master()
-        self.unit.master = master
+        self.unit.set_master(master)
         for piece, tensor in self.pieces:
             _point(tensor, master, piece.start, piece.stop)
             state = optimizer.state[tensor]
@@ -100,7 +104,7 @@ class UnitOptimizerState:
 
     def unpoint(self, optimizer: torch.optim.Optimizer) -> None:
         """Before a block that is not resident unloads: empty every view of it."""
-        self.unit.master = None
+        self.unit.set_master(None)
         for _, tensor in self.pieces:
             _point(tensor, None)
             for name in self.moment_names:

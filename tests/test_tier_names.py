@@ -1,0 +1,63 @@
+"""Placement is data: no module but the config, the placement and the tier classes names a tier.
+
+Read from the source (AST), so later work cannot bring back ``if tier == "nvme"`` or
+``isinstance(t, NvmeTier)`` in the engine, the memory plan or the sharded state: they ask a
+``UnitPlacement`` which tier, and the tier object what it can do.
+"""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parent.parent / "zerooffload"
+TIER_NAMES = {"device", "host", "nvme"}
+TIER_CLASSES = {"DeviceTier", "HostTier", "NvmeTier"}
+ALLOWED = {"config.py", "deepspeed_config.py", "placement.py", "tiers.py",
+           # the faces: they parse and print what users type and read
+           "cli.py", "train.py", "bench.py", "bench_adam.py", "doctor.py", "estimate.py"}
+
+
+def _docstrings(tree: ast.AST) -> set[int]:
+    """ids of the string constants that are docstrings (or bare string statements)."""
+    return {id(node.value) for node in ast.walk(tree)
+            if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)}
+
+
+def offences(source: str) -> list[str]:
+    """Each tier-name string, and each use of a concrete tier class, in ``source``."""
+    tree = ast.parse(source)
+    docs = _docstrings(tree)
+    found = []
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Constant) and node.value in TIER_NAMES and id(node) not in docs):
+            found.append(f"line {node.lineno}: tier name {node.value!r}")
+        elif isinstance(node, ast.Name) and node.id in TIER_CLASSES:
+            found.append(f"line {node.lineno}: concrete tier class {node.id}")
+        elif isinstance(node, ast.alias) and node.name in TIER_CLASSES:
+            found.append(f"line {getattr(node, 'lineno', '?')}: imports {node.name}")
+    return found
+
+
+def _modules() -> list[Path]:
+    return sorted(p for p in PACKAGE.rglob("*.py") if p.name not in ALLOWED)
+
+
+@pytest.mark.parametrize("path", _modules(), ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_no_module_outside_placement_and_tiers_names_a_tier(path: Path) -> None:
+    assert offences(path.read_text()) == []
+
+
+@pytest.mark.parametrize("snippet", [
+    'if name == "nvme":\n    pass\n',
+    'x = tiers["host"]\n',
+    'ok = isinstance(t, NvmeTier)\n',
+    'from .tiers import DeviceTier\n',
+])
+def test_the_check_finds_each_kind_of_offence(snippet: str) -> None:
+    assert offences(snippet), snippet
+
+
+def test_docstrings_may_speak_of_tiers() -> None:
+    assert offences('def f():\n    """Blocks on "nvme" stream."""\n') == []

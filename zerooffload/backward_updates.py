@@ -1,0 +1,135 @@
+"""Updates in backward: units whose reduced gradients leave the device, updated as they arrive.
+
+[Note: updates in backward]
+When the update needs nothing global (``optimizer.update_in_backward``: by default no
+``train.grad_clip`` and no fp16 loss scale that may skip the step), a unit whose gradient would leave
+for the optimizer's tier is updated, in the backward that closes an accumulation window, the moment
+its last reduced shard arrives: its optimizer block was read ahead (the blocks stream in the reducer's
+fixed order, read i+1 ‖ update i ‖ write i−1, as in the step), the shard is rounded to the compute
+dtype exactly as the tier would store it (or added to the window's earlier parts, read ahead from the
+tier, exactly as the tier would add it), and the new weights are published as the step would publish
+them. The gradient never makes its last trip to the tier and back (2 × its bytes per step saved on
+NVMe; with one micro-batch per step it is never stored at all), and the optimizer's I/O overlaps
+backward. The result is bitwise the step's: the same inputs, the same update. It is safe because a unit
+is reduced only once every use of its parameters in this backward is over (autograd accumulates a
+parameter's gradient after all its uses), and the "had a gradient somewhere" flags of its slots
+arrive summed over ranks with the reduced shard itself (``reduction``'s flags), in the reducer's order.
+``engine.step`` then updates only the other units, and closes the window as always (counters, LR
+schedule, the gradient norm reported). So the backward that closes a window applies its update: call
+``step`` after every ``backward``, as always.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, Iterator
+
+import torch
+
+from .optim.state import UnitOptimizerState
+from .partition import FlatUnit
+from .publication import Publication
+from .sharded_state import ShardedState
+from .update import Updater
+
+__all__ = ["BackwardUpdates"]
+
+
+class BackwardUpdates:
+    """The updates of one backward at a time, over the units placed to update in backward."""
+
+    def __init__(self, state: ShardedState, updater: Updater, order: list[FlatUnit],
+                 last_checkpoint: Callable[[], str | None]):
+        """``order``: the reducer's, in which reduced shards arrive; ``last_checkpoint()`` names where to
+        go back to after a poisoned update."""
+        self.state = state
+        self.updater = updater
+        self.units = [u for u in order if state.place(u).updates_in_backward]
+        self._opt_states = [state.opt_states[u.index] for u in self.units]
+        self._positions = {u.index: position for position, u in enumerate(self.units)}
+        """Each unit's position in ``units`` (arrival order), by ``unit.index``."""
+        self._last_checkpoint = last_checkpoint
+        self._states: Iterator[UnitOptimizerState] | None = None
+        """The units' optimizer states in arrival order, streamed: the next one loads during an update."""
+        self._publication: Publication | None = None
+        self.skipped: str | None = None
+        """Why the window was skipped here (a non-finite gradient before the first update), if it was."""
+
+    @property
+    def active(self) -> bool:
+        return self._states is not None
+
+    def start(self, closes_window: bool) -> None:
+        """A backward begins; its updates run if it closes the accumulation window."""
+        self.skipped = None
+        if not (self.units and closes_window):
+            return
+        self._prefetch_window_part(0)
+        self._states = self.state.visit(write=True, states=self._opt_states)
+        self._publication = self.updater.publication()
+
+    def take(self, unit: FlatUnit, shard: torch.Tensor, flags: torch.Tensor, loss_scale: float) -> bool:
+        """Update ``unit`` from its last reduced ``shard`` if it updates in backward now (True), given
+        ``flags``: each slot's "had a gradient" count over ranks, then the non-finite count."""
+        if self._states is None or not self.state.place(unit).updates_in_backward:
+            return False
+        opt_state = next(self._states)  # loaded ahead while the previous unit updated
+        assert opt_state.unit is unit, "reduced shards arrive in the reducer's fixed order"
+        position = self._positions[unit.index]
+        self._prefetch_window_part(position + 1)  # the next unit's, during this update
+        with self._window_grad(unit, shard) as grad:
+            if flags[-1] > 0 and self.state.config.train.skip_nonfinite:
+                self._refuse_poisoned_update(unit, position)
+                return True
+            self.updater.update_unit(opt_state, flags[:-1], grad, 1.0 / loss_scale, self._publication)
+            unit.mark_updated_in_backward(torch.linalg.vector_norm(grad, dtype=torch.float32))
+        return True
+
+    def finish(self) -> None:
+        """Backward is over: the last optimizer block stored, the new weights home or all-gathered."""
+        if self._states is None:
+            return
+        states, publication, self._states, self._publication = self._states, self._publication, None, None
+        for _ in states:  # every unit was reduced, so this only stores the last block ...
+            raise AssertionError("a unit updated in backward got no reduced gradient")
+        publication.finish()
+
+    def abandon(self) -> None:
+        """Backward failed: let the stream wait for its transfers and free its buffers; keep the first error."""
+        if self._states is None:
+            return
+        states, publication, self._states, self._publication = self._states, self._publication, None, None
+        states.close()
+        publication.abandon()
+
+    def _refuse_poisoned_update(self, unit: FlatUnit, position: int) -> None:
+        """A non-finite gradient reached an update in backward. Before the first unit's update the
+        window is skipped like any other (the stream closed, later shards discarded); after it, weights
+        have changed and the step cannot be undone, so every rank raises (the flag was summed over ranks)."""
+        name = unit.layout.name or "<root>"
+        if position > 0:
+            raise RuntimeError(
+                f"unit {name!r} has a non-finite (inf/NaN) gradient on some rank, found after {position} unit(s) "
+                "were already updated in this backward: those weights have changed, so this engine must not go "
+                f"on. Restart from the last good checkpoint ({self._last_checkpoint() or 'none saved or loaded'}); "
+                "with train.grad_clip > 0 updates wait for the global norm and such a window is skipped instead")
+        self.skipped = f"non-finite gradient of unit {name!r}"
+        self.abandon()
+
+    @contextlib.contextmanager
+    def _window_grad(self, unit: FlatUnit, shard: torch.Tensor) -> Iterator[torch.Tensor]:
+        """The window's whole gradient of ``unit`` given its last reduced part: that part rounded to the
+        compute dtype as the tier would store it, or added to the earlier parts read from the tier (and
+        not stored back: the update is its last use)."""
+        if unit.offloaded_grad is None or not unit.offloaded_grad.written:
+            yield shard.to(unit.compute_dtype)
+            return
+        with unit.offloaded_grad.loaded() as grad:
+            yield grad.add_(shard[:grad.numel()])  # the tier keeps the trainable span's
+
+    def _prefetch_window_part(self, position: int) -> None:
+        """Start reading the earlier gradient parts (accumulation) of the ``position``-th unit updated in
+        backward, if there is one and it has some."""
+        if position < len(self.units):
+            kept = self.units[position].offloaded_grad
+            if kept is not None and kept.written:
+                kept.prefetch()

@@ -1,0 +1,59 @@
+"""Initialization: the front door from a user's model and config to a training engine (``zo.initialize``)."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from .activations import ActivationProfile, measure_activations
+from .comm import failing_together, init_comm
+from .config import Config, dtype_bytes
+from .engine import Engine
+from .lazy_init import is_lazy, swap_in_placeholders
+from .unit_layout import find_units
+from .sharded_state import EAGER
+from .threads import set_threads
+
+__all__ = ["initialize"]
+
+
+def initialize(model: nn.Module, config: Config | dict | str | None = None, param_groups: list[dict] | None = None,
+               init_fn: Any = None, *, example_inputs: tuple | dict | None = None) -> "Engine":
+    """Shard ``model``'s training state as ``config`` says and return the engine that trains it.
+
+    ``param_groups`` are torch-style groups over ``model``'s parameters (lr, weight_decay, ... per
+    group); by default one group of every trainable parameter. ``init_fn(model)``, when given, runs
+    once under ``torch.no_grad()`` before the parameters are flattened; for a model built under
+    ``init_context`` it runs as ``init_fn(module)`` for each module instead of ``reset_parameters()``
+    (``lazy_init``'s note), one unit's worth of memory at a time. ``example_inputs``: one micro-batch's
+    arguments to the model (a tuple, or a dict of keyword arguments; real or meta tensors, only their
+    shapes count), for a model built under ``init_context``: its activations are measured on the meta
+    device and counted in the memory check ([Note: measuring activations]).
+    """
+    config = Config.load(config if config is not None else {})
+    set_threads(config.train.threads)
+    lazy = is_lazy(model)
+    comm = init_comm()
+    activations = None
+    if example_inputs is not None:
+        activations = _measure(model, config, comm.device, example_inputs)
+    if lazy:
+        swap_in_placeholders(model)
+    elif init_fn is not None:
+        with torch.no_grad():
+            init_fn(model)
+    with failing_together(comm):
+        return Engine(model, config, comm, param_groups, lazy_init_fn=init_fn if lazy else EAGER,
+                      activations=activations)
+
+
+def _measure(model: nn.Module, config: Config, device: torch.device, example_inputs: tuple | dict
+             ) -> ActivationProfile:
+    """The activations of ``model`` (still on the meta device) on ``example_inputs``."""
+    if not is_lazy(model):
+        raise ValueError("example_inputs: activations are measured on a model built under zo.init_context(); "
+                         "build it there, or leave example_inputs out (the RAM margin then stands in for them)")
+    args, kwargs = (((), example_inputs) if isinstance(example_inputs, dict) else (tuple(example_inputs), {}))
+    layouts = find_units(model, config.zero.unit_modules, 1)
+    return measure_activations(model, layouts, dtype_bytes(config.train.precision), args, kwargs, device)

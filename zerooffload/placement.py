@@ -1,0 +1,136 @@
+"""Where each unit's state lives and where its update runs, decided once from the config.
+
+[Note: placement]
+A run's layout of state is data: one ``UnitPlacement`` per unit, made here and nowhere else, read by
+the engine, the memory plan and telemetry alike. Tiers are named as the config names them (``device``
+runs the compute, ``host`` is RAM, ``nvme`` swap files); only this module, the config and the tier
+classes spell those names out: everything above asks a placement which tier, and the tier object
+what it can do. The rules:
+- parameters: full on the device, except stage 3's *partitioned* units (at least
+  ``zero.persist_threshold`` parameters), whose shard lives on ``offload.param.tier``;
+- optimizer blocks: on ``offload.optimizer.tier`` for the share of units ``offload.optimizer.fraction``
+  sends there (``optim.state.units_to_offload``), on the device for the rest;
+- the update runs in the optimizer block's memory, or in host memory when the block is on NVMe;
+- gradients: full buffers over the window at stages 0–1, reduced shards at stages 2–3; a shard whose
+  optimizer block is off the device *leaves* it, for that tier until the step (*kept*) or straight
+  into an update in backward (``optimizer.update_in_backward``, engine's [Note: updates in backward]);
+- fp32 masters are the weights themselves with fp32 weights and optimizer both on the device; a
+  partitioned fp32 unit on NVMe with its optimizer block there reads its shard from the block's master
+  segment (*params in masters*), unless ``nvme.checksum`` asks for whole blocks.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .config import Config
+from .optim.state import units_to_offload
+from .unit_layout import UnitLayout
+
+__all__ = ["Placement", "UnitPlacement", "place", "updates_in_backward"]
+
+COMPUTE = "device"
+"""The tier the compute runs in."""
+STAGING = "host"
+"""The tier whose memory stages blocks that are not addressable (NVMe) and runs their updates."""
+_NOT_ADDRESSABLE = ("nvme",)
+
+
+@dataclass(frozen=True, slots=True)
+class UnitPlacement:
+    """One unit's placement (see [Note: placement]); tier names as the config spells them."""
+
+    index: int
+    """The unit's position in the model's unit order."""
+    trainable: bool
+    """Whether any of its parameters trains (a frozen unit has no gradient, no optimizer state)."""
+    partitioned: bool
+    """Stage 3: only a shard lives between uses, gathered for forward and backward."""
+    param_home: str
+    """Where the parameters live between uses: the shard's tier when partitioned, else the device."""
+    optimizer: str
+    """Where the optimizer block (masters and moments) lives."""
+    update_on: str
+    """Whose memory the update runs in: the optimizer block's, or host memory's for blocks on NVMe."""
+    keep_full_grad: bool
+    """Stages 0–1: a full gradient buffer accumulates over the window."""
+    keep_grad_shard: bool
+    """Stages 2–3: a reduced shard accumulates over the window."""
+    grad_leaves: bool
+    """The reduced shard leaves the device: for the optimizer's tier or into an update in backward."""
+    grads_kept: bool
+    """A shard that leaves waits on the optimizer's tier for the step (``offloaded_grads``)."""
+    updates_in_backward: bool
+    """Updated in the backward that closes a window, as its last reduced shard arrives."""
+    master_is_param: bool
+    """The fp32 masters are the weights' own shard: no copy, no bytes."""
+    params_in_masters: bool
+    """A partitioned shard on NVMe is read from the optimizer block's master segment (fp32)."""
+
+    @property
+    def offloaded(self) -> bool:
+        """The optimizer block lives off the device."""
+        return self.optimizer != COMPUTE
+
+    @property
+    def streamed(self) -> bool:
+        """The optimizer block is not addressable: it streams through host buffers to be used."""
+        return self.optimizer in _NOT_ADDRESSABLE
+
+    @property
+    def updated_on_device(self) -> bool:
+        """The update writes its new weights in the compute's memory."""
+        return self.update_on == COMPUTE
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """Every unit's placement, and the run-wide facts the engine's parts share."""
+
+    units: tuple[UnitPlacement, ...]
+    compute: str = COMPUTE
+    staging: str = STAGING
+    shards_off_device: bool = False
+    """Partitioned shards live off the device: gathers copy them in (``DeviceCopier``)."""
+
+    def tiers(self) -> set[str]:
+        """The tiers this placement puts state on (the device and the staging memory always)."""
+        return {self.compute, self.staging, *(u.param_home for u in self.units), *(u.optimizer for u in self.units)}
+
+    @property
+    def updates_in_backward(self) -> list[UnitPlacement]:
+        """The units updated in backward, in unit order."""
+        return [u for u in self.units if u.updates_in_backward]
+
+
+def updates_in_backward(config: Config) -> bool:
+    """Whether units whose gradients leave the device are updated in the backward that closes a window:
+    ``optimizer.update_in_backward``; ``auto`` when the update needs nothing global (no
+    ``train.grad_clip``, no fp16 loss scale that may skip the step)."""
+    mode = config.optimizer.update_in_backward
+    if mode == "auto":
+        return config.train.grad_clip == 0 and config.train.precision != "fp16"
+    return mode == "on"
+
+
+def place(layouts: list[UnitLayout], config: Config) -> Placement:
+    """The placement ``config`` makes of ``layouts`` (see [Note: placement])."""
+    stage, offload = config.zero.stage, config.offload
+    moved = units_to_offload(layouts, offload.optimizer.fraction)
+    in_backward = updates_in_backward(config)
+    kept = config.train.grad_accum_steps > 1 or not in_backward
+    units = []
+    for index, (layout, offloaded) in enumerate(zip(layouts, moved)):
+        optimizer = offload.optimizer.tier if offloaded else COMPUTE
+        partitioned = stage == 3 and layout.numel >= config.zero.persist_threshold
+        param_home = offload.param.tier if partitioned else COMPUTE
+        grad_leaves = stage >= 2 and layout.trainable and optimizer != COMPUTE
+        fp32 = config.train.precision == "fp32"
+        units.append(UnitPlacement(
+            index=index, trainable=layout.trainable, partitioned=partitioned, param_home=param_home,
+            optimizer=optimizer, update_on=STAGING if optimizer in _NOT_ADDRESSABLE else optimizer,
+            keep_full_grad=stage <= 1 and layout.trainable, keep_grad_shard=stage >= 2 and layout.trainable,
+            grad_leaves=grad_leaves, grads_kept=grad_leaves and kept, updates_in_backward=grad_leaves and in_backward,
+            master_is_param=fp32 and offload.param.tier == COMPUTE and optimizer == COMPUTE,
+            params_in_masters=(fp32 and partitioned and param_home in _NOT_ADDRESSABLE
+                               and optimizer in _NOT_ADDRESSABLE and not config.nvme.checksum)))
+    return Placement(tuple(units), shards_off_device=offload.param.tier != COMPUTE)

@@ -1,0 +1,130 @@
+"""Whole values in and out of the sharded state: full state dicts, gathered parameters, new masters.
+
+Every operation here is collective and walks the units one at a time (optimizer blocks paged in by
+``ShardedState.visit``), so memory stays near one unit whatever the model's size.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, Iterator
+
+import torch
+from torch import nn
+
+from .comm import all_gather, broadcast
+from .optim.state import UnitOptimizerState
+from .partition import FlatUnit, ParamState
+from .scheduler import ParamScheduler
+from .sharded_state import ShardedState
+from .block_stream import write_block
+from .tiers import Kind
+from .update import Updater
+
+__all__ = ["StateDicts"]
+
+
+class StateDicts:
+    """Reads and writes a ``ShardedState`` whole."""
+
+    def __init__(self, state: ShardedState, param_scheduler: ParamScheduler, updater: Updater):
+        self.state = state
+        self.param_scheduler = param_scheduler
+        self.updater = updater
+
+    def full_state_dict(self, all_ranks: bool) -> dict[str, torch.Tensor]:
+        """``model.state_dict()``'s keys with fp32 CPU parameters (from the masters) and buffers as they
+        are; rank 0 (every rank with ``all_ranks``) gets the dict, the others ``{}``."""
+        state, comm = self.state, self.state.comm
+        values: dict[int, torch.Tensor] = {}
+        for opt_state in state.visit(write=False):
+            unit = opt_state.unit
+            shard = self.fp32_shard(opt_state)
+            flat = torch.empty(unit.layout.padded_numel, dtype=torch.float32, device=shard.device)
+            if unit.layout.shards > 1:
+                all_gather(comm, flat, shard)
+            else:
+                flat.copy_(shard)
+            for slot in unit.layout.slots:
+                values[id(slot.param)] = flat[slot.offset:slot.offset + slot.numel].view(slot.shape).cpu().clone()
+        if not (all_ranks or comm.rank == 0):
+            return {}
+        return {name: values[id(t)] if id(t) in values else t.detach().cpu().clone()
+                for name, t in state.module.state_dict(keep_vars=True).items()}
+
+    def fp32_shard(self, opt_state: UnitOptimizerState) -> torch.Tensor:
+        """This rank's whole shard of ``opt_state``'s unit in fp32 (``opt_state`` loaded): the master
+        over the trainable part, the weights past it. Those are frozen values, exact in fp32 runs; in
+        bf16/fp16 ones the compute-dtype values, since a frozen parameter keeps no fp32 copy."""
+        unit = opt_state.unit
+        master, trainable = opt_state.master(), unit.trainable_numel
+        if trainable == unit.layout.shard_numel:
+            return master
+        shard = torch.empty(unit.layout.shard_numel, dtype=torch.float32, device=master.device)
+        shard[:trainable].copy_(master)
+        with self._frozen_weights(unit) as frozen:
+            shard[trainable:].copy_(frozen)
+        return shard
+
+    @contextlib.contextmanager
+    def _frozen_weights(self, unit: FlatUnit) -> Iterator[torch.Tensor]:
+        """This rank's weights of ``unit`` past its trainable part, readable for the duration: read from
+        the shard's home when that is not addressable (shards read ahead are let go first: they hold
+        the block)."""
+        trainable = unit.trainable_numel
+        if unit.param_state is ParamState.GATHERED:  # the full weights are here (always, unless partitioned)
+            yield unit.flat_param[unit.shard_range][trainable:]
+            return
+        if unit.param_block.resident:
+            yield unit.param_block.data[trainable:]
+            return
+        self.param_scheduler.free_all()
+        block, staging = unit.param_block, self.state.staging
+        buffer = staging.empty(Kind.BUFFER, block.nbytes, torch.uint8)
+        try:
+            block.load(buffer).wait()
+            yield block.data[trainable:]
+        finally:
+            block.unload()
+            staging.free(Kind.BUFFER, buffer)
+
+    @contextlib.contextmanager
+    def gathered(self, modifier_rank: int) -> Iterator[nn.Module]:
+        """Full parameters readable and writable; on exit ``modifier_rank``'s writes reach the masters
+        (only where the compute weights changed, so untouched values keep their full fp32 precision)."""
+        units = self.state.units
+        self.param_scheduler.gather_all()
+        before = [u.flat_param[u.shard_range].clone() for u in units]  # only this rank's masters matter
+        try:
+            yield self.state.module
+            for opt_state, old in zip(self.state.visit(write=True), before):
+                self._write_gathered(opt_state.unit, old, modifier_rank)
+        finally:
+            self.param_scheduler.free_all()
+
+    def _write_gathered(self, unit: FlatUnit, old: torch.Tensor, modifier_rank: int) -> None:
+        """``modifier_rank``'s full parameters of ``unit`` to every rank, and the changed values of this
+        rank's shard into its masters (and its shard home, if any changed; frozen values have no
+        master: the weights and their home hold them)."""
+        broadcast(self.state.comm, unit.flat_param, src=modifier_rank)
+        new = unit.flat_param[unit.shard_range]
+        changed = new != old
+        if unit.partitioned and unit.param_block.writable and bool(changed.any()):
+            write_block(unit.param_block, new, self.state.staging)
+        if not unit.master_is_param:
+            trainable = unit.trainable_numel
+            changed, new = changed[:trainable], new[:trainable]
+            unit.master[changed.to(unit.master.device)] = new[changed].float().to(unit.master.device)
+
+    def set_optimizer_states(self, fill: Callable[[UnitOptimizerState, torch.Tensor | None], None], *,
+                             whole: bool) -> None:
+        """Set masters (and moments) from outside the step and publish the new compute weights, in one
+        pass over the optimizer blocks: ``fill(state, frozen)`` on each loaded state, ``frozen`` being
+        where this rank's values past the trainable part go (compute dtype; None when there are none:
+        ``Publication.frozen_part``); ``whole`` when it overwrites the entire block, not read first."""
+        self.param_scheduler.free_all()  # shards read ahead hold the old weights
+        publication = self.updater.publication(whole_shards=True)
+        for opt_state in self.state.visit(write=True, read=not whole):
+            target = publication.target(opt_state.unit)
+            fill(opt_state, publication.frozen_part(opt_state.unit))
+            self.updater.send(publication, opt_state, target, stepped=[])
+        publication.finish()

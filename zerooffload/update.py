@@ -1,0 +1,138 @@
+"""The optimizer update of units, and what it needs from the whole window: the global norm and flags.
+
+One unit's update (``Updater.update_unit``) is the same whether the step runs it or an update in
+backward does: the optimizer on the pieces whose parameters had a gradient on some rank (others skip,
+as torch skips ``grad is None``), writing the new compute weights straight where they are published
+(``publication``): all-gathered at stages 1–2, a partitioned unit's shard home at stage 3.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Iterator
+
+import torch
+from torch.profiler import record_function
+
+from .comm import control_all_reduce
+from .optim.state import UnitOptimizerState
+from .partition import FlatUnit
+from .unit_layout import Piece
+from .publication import Publication
+from .scheduler import ParamScheduler
+from .sharded_state import ShardedState
+from .tiers import Kind, Tier
+
+__all__ = ["Updater", "grad_scale"]
+
+
+class Updater:
+    """Updates units of a ``ShardedState`` and publishes their new weights."""
+
+    def __init__(self, state: ShardedState, param_scheduler: ParamScheduler, stage: int):
+        self.state = state
+        self.param_scheduler = param_scheduler
+        self.stage = stage
+
+    def publication(self, whole_shards: bool = False) -> Publication:
+        state = self.state
+        return Publication(state.comm, state.compute, state.staging, state.link,
+                           shards_off_device=state.placement.shards_off_device, whole_shards=whole_shards,
+                           depth=state.depth)
+
+    # ------------------------------------------------------------------ the window's norm and flags
+    def norm_and_flags(self) -> tuple[float, list[torch.Tensor]]:
+        """One control all-reduce: the window's squared gradient norm (still scaled by the loss scale)
+        and each slot's "had a gradient" count over ranks."""
+        units, comm = self.state.units, self.state.comm
+        flags = [torch.tensor(u.has_grad, dtype=torch.float64) for u in units]
+        # norms taken where each gradient was: on the device, or in host memory when offloaded
+        norms = [_grad_norm(unit).to(comm.device) for unit in units]
+        local_sq = torch.stack(norms).double().square().sum().cpu().reshape(1)
+        if self.stage == 0 and comm.rank != 0:
+            local_sq.zero_()  # stage 0 gradients are whole on every rank: count them once
+        control = control_all_reduce(comm, torch.cat([local_sq, *flags]).to(comm.device)).cpu()
+        return float(control[0]), list(torch.split(control[1:], [len(f) for f in flags]))
+
+    # ------------------------------------------------------------------ updates
+    def step_units(self, had_grad: list[torch.Tensor], grad_scale: float) -> None:
+        """Unit by unit, those not updated in backward already: each one's update, one unit's
+        all-gather running while the next updates. Frozen units are never updated, nor their state read
+        or written."""
+        units = self.state.units
+        left = [i for i, unit in enumerate(units) if unit.layout.trainable and unit.backward_update_norm is None]
+        publication = self.publication()
+        states = self.state.visit(write=True, states=[self.state.opt_states[i] for i in left])
+        for position, opt_state in enumerate(states):
+            upcoming = units[left[position + 1]].offloaded_grad if position + 1 < len(left) else None
+            if upcoming is not None:
+                upcoming.prefetch()  # its read overlaps this unit's update
+            with _reduced_grad(opt_state.unit) as grad:  # entered even when nothing steps: it may be prefetched
+                self.update_unit(opt_state, had_grad[left[position]], grad, grad_scale, publication)
+        publication.finish()
+        self.param_scheduler.stage_first_units()
+
+    def update_unit(self, opt_state: UnitOptimizerState, flags: torch.Tensor, grad: torch.Tensor,
+                    grad_scale: float, publication: Publication) -> None:
+        """One unit's update on the pieces whose parameters had a gradient somewhere (``flags``),
+        writing its new weights into their target, then sent on (``publication``'s note)."""
+        target = publication.target(opt_state.unit)
+        stepped = [(piece, tensor) for piece, tensor in opt_state.pieces if flags[piece.slot_index] > 0]
+        if stepped:
+            with record_function("zerooffload::optimizer_update"):
+                self._step_pieces(stepped, grad, grad_scale, target, self.state.update_tier(opt_state))
+        self.send(publication, opt_state, target, [piece for piece, _ in stepped])
+
+    def send(self, publication: Publication, opt_state: UnitOptimizerState, target: torch.Tensor | None,
+             stepped: list[Piece]) -> None:
+        place = self.state.place(opt_state.unit)
+        publication.send(opt_state.unit, target, stepped, updated_on_device=place.updated_on_device)
+
+    def _step_pieces(self, stepped: list[tuple[Piece, torch.Tensor]], grad: torch.Tensor, grad_scale: float,
+                     target: torch.Tensor | None, update_tier: Tier) -> None:
+        """The optimizer on one unit's stepped pieces. The native pass reads the reduced gradient as it
+        lies (any dtype) and scales it itself; torch's update gets an fp32 copy, scaled, for the unit."""
+        optimizer = self.state.optimizer
+        update_device = stepped[0][1].device
+        scaled = None
+        if not optimizer.native or grad.device != update_device:
+            scaled = update_tier.empty(Kind.BUFFER, grad.numel(), torch.float32)
+            grad = scaled.copy_(grad).mul_(grad_scale)
+            grad_scale = 1.0
+        try:
+            optimizer.step(grads={t: grad[p.start:p.stop] for p, t in stepped}, grad_scale=grad_scale,
+                           outs={} if target is None else {t: target[p.start:p.stop] for p, t in stepped})
+        finally:
+            update_tier.free(Kind.BUFFER, scaled)
+
+
+def grad_scale(norm_sq: float, grad_clip: float, loss_scale: float) -> float:
+    """What the reduced gradients are multiplied by in the update: 1 / loss scale, times the clip
+    coefficient of ``grad_clip`` against the global norm (``norm_sq`` already unscaled)."""
+    coefficient = 1.0
+    if grad_clip > 0:
+        coefficient = min(1.0, grad_clip / (math.sqrt(norm_sq) + 1e-6))
+    return coefficient / loss_scale
+
+
+def _grad_norm(unit: FlatUnit) -> torch.Tensor:
+    """This rank's part of ``unit``'s gradient norm for the window, from wherever its gradient went
+    (a frozen unit has none: 0)."""
+    if not unit.layout.trainable:
+        return torch.zeros((), dtype=torch.float32)
+    if unit.backward_update_norm is not None:
+        return unit.backward_update_norm
+    if unit.offloaded_grad is not None:
+        return unit.offloaded_grad.norm  # taken as it was written
+    return torch.linalg.vector_norm(unit.local_grad(), dtype=torch.float32)
+
+
+@contextlib.contextmanager
+def _reduced_grad(unit: FlatUnit) -> Iterator[torch.Tensor]:
+    """This rank's reduced gradient of ``unit`` for the window, in memory for the duration (read from
+    the optimizer's tier when it was offloaded)."""
+    if unit.offloaded_grad is None:
+        yield unit.local_grad()
+    else:
+        with unit.offloaded_grad.loaded() as grad:
+            yield grad
