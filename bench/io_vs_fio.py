@@ -46,7 +46,7 @@ import torch
 
 from zerooffload.config import AioConfig, format_size, parse_size
 from zerooffload.io import AsyncIO, aligned_empty, open_file
-from zerooffload.peer_process import PeerProcess
+from zerooffload.cli.peer_process import PeerProcess
 
 OURS = ("uring", "pool", "python", "aiofiles")
 HERE = Path(__file__).resolve().parent

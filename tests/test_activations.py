@@ -28,7 +28,7 @@ from zerooffload.activations import measure_activations
 from zerooffload.config import Config
 from zerooffload.lazy_init import init_context
 from zerooffload.models import GPT, PRESETS
-from zerooffload.unit_layout import find_units
+from zerooffload.zero.unit_layout import find_units
 
 preset, batch, checkpointing = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "1"
 config = PRESETS[preset]

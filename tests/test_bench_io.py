@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from zerooffload import bench
+from zerooffload.cli import bench
 
 KEYS = {"backend", "op", "block_size", "queue_depth", "threads", "bytes", "seconds", "gbps"}
 SIZE = 8 << 20

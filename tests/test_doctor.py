@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from aio_helpers import run_python
-from zerooffload import doctor
+from zerooffload.cli import doctor
 from zerooffload.io.backends import BACKENDS
 from zerooffload.io.probe import native_aio
 from zerooffload.io.swapfile import PRIVATE_DIR
@@ -84,7 +84,7 @@ def test_doctor_names_the_offload_key_of_a_missing_directory(tmp_path):
 
 _AS_NOBODY = """
 import os, sys
-from zerooffload.cli import main
+from zerooffload.cli.main import main
 if os.geteuid() == 0:
     os.setgid(65534)
     os.setuid(65534)
@@ -171,7 +171,7 @@ def test_doctor_and_auto_ask_one_io_uring_probe(monkeypatch):
 _WITHOUT = """
 import sys
 sys.modules[f"zerooffload.{sys.argv[1]}"] = None   # as if that optional extension had not been built
-from zerooffload.cli import main
+from zerooffload.cli.main import main
 sys.exit(main(["doctor", f"nvme.path={sys.argv[2]}"]))
 """
 

@@ -15,7 +15,7 @@ from torch import nn
 
 import zerooffload as zo
 from reference import ALIGN, padded_numel, trainable_spans, unit_shards, units_of
-from zerooffload.estimate import estimate
+from zerooffload.cli.estimate import estimate
 from zerooffload.tiers import BudgetError
 
 
@@ -272,7 +272,7 @@ def _planned(model, config: dict, world: int) -> dict[str, int]:
     """The bytes the engine plans per tier for ``model`` (the same on every rank of a symmetric model)."""
     from zerooffload.config import Config
     from zerooffload.memory_plan import plan_for_config
-    from zerooffload.unit_layout import find_units
+    from zerooffload.zero.unit_layout import find_units
 
     config = Config.load(config)
     layouts = find_units(model, config.zero.unit_modules, world if config.zero.stage >= 1 else 1)

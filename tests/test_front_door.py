@@ -134,7 +134,7 @@ def test_help_says_what_the_tool_does_and_lists_the_commands():
 
 
 def test_estimate_takes_suffixed_parameter_counts():
-    from zerooffload.estimate import parse_count
+    from zerooffload.cli.estimate import parse_count
 
     assert [parse_count(t) for t in ("1.5B", "350M", "2K", "1T", "7.5e9")] == [1.5e9, 3.5e8, 2e3, 1e12, 7.5e9]
     suffixed = _cli("estimate", "--params", "1.5B", "--dp", "8")

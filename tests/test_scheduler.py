@@ -13,8 +13,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from zerooffload.comm import Comm
-from zerooffload.partition import ParamState
-from zerooffload.scheduler import ParamScheduler
+from zerooffload.zero.partition import ParamState
+from zerooffload.zero.scheduler import ParamScheduler
 from zerooffload.tiers import Block, DeviceTier, HostTier, Kind
 
 

@@ -161,7 +161,7 @@ def test_a_changed_unit_order_invalidates_the_trace_and_still_trains_exactly(cap
     optimizer = torch.optim.AdamW(plain.parameters(), lr=1e-3)
     engine = make_engine(model, {"zero": {"stage": 3}, "optimizer": {"lr": 1e-3}})
     orders = [[0, 1, 2], [0, 1, 2], [2, 0, 1], [2, 0, 1], [2, 0, 1]]  # step 3 records the new order
-    with caplog.at_level(logging.INFO, logger="zerooffload.scheduler"):
+    with caplog.at_level(logging.INFO, logger="zerooffload.zero.scheduler"):
         for step, order in enumerate(orders):
             x = torch.randn(4, 16, generator=torch.Generator().manual_seed(step))
             model.order = plain.order = order
@@ -208,6 +208,6 @@ def test_eval_forward_frees_parameters_and_leaves_the_trace_alone(caplog, make_e
         plain.load_state_dict(module.state_dict())
     with torch.no_grad():
         assert torch.allclose(loss, plain.eval()(idx, targets), atol=1e-6, rtol=0)
-    with caplog.at_level(logging.INFO, logger="zerooffload.scheduler"):
+    with caplog.at_level(logging.INFO, logger="zerooffload.zero.scheduler"):
         assert train_step() == followed
     assert "unit order changed" not in caplog.text

@@ -13,7 +13,7 @@ from torch import nn
 
 import zerooffload
 from reference import make_batches, make_model
-from zerooffload.partition import GradState, ParamState, UnitStateError
+from zerooffload.zero.partition import GradState, ParamState, UnitStateError
 
 HOST = {"optimizer": {"tier": "host"}}
 
@@ -239,3 +239,25 @@ def test_a_profiled_stage_3_step_shows_its_gathers_and_publications(make_engine)
               for name in ("zerooffload::gather", "zerooffload::publish")}
     assert counts["zerooffload::gather"] >= 2 * len(engine.units)  # launched and waited for, each unit at least once
     assert counts["zerooffload::publish"] >= len(engine.units)  # each unit's new shard sent home, then finished
+
+
+LABELS = ("gather", "all_gather", "reduce_scatter", "block_read", "block_write", "block_wait", "optimizer_update",
+          "publish")
+
+
+def profiled_labels(tmp: str) -> dict[str, int]:
+    """One stage-3 step with parameters and optimizer on NVMe, profiled: how often each label ran."""
+    config = {**_config(3, offload={"param": {"tier": "nvme"}, "optimizer": {"tier": "nvme"}}),
+              "nvme": {"path": tmp}}
+    (batch,), = make_batches(1, 1, 2)
+    with zerooffload.initialize(make_model(), config) as engine:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+            engine.backward(engine(*batch))
+            engine.step()
+    names = [event.name for event in profile.events()]
+    return {label: names.count(f"zerooffload::{label}") for label in LABELS}
+
+
+def test_a_profiled_nvme_step_at_world_2_shows_every_phase_label(rank_pools, tmp_path):
+    for counts in rank_pools(2).run(profiled_labels, str(tmp_path)):
+        assert {label: n for label, n in counts.items() if n == 0} == {}

@@ -1,6 +1,6 @@
 """``python -m zerooffload`` is the ``zerooffload`` command."""
 import sys
 
-from .cli import main
+from .cli.main import main
 
 sys.exit(main())

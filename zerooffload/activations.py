@@ -35,7 +35,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend
 from torch.overrides import TorchFunctionMode
 
-from .unit_layout import UnitLayout
+from .zero.unit_layout import UnitLayout
 
 __all__ = ["ActivationProfile", "measure_activations", "checkpoint_forward"]
 

@@ -43,17 +43,36 @@ import torch
 from torch import nn
 
 from .block_stream import checkpoint_depth
-from .checkpoint_files import (CheckpointError, ChecksummedWriter, begin_partial, file_record, out_of_space, publish,
-                               resolve_tag, write_manifest)
-from .checkpoint_layout import (FORMAT, VERSION, Manifest, RankFiles, Source, malformed, parameter_sources,
-                                rank_file, read_manifest, read_range, read_saved_buffers)
+from .checkpoint_files import (
+    CheckpointError,
+    ChecksummedWriter,
+    begin_partial,
+    file_record,
+    out_of_space,
+    publish,
+    resolve_tag,
+    write_manifest,
+)
+from .checkpoint_layout import (
+    FORMAT,
+    VERSION,
+    Manifest,
+    RankFiles,
+    Source,
+    malformed,
+    parameter_sources,
+    rank_file,
+    read_manifest,
+    read_range,
+    read_saved_buffers,
+)
 from .comm import all_gather_object, barrier
 from .io import AsyncIO
 from .training_state import Trainable
 
 if TYPE_CHECKING:
     from .optim.state import UnitOptimizerState
-    from .partition import FlatUnit
+    from .zero.partition import FlatUnit
 
 __all__ = ["CheckpointError", "save_checkpoint", "load_checkpoint", "consolidate", "default_tag", "resolve_tag",
            "read_manifest", "Manifest", "persistent_buffers", "Trainable"]

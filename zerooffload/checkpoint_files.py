@@ -35,6 +35,7 @@ import torch
 from torch.profiler import record_function
 
 from .block_stream import BLOCK_WRITE, CHECKPOINT_WRITES, InFlight
+from .errors import CheckpointError
 from .io import AsyncIO, aligned_empty, open_file
 
 __all__ = ["CheckpointError", "ChecksummedWriter", "MANIFEST", "LATEST", "begin_partial", "publish", "recover",
@@ -48,11 +49,6 @@ DIGEST = "manifest.sha256"
 LATEST = "latest"
 PARTIAL = ".partial"
 REPLACED = ".replaced"
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be used or written: missing, corrupt, truncated, for another model,
-    or no room to save it."""
 
 
 # ---------------------------------------------------------------------------------------------- fsync

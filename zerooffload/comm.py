@@ -45,6 +45,8 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
+from .errors import EngineGroupEnded
+
 __all__ = ["Comm", "CommCounters", "EngineGroupEnded", "ExchangeWork", "init_comm", "failing_together", "end_group",
            "all_reduce", "reduce_scatter", "all_gather", "control_all_reduce", "broadcast", "barrier",
            "all_gather_object"]
@@ -155,10 +157,6 @@ def _default_group_timeout(device: torch.device) -> timedelta | None:
         return dist.distributed_c10d._get_default_group()._get_backend(device).options._timeout
     except (AttributeError, RuntimeError):
         return None
-
-
-class EngineGroupEnded(RuntimeError):
-    """Another rank failed, so this rank's engine stopped too; the message is that rank's error."""
 
 
 @contextlib.contextmanager

@@ -40,24 +40,24 @@ from torch import nn
 
 from . import checkpoint
 from .activations import ActivationProfile, checkpoint_forward
-from .backward_updates import BackwardUpdates
 from .comm import Comm, control_all_reduce, failing_together
 from .config import Config
 from .memory_plan import check_memory
 from .optim import build_scheduler
 from .optim.state import UnitOptimizerState
-from .param_hooks import register_param_hooks
-from .partition import FlatUnit
-from .unit_layout import find_units
-from .placement import place
 from .precision import COMPUTE_DTYPES, LossScaler, cast_floats
-from .reduction import GradReducer, Mode, reduction_order
-from .scheduler import ParamScheduler, check_live_bound
-from .sharded_state import ShardedState, make_units
-from .state_dicts import StateDicts
 from .telemetry import MemoryReport, StepStats, WindowMeter, memory_report
 from .tiers import DeviceCopier, LinkStats, close_tiers, make_tiers, open_swap
-from .update import Updater, grad_scale
+from .zero.backward_updates import BackwardUpdates
+from .zero.param_hooks import register_param_hooks
+from .zero.partition import FlatUnit
+from .zero.placement import place
+from .zero.reduction import GradReducer, Mode, reduction_order
+from .zero.scheduler import ParamScheduler, check_live_bound
+from .zero.sharded_state import ShardedState, make_units
+from .zero.state_dicts import StateDicts
+from .zero.unit_layout import find_units
+from .zero.update import Updater, grad_scale
 
 __all__ = ["Engine"]
 

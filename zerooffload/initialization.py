@@ -11,9 +11,9 @@ from .comm import failing_together, init_comm
 from .config import Config, dtype_bytes
 from .engine import Engine
 from .lazy_init import is_lazy, swap_in_placeholders
-from .unit_layout import find_units
-from .sharded_state import EAGER
 from .threads import set_threads
+from .zero.sharded_state import EAGER
+from .zero.unit_layout import find_units
 
 __all__ = ["initialize"]
 

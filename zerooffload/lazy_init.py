@@ -23,7 +23,7 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import nn
 
-from .partition import FlatUnit
+from .zero.partition import FlatUnit
 
 __all__ = ["init_context", "is_lazy", "swap_in_placeholders", "initial_values"]
 

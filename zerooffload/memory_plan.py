@@ -17,13 +17,13 @@ import torch
 from torch import nn
 
 from .activations import ActivationProfile
+from .block_stream import GRAD_READS, STREAM_BUFFERS, grad_read_depth, stream_depth
 from .config import Config, ConfigError, dtype_bytes
 from .optim.optimizer import moment_names
-from .unit_layout import UnitLayout, find_units
-from .placement import Placement, place
-from .reduction import MAX_BUCKETS_IN_FLIGHT, REDUCE_DTYPE
-from .block_stream import GRAD_READS, STREAM_BUFFERS, grad_read_depth, stream_depth
 from .tiers import Kind, Plan, Tier, check_plan, check_ram, swap_bytes, swap_free_bytes
+from .zero.placement import Placement, place
+from .zero.reduction import MAX_BUCKETS_IN_FLIGHT, REDUCE_DTYPE
+from .zero.unit_layout import UnitLayout, find_units
 
 __all__ = ["plan_memory", "plan_for_config", "check_memory", "fitting_layout", "activation_bytes", "LAYOUTS_TO_TRY"]
 

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, Callable, Mapping
 
-from .scheduler import PrefetchStats
 from .tiers import IOStats, Kind, LinkStats, Tier
+from .zero.scheduler import PrefetchStats
 
 __all__ = ["MemoryReport", "StepStats", "memory_report"]
 

@@ -16,8 +16,8 @@ if TYPE_CHECKING:
     from .comm import Comm
     from .config import Config
     from .optim.state import UnitOptimizerState
-    from .partition import FlatUnit
     from .precision import LossScaler
+    from .zero.partition import FlatUnit
 
 __all__ = ["Trainable", "FillState"]
 

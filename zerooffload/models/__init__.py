@@ -1,4 +1,11 @@
-"""Built-in models: a GPT in plain PyTorch with presets from ~1M to ~2B parameters."""
-from .gpt import GPT, GPTConfig, PRESETS
+"""Built-in models: the GPT (``gpt``) and its presets (``presets``, importable without torch)."""
+from .presets import PRESETS, GPTConfig
 
 __all__ = ["GPT", "GPTConfig", "PRESETS"]
+
+
+def __getattr__(name: str):
+    if name == "GPT":  # loads torch: only when the model is wanted
+        from .gpt import GPT
+        return GPT
+    raise AttributeError(f"module 'zerooffload.models' has no attribute {name!r}")

@@ -24,12 +24,10 @@ from __future__ import annotations
 
 import torch
 
-from ..partition import FlatUnit
-
-from ..shard_blocks import span_block
-
-from ..unit_layout import Piece
 from ..tiers import Kind, Tier
+from ..zero.partition import FlatUnit
+from ..zero.shard_blocks import span_block
+from ..zero.unit_layout import Piece
 
 __all__ = ["UnitOptimizerState", "units_to_offload"]
 

@@ -36,9 +36,9 @@ from typing import Callable
 
 import torch
 
-from .comm import Comm, all_reduce, reduce_scatter
+from ..comm import Comm, all_reduce, reduce_scatter
+from ..tiers import Kind, Tier
 from .partition import FlatUnit
-from .tiers import Kind, Tier
 
 __all__ = ["Mode", "GradReducer", "reduction_order"]
 

@@ -14,14 +14,14 @@ from typing import Iterator
 import torch
 from torch.profiler import record_function
 
-from .comm import control_all_reduce
-from .optim.state import UnitOptimizerState
+from ..comm import control_all_reduce
+from ..optim.state import UnitOptimizerState
+from ..tiers import Kind, Tier
 from .partition import FlatUnit
-from .unit_layout import Piece
 from .publication import Publication
 from .scheduler import ParamScheduler
 from .sharded_state import ShardedState
-from .tiers import Kind, Tier
+from .unit_layout import Piece
 
 __all__ = ["Updater", "grad_scale"]
 

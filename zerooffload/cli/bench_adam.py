@@ -34,14 +34,14 @@ from pathlib import Path
 import psutil
 import torch
 
+from ..optim import fused_adam_step, simd_level
+from ..precision import COMPUTE_DTYPES
 from .bench import BenchError
-from .optim import fused_adam_step, simd_level
 from .peer_process import PeerError, PeerProcess
-from .precision import COMPUTE_DTYPES
 
 __all__ = ["run_adam_bench"]
 
-log = logging.getLogger("zerooffload.bench")
+log = logging.getLogger("zerooffload.cli.bench")
 
 TENSOR_NUMEL = 10_000_000
 LR, BETAS, EPS, WEIGHT_DECAY = 1e-3, (0.9, 0.999), 1e-8, 0.01

@@ -31,10 +31,10 @@ from typing import Any, Callable, Iterator
 import torch
 from torch.profiler import record_function
 
-from .comm import Comm, all_gather
-from .config import ConfigError
+from ..comm import Comm, all_gather
+from ..config import ConfigError
+from ..tiers import DeviceCopier, Kind, Tier
 from .partition import FlatUnit, ParamState
-from .tiers import DeviceCopier, Kind, Tier
 
 __all__ = ["PrefetchStats", "ParamScheduler", "gathered_bytes", "check_live_bound"]
 

@@ -23,12 +23,11 @@ import traceback
 import warnings
 from typing import Callable
 
-from .checkpoint_files import CheckpointError
-from .comm import EngineGroupEnded
-from .config import Config, ConfigError
-from .deepspeed_config import DeepSpeedConfigWarning
+from ..config import Config, ConfigError
+from ..deepspeed_config import DeepSpeedConfigWarning
+from ..errors import CheckpointError, EngineGroupEnded
+from ..log import configure_logging, current_rank
 from .estimate import parse_count
-from .log import configure_logging, current_rank
 
 __all__ = ["main"]
 
@@ -165,8 +164,8 @@ def _add_bench(commands) -> None:
 
 
 def _cmd_consolidate(args: argparse.Namespace) -> int:
-    from .checkpoint import consolidate
-    from .precision import COMPUTE_DTYPES
+    from ..checkpoint import consolidate
+    from ..precision import COMPUTE_DTYPES
 
     try:
         path = consolidate(args.checkpoint, args.out, COMPUTE_DTYPES[args.dtype], args.tag)
@@ -188,7 +187,7 @@ def _add_checkpoint(commands) -> None:
 
 
 def _add_train(commands) -> None:
-    from .models import PRESETS
+    from ..models import PRESETS
 
     train = commands.add_parser("train", help="train the built-in GPT on the offline byte corpus")
     train.add_argument("--steps", type=_number(int, 1, "a whole number of steps >= 1"), default=300,

@@ -22,8 +22,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .config import Config
-from .optim.state import units_to_offload
+from ..config import Config
+from ..optim.state import units_to_offload
 from .unit_layout import UnitLayout
 
 __all__ = ["Placement", "UnitPlacement", "place", "updates_in_backward"]

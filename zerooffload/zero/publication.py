@@ -26,12 +26,12 @@ from typing import Any
 import torch
 from torch.profiler import record_function
 
-from .comm import Comm, all_gather
+from ..block_stream import STREAM_BUFFERS, BlockWriter
+from ..comm import Comm, all_gather
+from ..tiers import Block, Kind, LinkStats, Tier
 from .partition import FlatUnit
 from .shard_blocks import SplitShardBlock
 from .unit_layout import Piece
-from .block_stream import STREAM_BUFFERS, BlockWriter
-from .tiers import Block, Kind, LinkStats, Tier
 
 __all__ = ["Publication"]
 

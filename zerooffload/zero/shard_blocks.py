@@ -10,7 +10,7 @@ import contextlib
 
 import torch
 
-from .tiers import Block, Kind, Tier
+from ..tiers import Block, Kind, Tier
 
 __all__ = ["SplitShardBlock", "span_block"]
 

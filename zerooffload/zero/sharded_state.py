@@ -13,19 +13,19 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
-from .comm import Comm, broadcast
-from .config import Config
-from .lazy_init import initial_values
+from ..block_stream import BlockReader, BlockWriter, grad_read_depth, stream_blocks, stream_depth, write_block
+from ..comm import Comm, broadcast
+from ..config import Config
+from ..lazy_init import initial_values
+from ..optim import ZeroOptimizer, moment_names
+from ..optim.state import UnitOptimizerState
+from ..param_groups import normalize_param_groups
+from ..tiers import Block, Kind, LinkStats, Tier
 from .offloaded_grads import OffloadedGrad
-from .optim import ZeroOptimizer, moment_names
-from .optim.state import UnitOptimizerState
-from .param_groups import normalize_param_groups
 from .partition import FlatUnit
+from .placement import Placement, UnitPlacement
 from .shard_blocks import SplitShardBlock, span_block
 from .unit_layout import UnitLayout
-from .placement import Placement, UnitPlacement
-from .block_stream import BlockReader, BlockWriter, grad_read_depth, stream_blocks, stream_depth, write_block
-from .tiers import Block, Kind, LinkStats, Tier
 
 __all__ = ["ShardedState", "make_units", "EAGER"]
 

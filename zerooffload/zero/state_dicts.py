@@ -11,13 +11,13 @@ from typing import Callable, Iterator
 import torch
 from torch import nn
 
-from .comm import all_gather, broadcast
-from .optim.state import UnitOptimizerState
+from ..block_stream import write_block
+from ..comm import all_gather, broadcast
+from ..optim.state import UnitOptimizerState
+from ..tiers import Kind
 from .partition import FlatUnit, ParamState
 from .scheduler import ParamScheduler
 from .sharded_state import ShardedState
-from .block_stream import write_block
-from .tiers import Kind
 from .update import Updater
 
 __all__ = ["StateDicts"]

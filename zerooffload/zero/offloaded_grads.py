@@ -21,8 +21,8 @@ from typing import ContextManager
 
 import torch
 
-from .block_stream import BlockReader, BlockWriter
-from .tiers import Block, Tier
+from ..block_stream import BlockReader, BlockWriter
+from ..tiers import Block, Tier
 
 __all__ = ["OffloadedGrad"]
 

@@ -15,9 +15,9 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from .config import Config
-from .io.probe import mount_of, native_aio, probe_io_uring, probe_o_direct
-from .io.swapfile import PRIVATE_DIR
+from ..config import Config
+from ..io.probe import mount_of, native_aio, probe_io_uring, probe_o_direct
+from ..io.swapfile import PRIVATE_DIR
 
 __all__ = ["Status", "Check", "run_checks"]
 
@@ -71,7 +71,7 @@ def _threads(config: Config) -> Check:
     """torch's thread count as ``train.threads`` leaves it, and how OpenMP threads wait (threads' note)."""
     import torch
 
-    from .threads import openmp_wait
+    from ..threads import openmp_wait
 
     count = config.train.threads or torch.get_num_threads()
     source = "train.threads" if config.train.threads else "torch's default"
@@ -91,10 +91,10 @@ def _native_aio() -> Check:
 
 def _native_adam() -> Check:
     """The fused CPU Adam extension, and the instruction set its pass runs on."""
-    from .optim import simd_level
+    from ..optim import simd_level
 
     try:
-        from . import _cpu_adam
+        from .. import _cpu_adam
     except ImportError as exc:
         return Check("native Adam", Status.WARN, f"the native extension zerooffload._cpu_adam is not built ({exc}); "
                                                  f"the optimizer step runs as torch ops (slower). {_REBUILD}")
@@ -117,7 +117,7 @@ def _io_uring() -> Check:
 
 def _aio_backend(config: Config) -> Check:
     """The backend ``aio.backend`` resolves to here, by starting it."""
-    from .io import AsyncIO
+    from ..io import AsyncIO
 
     try:
         with AsyncIO(config.aio) as aio:

@@ -25,7 +25,7 @@ from typing import Callable, Iterator
 
 import torch
 
-from .optim.state import UnitOptimizerState
+from ..optim.state import UnitOptimizerState
 from .partition import FlatUnit
 from .publication import Publication
 from .sharded_state import ShardedState

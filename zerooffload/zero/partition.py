@@ -65,8 +65,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ..tiers import Block, Kind, Tier
 from .offloaded_grads import OffloadedGrad
-from .tiers import Block, Kind, Tier
 from .unit_layout import ALIGN_ELEMENTS, Piece, UnitLayout
 
 if TYPE_CHECKING:

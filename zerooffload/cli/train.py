@@ -52,14 +52,14 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from .checkpoint import read_manifest
-from .checkpoint_files import LATEST, PARTIAL, CheckpointError
-from .comm import Comm, control_all_reduce
-from .config import Config, apply_override
-from .data import ByteCorpus
-from .initialization import initialize
-from .lazy_init import init_context
-from .models import GPT, PRESETS
+from ..checkpoint import read_manifest
+from ..checkpoint_files import LATEST, PARTIAL, CheckpointError
+from ..comm import Comm, control_all_reduce
+from ..config import Config, apply_override
+from ..data import ByteCorpus
+from ..initialization import initialize
+from ..lazy_init import init_context
+from ..models import GPT, PRESETS
 
 __all__ = ["TRAIN_DEFAULTS", "load_train_config", "run_training"]
 

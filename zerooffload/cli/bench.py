@@ -37,12 +37,12 @@ import psutil
 import torch
 from tqdm import tqdm
 
-from .config import ALIGNMENT, AioConfig, Config, ConfigError, format_size, parse_size
-from .io import AioError, AioFile, AsyncIO, aligned_empty, open_file
+from ..config import ALIGNMENT, AioConfig, Config, ConfigError, format_size, parse_size
+from ..io import AioError, AioFile, AsyncIO, aligned_empty, open_file
 
 __all__ = ["BenchError", "Record", "run_io_bench"]
 
-log = logging.getLogger("zerooffload.bench")
+log = logging.getLogger("zerooffload.cli.bench")
 
 BACKENDS = ("uring", "pool", "python", "aiofiles")
 """Every backend ``bench io`` knows, in the order they are measured (fastest expected first)."""

@@ -1,0 +1,1 @@
+"""The faces: the ``zerooffload`` command, training, benchmarks, doctor, estimate."""

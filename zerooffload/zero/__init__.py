@@ -1,0 +1,1 @@
+"""ZeRO proper: units and their placement, the sharded state, gathering, reduction, updates."""
