@@ -223,3 +223,28 @@ def trainable_spans(model: nn.Module, world: int, rank: int) -> list[int]:
         part = min(max(prefix - rank * shard, 0), shard)
         spans.append(-(-part // ALIGN) * ALIGN)
     return spans
+
+
+class InfGrad(torch.autograd.Function):
+    """Identity forward; backward turns the gradient to inf while ``armed``."""
+
+    armed = False
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * float("inf") if InfGrad.armed else grad
+
+
+class PoisonAfter(nn.Module):
+    """Wraps a block: the gradient reaching everything below it (earlier blocks, embeddings) is inf."""
+
+    def __init__(self, block: nn.Module):
+        super().__init__()
+        self.block = block
+
+    def forward(self, x):
+        return InfGrad.apply(self.block(x))

@@ -9,10 +9,9 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-from torch import nn
 
 import zerooffload as zo
-from reference import make_batches, make_model
+from reference import InfGrad, PoisonAfter, make_batches, make_model
 
 NVME = {"param": {"tier": "nvme"}, "optimizer": {"tier": "nvme"}}
 
@@ -149,31 +148,6 @@ def test_skip_nonfinite_off_updates_with_nan_as_torch_does():
     assert torch.isnan(result["poisoned"]["blocks.0.fc1.weight"]).all()
 
 
-class _InfGrad(torch.autograd.Function):
-    """Identity forward; backward turns the gradient to inf while ``armed``."""
-
-    armed = False
-
-    @staticmethod
-    def forward(ctx, x):
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad * float("inf") if _InfGrad.armed else grad
-
-
-class _PoisonAfter(nn.Module):
-    """Wraps a block: the gradient reaching everything below it (earlier blocks, embeddings) is inf."""
-
-    def __init__(self, block: nn.Module):
-        super().__init__()
-        self.block = block
-
-    def forward(self, x):
-        return _InfGrad.apply(self.block(x))
-
-
 @pytest.mark.parametrize("poisoned_block, clip, outcome", [(2, 0.0, "skipped"), (0, 0.0, "raises"),
                                                           (0, 1.0, "skipped")])
 def test_a_nonfinite_gradient_with_a_finite_loss(tmp_path, make_engine, poisoned_block, clip, outcome):
@@ -182,7 +156,7 @@ def test_a_nonfinite_gradient_with_a_finite_loss(tmp_path, make_engine, poisoned
     1 updated (below block 0) cannot be undone: a clear error naming the unit and the last checkpoint.
     With clipping the updates wait for the global norm, which is inf: the window is skipped."""
     model = make_model()
-    model.blocks[poisoned_block] = _PoisonAfter(model.blocks[poisoned_block])
+    model.blocks[poisoned_block] = PoisonAfter(model.blocks[poisoned_block])
     engine = make_engine(model, _config(2, clip, offload={"optimizer": {"tier": "nvme"}}))
     try:
         (good,), (bad,) = make_batches(2, 1, 2, seed=6)
@@ -190,7 +164,7 @@ def test_a_nonfinite_gradient_with_a_finite_loss(tmp_path, make_engine, poisoned
         engine.step()
         engine.save_checkpoint(tmp_path)
         before = engine.full_state_dict()
-        _InfGrad.armed = True
+        InfGrad.armed = True
         if outcome == "raises":
             with pytest.raises(RuntimeError, match=rf"unit 'blocks.0' has a non-finite .* after 2 unit\(s\) were "
                                                    rf"already updated .* last good checkpoint \({tmp_path}/step"):
@@ -200,11 +174,11 @@ def test_a_nonfinite_gradient_with_a_finite_loss(tmp_path, make_engine, poisoned
         assert engine.step() is False and engine.stats.skipped_steps == 1
         after = engine.full_state_dict()
         assert all(torch.equal(after[k], v) for k, v in before.items())
-        _InfGrad.armed = False
+        InfGrad.armed = False
         _backward(engine, good)
         assert engine.step()  # and training goes on
     finally:
-        _InfGrad.armed = False
+        InfGrad.armed = False
 
 
 # ---------------------------------------------------------------------------------------------- failing together

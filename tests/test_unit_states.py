@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import zerooffload
-from reference import make_batches, make_model
+from reference import InfGrad, PoisonAfter, make_batches, make_model
 from zerooffload.zero.partition import GradState, ParamState, UnitStateError
 
 HOST = {"optimizer": {"tier": "host"}}
@@ -91,33 +91,16 @@ def test_units_updated_in_backward_end_the_window_updated_with_the_norm_they_use
     assert all(u.backward_update_norm is None for u in engine.units)
 
 
-class _InfGrad(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad * float("inf")
-
-
-class _PoisonAfter(nn.Module):
-    """The gradient reaching ``block``'s output, and so everything below it, is inf."""
-
-    def __init__(self, block: nn.Module):
-        super().__init__()
-        self.block = block
-
-    def forward(self, x):
-        return _InfGrad.apply(self.block(x))
-
-
 def test_a_window_skipped_in_backward_leaves_every_unit_discarded_until_the_step(make_engine):
     model = make_model()
-    model.blocks[2] = _PoisonAfter(model.blocks[2])  # the first unit to update in backward gets inf
+    model.blocks[2] = PoisonAfter(model.blocks[2])  # the first unit to update in backward gets inf
     engine = make_engine(model, _config(2, offload=HOST))
     (batch,), = make_batches(1, 1, 2)
-    engine.backward(engine(*batch))
+    InfGrad.armed = True
+    try:
+        engine.backward(engine(*batch))
+    finally:
+        InfGrad.armed = False
     assert _grad_states(engine) == _all(engine, GradState.DISCARDED)
     assert engine.step() is False
     assert _grad_states(engine) == _all(engine, GradState.EMPTY)
