@@ -139,3 +139,8 @@ def test_estimate_takes_suffixed_parameter_counts():
     assert [parse_count(t) for t in ("1.5B", "350M", "2K", "1T", "7.5e9")] == [1.5e9, 3.5e8, 2e3, 1e12, 7.5e9]
     suffixed = _cli("estimate", "--params", "1.5B", "--dp", "8")
     assert suffixed.returncode == 0 and "1.5e+09 parameters over 8" in suffixed.stdout
+
+
+def test_the_deepspeed_side_of_bench_adam_is_where_the_command_looks():
+    from zerooffload.cli import bench_adam
+    assert bench_adam.DS_SIDE.is_file(), bench_adam.DS_SIDE

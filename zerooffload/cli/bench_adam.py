@@ -47,7 +47,7 @@ TENSOR_NUMEL = 10_000_000
 LR, BETAS, EPS, WEIGHT_DECAY = 1e-3, (0.9, 0.999), 1e-8, 0.01
 STATE_BYTES = 18
 """Bytes per parameter a side holds: fp32 param, grad, exp_avg, exp_avg_sq (16) and the 2-byte copy."""
-DS_SIDE = Path(__file__).resolve().parent.parent / "bench" / "ds_adam_side.py"
+DS_SIDE = Path(__file__).resolve().parents[2] / "bench" / "ds_adam_side.py"
 
 
 def run_adam_bench(args: argparse.Namespace) -> int:
