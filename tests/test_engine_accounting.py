@@ -211,7 +211,7 @@ def test_nvme_traffic_per_step_is_every_optimizer_block_once_each_way(make_engin
     """Optimizer blocks: read and written once per window. Gradient shards, when the step needs their
     global norm (clipping): written when first reduced (their norm taken then), read back, added to and
     written again for each further micro-batch, read once by the update. Without clipping the closing
-    micro-batch's part goes straight into the update (engine's [Note: updates in backward]): one trip
+    micro-batch's part goes straight into the update (backward_updates' [Note: updates in backward]): one trip
     fewer, and with one micro-batch none at all and no swap space."""
     model = _mlp()
     engine = make_engine(model, {"zero": {"stage": 2}, "train": {"grad_clip": clip, "grad_accum_steps": accum},

@@ -12,7 +12,7 @@ most ``GRAD_READS`` host buffers by default; without one, each unit reads throug
 That is one write and one read of the gradient per step (2 × 2 B/param in bf16) beside the 24 B/param
 the optimizer blocks move, and it frees the device of Ψ/Nd gradient elements. When the update needs no
 global view of the gradients, units are updated in backward instead and no shard is kept here at
-all (engine's [Note: updates in backward]). A unit with frozen parameters keeps only its shard's
+all (backward_updates' [Note: updates in backward]). A unit with frozen parameters keeps only its shard's
 trainable span here (unit_layout's [Note: unit vocabulary]): the rest of its gradient is zeros.
 """
 from __future__ import annotations

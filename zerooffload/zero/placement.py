@@ -13,7 +13,7 @@ what it can do. The rules:
 - the update runs in the optimizer block's memory, or in host memory when the block is on NVMe;
 - gradients: full buffers over the window at stages 0–1, reduced shards at stages 2–3; a shard whose
   optimizer block is off the device *leaves* it, for that tier until the step (*kept*) or straight
-  into an update in backward (``optimizer.update_in_backward``, engine's [Note: updates in backward]);
+  into an update in backward (``optimizer.update_in_backward``, backward_updates' [Note: updates in backward]);
 - fp32 masters are the weights themselves with fp32 weights and optimizer both on the device; a
   partitioned fp32 unit on NVMe with its optimizer block there reads its shard from the block's master
   segment (*params in masters*), unless ``nvme.checksum`` asks for whole blocks.
