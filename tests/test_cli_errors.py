@@ -120,7 +120,7 @@ def test_consolidate_a_corrupt_checkpoint_shows_the_traceback_with_debug_only(sa
                         r"tag with --tag NAME", line)
     for debug in (_cli("--debug", *args), _cli(*args, env={**_ENV, "ZEROOFFLOAD_DEBUG": "1"})):
         assert debug.returncode == 1 and debug.stderr.startswith("Traceback (most recent call last):")
-        assert "zerooffload.checkpoint_files.CheckpointError" in debug.stderr, debug.stderr[-4000:]
+        assert "zerooffload.errors.CheckpointError" in debug.stderr, debug.stderr[-4000:]
         assert debug.stderr.splitlines()[-1] == line
 
 

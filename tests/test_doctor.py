@@ -84,6 +84,8 @@ def test_doctor_names_the_offload_key_of_a_missing_directory(tmp_path):
 
 _AS_NOBODY = """
 import os, sys
+import locale, secrets  # what runs after the drop imports lazily; nobody may not read root's interpreter
+import zerooffload.cli.doctor, zerooffload.io.swapfile
 from zerooffload.cli.main import main
 if os.geteuid() == 0:
     os.setgid(65534)
