@@ -31,7 +31,7 @@ from __future__ import annotations
 import contextlib
 from collections import deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
 
 import torch
 from torch.profiler import record_function
@@ -42,7 +42,7 @@ if TYPE_CHECKING:
     from .config import AioConfig
     from .tiers import Block, Tier
 
-__all__ = ["InFlight", "stream_blocks", "BlockWriter", "BlockReader", "write_block", "STREAM_BUFFERS", "GRAD_READS",
+__all__ = ["InFlight", "wait_each", "stream_blocks", "BlockWriter", "BlockReader", "write_block", "STREAM_BUFFERS", "GRAD_READS",
            "CHECKPOINT_WRITES", "stream_depth", "grad_read_depth", "checkpoint_depth", "BLOCK_READ", "BLOCK_WRITE",
            "BLOCK_WAIT"]
 
@@ -78,6 +78,19 @@ def grad_read_depth(aio: "AioConfig | None" = None) -> int:
 def checkpoint_depth(aio: "AioConfig | None" = None) -> int:
     """Writes in flight of a checkpoint data file under ``aio``."""
     return _configured(aio, CHECKPOINT_WRITES)
+
+
+def wait_each(waits: Iterable[Callable[[], Any]]) -> None:
+    """Call every wait, even after one fails (no buffer may be released under a transfer), then raise
+    the first failure."""
+    error = None
+    for wait_one in waits:
+        try:
+            wait_one()
+        except Exception as exc:  # keep waiting
+            error = error or exc
+    if error is not None:
+        raise error
 
 
 def wait(handle: Any) -> Any:
@@ -159,14 +172,7 @@ class InFlight:
 
     def drain(self) -> None:
         """Wait for every transfer, oldest first; the first failure raises once all have finished."""
-        error = None
-        while self._transfers:
-            try:
-                self.wait_oldest()
-            except Exception as exc:  # keep waiting: no buffer may be released under a transfer
-                error = error or exc
-        if error is not None:
-            raise error
+        wait_each(self.wait_oldest for _ in range(len(self._transfers)))
 
     def abandon(self) -> None:
         """After a failure: wait for every transfer and release it, raising nothing (the error to see

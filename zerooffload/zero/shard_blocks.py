@@ -10,6 +10,7 @@ import contextlib
 
 import torch
 
+from ..block_stream import wait_each
 from ..tiers import Block, Kind, Tier
 
 __all__ = ["SplitShardBlock", "span_block"]
@@ -30,14 +31,7 @@ class _Both:
         self.handles = handles
 
     def wait(self) -> int:
-        error = None
-        for handle in self.handles:
-            try:
-                handle.wait()
-            except Exception as exc:  # keep waiting: no buffer may be freed under a transfer
-                error = error or exc
-        if error is not None:
-            raise error
+        wait_each(handle.wait for handle in self.handles)
         return 0
 
 
