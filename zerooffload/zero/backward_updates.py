@@ -43,7 +43,7 @@ class BackwardUpdates:
         go back to after a poisoned update."""
         self.state = state
         self.updater = updater
-        self.units = [u for u in order if state.place(u).updates_in_backward]
+        self.units = [u for u in order if u.placement.updates_in_backward]
         self._opt_states = [state.opt_states[u.index] for u in self.units]
         self._positions = {u.index: position for position, u in enumerate(self.units)}
         """Each unit's position in ``units`` (arrival order), by ``unit.index``."""
@@ -70,7 +70,7 @@ class BackwardUpdates:
     def take(self, unit: FlatUnit, shard: torch.Tensor, flags: torch.Tensor, loss_scale: float) -> bool:
         """Update ``unit`` from its last reduced ``shard`` if it updates in backward now (True), given
         ``flags``: each slot's "had a gradient" count over ranks, then the non-finite count."""
-        if self._states is None or not self.state.place(unit).updates_in_backward:
+        if self._states is None or not unit.placement.updates_in_backward:
             return False
         opt_state = next(self._states)  # loaded ahead while the previous unit updated
         assert opt_state.unit is unit, "reduced shards arrive in the reducer's fixed order"

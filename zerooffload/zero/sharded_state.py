@@ -23,7 +23,7 @@ from ..param_groups import normalize_param_groups
 from ..tiers import Block, Kind, LinkStats, Tier
 from .offloaded_grads import OffloadedGrad
 from .partition import FlatUnit
-from .placement import Placement, UnitPlacement
+from .placement import Placement
 from .shard_blocks import SplitShardBlock, span_block
 from .unit_layout import UnitLayout
 
@@ -63,12 +63,9 @@ class ShardedState:
         self.optimizer = ZeroOptimizer(self._groups(param_groups), config.optimizer)
         self._attach_optimizer_state()
 
-    def place(self, unit: FlatUnit) -> UnitPlacement:
-        return self.placement.units[unit.index]
-
     def update_tier(self, state: UnitOptimizerState) -> Tier:
         """Where a unit's update runs (its placement's ``update_on``)."""
-        return self.tiers[self.place(state.unit).update_on]
+        return self.tiers[state.unit.placement.update_on]
 
     # ------------------------------------------------------------------ construction
     def _param_block(self, index: int) -> Block:
@@ -77,7 +74,8 @@ class ShardedState:
         anyway: no second copy to write each step (not for a shard with frozen values, which the master
         does not hold). Off the addressable tiers, a shard whose trainable span is followed by frozen
         values is two blocks, so that steps write the span alone."""
-        unit, place = self.units[index], self.placement.units[index]
+        unit = self.units[index]
+        place = unit.placement
         size, span = unit.layout.shard_numel, unit.trainable_span
         if place.params_in_masters and unit.trainable_numel == size:  # the master is the block's first segment
             return self.tiers[place.optimizer].prefix_block(f"optimizer.{index}", size, torch.float32)
@@ -96,7 +94,7 @@ class ShardedState:
                   else initial_values(self.module, self.units, lazy_init_fn))
         for unit, full in values:
             index = unit.index
-            place = self.placement.units[index]
+            place = unit.placement
             full = full.to(self.comm.device)
             broadcast(self.comm, full)
             param_block = self._param_block(index) if place.partitioned else None

@@ -85,7 +85,7 @@ class Updater:
 
     def send(self, publication: Publication, opt_state: UnitOptimizerState, target: torch.Tensor | None,
              stepped: list[Piece]) -> None:
-        place = self.state.place(opt_state.unit)
+        place = opt_state.unit.placement
         publication.send(opt_state.unit, target, stepped, updated_on_device=place.updated_on_device)
 
     def _step_pieces(self, stepped: list[tuple[Piece, torch.Tensor]], grad: torch.Tensor, grad_scale: float,
