@@ -29,6 +29,16 @@ def _config(stage: int, precision: str, accum: int, clip: float, **extra) -> dic
     return config
 
 
+def _train_window(engine, window, rank: int) -> list[bool]:
+    """This rank's rows of each micro-batch of ``window``: forward, backward, step; what each step returned."""
+    rows = slice(rank * MICRO, (rank + 1) * MICRO)
+    updates = []
+    for idx, targets in window:
+        engine.backward(engine(idx[rows], targets[rows]))
+        updates.append(engine.step())
+    return updates
+
+
 def train_case(stage: int, precision: str, accum: int = 2, clip: float = 0.05, steps: int = 3, eval_between: bool = False,
                **extra) -> dict | None:
     """Run in every rank: train with the engine on this rank's slice; rank 0 compares with the reference.
@@ -42,10 +52,7 @@ def train_case(stage: int, precision: str, accum: int = 2, clip: float = 0.05, s
     with zo.initialize(model, _config(stage, precision, accum, clip, **extra)) as engine:
         updates = []
         for window in batches:
-            for idx, targets in window:
-                rows = slice(rank * MICRO, (rank + 1) * MICRO)
-                engine.backward(engine(idx[rows], targets[rows]))
-                updates.append(engine.step())
+            updates += _train_window(engine, window, rank)
             if eval_between:
                 _evaluate(engine, *window[0])
         full = engine.full_state_dict()
@@ -324,10 +331,7 @@ def frozen_case(stage: int, precision: str, extra: int, accum: int, clip: float,
     with zo.initialize(model, _config(stage, precision, accum, clip, **config)) as engine:
         written = []
         for window in batches:
-            for idx, targets in window:
-                rows = slice(rank * MICRO, (rank + 1) * MICRO)
-                engine.backward(engine(idx[rows], targets[rows]))
-                engine.step()
+            _train_window(engine, window, rank)
             written.append(engine.stats.io.write_bytes)
         held = sum(kinds["optimizer"] for kinds in engine.memory_report().bytes_by_tier.values())
         full = engine.full_state_dict()
