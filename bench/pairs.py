@@ -2,7 +2,10 @@
 machine hits both, judged on the median of the per-pair ratios (ours / theirs), min/median/max reported."""
 from __future__ import annotations
 
+import json
+import os
 import statistics
+import sys
 from typing import Callable
 
 Side = tuple[str, Callable[[], float]]
@@ -33,3 +36,14 @@ def report_pairs(title: str, names: tuple[str, str], results: list[tuple[float, 
         print(f"| {name} | {min(times):.4g} / {statistics.median(times):.4g} / {max(times):.4g} |")
     print(f"ratio {names[0]}/{names[1]} per pair: min {min(ratios):.3f} / median {median:.3f} / max {max(ratios):.3f} "
           f"(target ≤ {target:.2f}: {'met' if median <= target else 'NOT met'})")
+    record("pairs", title=title, names=list(names), unit=unit, target=target, ratios=ratios,
+           times={name: list(times) for name, times in zip(names, zip(*results))}, met=median <= target)
+
+
+def record(kind: str, **fields) -> None:
+    """Append one result (``kind`` and ``fields``, JSON) to the file named by $ZO_BENCH_RECORD, if set:
+    how ``bench/results.py`` collects what each benchmark measured."""
+    path = os.environ.get("ZO_BENCH_RECORD")
+    if path:
+        with open(path, "a") as out:
+            out.write(json.dumps({"kind": kind, "bench": os.path.basename(sys.argv[0]), **fields}) + "\n")

@@ -79,10 +79,18 @@ struct pass {
     const void *grad;
     void *out;
     int grad_dtype, out_dtype;
+    int sumsq;                   /* also sum the squares of the gradient as read (before grad_scale) */
     struct consts k;
 };
 
-typedef void range_fn(const struct pass *pass, size_t begin, size_t end);
+/* A range function runs elements [begin, end) of its pass (struct pass, struct sumsq_pass) and
+ * returns their sum of squares (0 when the pass does not ask for it). */
+typedef double range_fn(const void *pass, size_t begin, size_t end);
+
+/* Vector levels sum squares in fp32 lanes over blocks this long, then add the block's sum into a
+ * double: lanes never add more than a few hundred terms, so the sum stays accurate to ~1e-6 (the
+ * result is a norm for statistics and clipping, not bitwise state). */
+#define SUMSQ_BLOCK ((size_t)4096)
 
 /* The update of p, m, v from g as torch's binary computes it, for a float or a vector of floats
  * (GCC's vector types take the same operators, a float operand standing for every lane). torch
@@ -192,22 +200,26 @@ static ALWAYS_INLINE void scalar_out(const struct pass *s, size_t i, float p)
 }
 
 /* Inlined into each vector level, so its fmaf is that level's fused multiply-add instruction. */
-static ALWAYS_INLINE void scalar_range(const struct pass *s, size_t begin, size_t end)
+static ALWAYS_INLINE double scalar_range(const struct pass *s, size_t begin, size_t end)
 {
     const struct consts k = s->k;  /* a local copy: the stores below cannot alias it */
+    double sumsq = 0;
     for (size_t i = begin; i < end; i++) {
         float p = s->param[i], g = scalar_grad(s, i), m = s->exp_avg[i], v = s->exp_avg_sq[i];
+        if (s->sumsq)
+            sumsq += (double)g * g;
         ADAM_UPDATE(k, p, g, m, v, SAME, fmaf, sqrtf);
         s->param[i] = p;
         s->exp_avg[i] = m;
         s->exp_avg_sq[i] = v;
         scalar_out(s, i, p);
     }
+    return sumsq;
 }
 
-static void scalar_run(const struct pass *s, size_t begin, size_t end)
+static double scalar_run(const void *pass, size_t begin, size_t end)
 {
-    scalar_range(s, begin, end);
+    return scalar_range(pass, begin, end);
 }
 
 #if ZO_ADAM_X86
@@ -246,20 +258,36 @@ AVX2 static ALWAYS_INLINE void avx2_out(const struct pass *s, size_t i, __m256 p
         _mm_storeu_si128((__m128i *)half, _mm256_cvtps_ph(p, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
 }
 
-AVX2 static void avx2_run(const struct pass *s, size_t begin, size_t end)
+AVX2 static ALWAYS_INLINE double avx2_sum(__m256 x)
 {
+    __m128 half = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+    __m128d pair = _mm_add_pd(_mm_cvtps_pd(half), _mm_cvtps_pd(_mm_movehl_ps(half, half)));
+    return _mm_cvtsd_f64(_mm_add_sd(pair, _mm_unpackhi_pd(pair, pair)));
+}
+
+AVX2 static double avx2_run(const void *pass, size_t begin, size_t end)
+{
+    const struct pass *s = pass;
     const struct consts k = s->k;
+    double sumsq = 0;
     size_t i = begin;
-    for (; i + 8 <= end; i += 8) {
-        __m256 p = _mm256_loadu_ps(s->param + i), g = avx2_grad(s, i);
-        __m256 m = _mm256_loadu_ps(s->exp_avg + i), v = _mm256_loadu_ps(s->exp_avg_sq + i);
-        ADAM_UPDATE(k, p, g, m, v, _mm256_set1_ps, _mm256_fmadd_ps, _mm256_sqrt_ps);
-        _mm256_storeu_ps(s->param + i, p);
-        _mm256_storeu_ps(s->exp_avg + i, m);
-        _mm256_storeu_ps(s->exp_avg_sq + i, v);
-        avx2_out(s, i, p);
+    while (i + 8 <= end) {
+        size_t block_end = end - i > SUMSQ_BLOCK ? i + SUMSQ_BLOCK : end;
+        __m256 acc = _mm256_setzero_ps();
+        for (; i + 8 <= block_end; i += 8) {
+            __m256 p = _mm256_loadu_ps(s->param + i), g = avx2_grad(s, i);
+            __m256 m = _mm256_loadu_ps(s->exp_avg + i), v = _mm256_loadu_ps(s->exp_avg_sq + i);
+            if (s->sumsq)
+                acc = _mm256_fmadd_ps(g, g, acc);
+            ADAM_UPDATE(k, p, g, m, v, _mm256_set1_ps, _mm256_fmadd_ps, _mm256_sqrt_ps);
+            _mm256_storeu_ps(s->param + i, p);
+            _mm256_storeu_ps(s->exp_avg + i, m);
+            _mm256_storeu_ps(s->exp_avg_sq + i, v);
+            avx2_out(s, i, p);
+        }
+        sumsq += avx2_sum(acc);
     }
-    scalar_range(s, i, end);
+    return sumsq + scalar_range(s, i, end);
 }
 
 /* ---------------------------------------------------------------------------------------------
@@ -296,22 +324,80 @@ AVX512 static ALWAYS_INLINE void avx512_out(const struct pass *s, size_t i, __m5
         _mm256_storeu_si256(half, _mm512_cvtps_ph(p, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
 }
 
-AVX512 static void avx512_run(const struct pass *s, size_t begin, size_t end)
+AVX512 static double avx512_run(const void *pass, size_t begin, size_t end)
 {
+    const struct pass *s = pass;
     const struct consts k = s->k;
+    double sumsq = 0;
     size_t i = begin;
-    for (; i + 16 <= end; i += 16) {
-        __m512 p = _mm512_loadu_ps(s->param + i), g = avx512_grad(s, i);
-        __m512 m = _mm512_loadu_ps(s->exp_avg + i), v = _mm512_loadu_ps(s->exp_avg_sq + i);
-        ADAM_UPDATE(k, p, g, m, v, _mm512_set1_ps, _mm512_fmadd_ps, _mm512_sqrt_ps);
-        _mm512_storeu_ps(s->param + i, p);
-        _mm512_storeu_ps(s->exp_avg + i, m);
-        _mm512_storeu_ps(s->exp_avg_sq + i, v);
-        avx512_out(s, i, p);
+    while (i + 16 <= end) {
+        size_t block_end = end - i > SUMSQ_BLOCK ? i + SUMSQ_BLOCK : end;
+        __m512 acc = _mm512_setzero_ps();
+        for (; i + 16 <= block_end; i += 16) {
+            __m512 p = _mm512_loadu_ps(s->param + i), g = avx512_grad(s, i);
+            __m512 m = _mm512_loadu_ps(s->exp_avg + i), v = _mm512_loadu_ps(s->exp_avg_sq + i);
+            if (s->sumsq)
+                acc = _mm512_fmadd_ps(g, g, acc);
+            ADAM_UPDATE(k, p, g, m, v, _mm512_set1_ps, _mm512_fmadd_ps, _mm512_sqrt_ps);
+            _mm512_storeu_ps(s->param + i, p);
+            _mm512_storeu_ps(s->exp_avg + i, m);
+            _mm512_storeu_ps(s->exp_avg_sq + i, v);
+            avx512_out(s, i, p);
+        }
+        sumsq += avx2_sum(_mm256_add_ps(_mm512_castps512_ps256(acc),
+                                        _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc), 1))));
     }
-    scalar_range(s, i, end);
+    return sumsq + scalar_range(s, i, end);
 }
 #endif /* ZO_ADAM_X86 */
+
+/* ---------------------------------------------------------------------------------------------
+ * Sum of squares alone (zo_sum_squares): the gradient norm where no update reads the gradient */
+
+struct sumsq_pass {
+    const void *x;
+    int dtype;
+};
+
+static double scalar_sumsq(const void *pass, size_t begin, size_t end)
+{
+    const struct sumsq_pass *s = pass;
+    const struct pass as_grad = {.grad = s->x, .grad_dtype = s->dtype};
+    double sumsq = 0;
+    for (size_t i = begin; i < end; i++) {
+        double g = scalar_grad(&as_grad, i);
+        sumsq += g * g;
+    }
+    return sumsq;
+}
+
+#if ZO_ADAM_X86
+AVX2 static double avx2_sumsq(const void *pass, size_t begin, size_t end)
+{
+    const struct sumsq_pass *s = pass;
+    const struct pass as_grad = {.grad = s->x, .grad_dtype = s->dtype};
+    double sumsq = 0;
+    size_t i = begin;
+    while (i + 16 <= end) {  /* two accumulators: one fused multiply-add chain would bound the pass */
+        size_t block_end = end - i > SUMSQ_BLOCK ? i + SUMSQ_BLOCK : end;
+        __m256 a = _mm256_setzero_ps(), b = _mm256_setzero_ps();
+        for (; i + 16 <= block_end; i += 16) {
+            __m256 x = avx2_grad(&as_grad, i), y = avx2_grad(&as_grad, i + 8);
+            a = _mm256_fmadd_ps(x, x, a);
+            b = _mm256_fmadd_ps(y, y, b);
+        }
+        sumsq += avx2_sum(_mm256_add_ps(a, b));
+    }
+    return sumsq + scalar_sumsq(pass, i, end);
+}
+#endif
+
+static range_fn *const sumsq_run[] = {
+    [ZO_SIMD_SCALAR] = scalar_sumsq,
+#if ZO_ADAM_X86
+    [ZO_SIMD_AVX2] = avx2_sumsq, [ZO_SIMD_AVX512] = avx2_sumsq,  /* bound by memory: AVX2 is enough */
+#endif
+};
 
 /* ---------------------------------------------------------------------------------------------
  * Level: the CPU's best, or lower when ZO_ADAM_SIMD asks */
@@ -417,9 +503,10 @@ static unsigned thread_count(unsigned asked, size_t n)
 }
 
 struct chunk {
-    const struct pass *pass;
+    const void *pass;
     range_fn *run;
     size_t begin, end;
+    double sumsq;
     pthread_t thread;
     int started;
 };
@@ -427,14 +514,14 @@ struct chunk {
 static void *chunk_main(void *arg)
 {
     struct chunk *c = arg;
-    c->run(c->pass, c->begin, c->end);
+    c->sumsq = c->run(c->pass, c->begin, c->end);
     return NULL;
 }
 
 /* Chunk 0 runs on the calling thread, the others on threads started here; a chunk whose thread
  * cannot start runs on the calling thread afterwards. Every chunk is non-empty: each holds at
  * least ZO_ADAM_MIN_PER_THREAD elements before rounding up to 64, which cannot use up the rest. */
-static int run_split(const struct pass *pass, range_fn *run, size_t n, unsigned threads)
+static int run_split(const void *pass, range_fn *run, size_t n, unsigned threads, double *sumsq)
 {
     struct chunk chunks[ZO_ADAM_MAX_THREADS];
     size_t per = ((n + threads - 1) / threads + 63) & ~(size_t)63;
@@ -455,6 +542,11 @@ static int run_split(const struct pass *pass, range_fn *run, size_t n, unsigned 
         if (joined && !rc)
             rc = -joined;
     }
+    double total = 0;
+    for (unsigned i = 0; i < threads; i++)
+        total += chunks[i].sumsq;
+    if (sumsq)
+        *sumsq = total;
     return rc;
 }
 
@@ -478,12 +570,33 @@ int zo_adam_step(const struct zo_adam_args *args)
         return level;
     if (!valid_args(args))
         return -EINVAL;
+    if (args->grad_sumsq)
+        *args->grad_sumsq = 0;
     if (args->n == 0)
         return 0;
     struct pass pass = {
         .param = args->param, .exp_avg = args->exp_avg, .exp_avg_sq = args->exp_avg_sq,
         .grad = args->grad, .out = args->out, .grad_dtype = args->grad_dtype,
-        .out_dtype = args->out_dtype, .k = derive_consts(args),
+        .out_dtype = args->out_dtype, .sumsq = args->grad_sumsq != NULL, .k = derive_consts(args),
     };
-    return run_split(&pass, level_run[level], args->n, thread_count(args->threads, args->n));
+    return run_split(&pass, level_run[level], args->n, thread_count(args->threads, args->n), args->grad_sumsq);
+}
+
+int zo_sum_squares(const void *x, int dtype, size_t n, unsigned threads, double *sumsq)
+{
+    int level = zo_adam_simd();
+    if (level < 0)
+        return level;
+    if (!sumsq || (dtype != ZO_DTYPE_FP32 && dtype != ZO_DTYPE_BF16 && dtype != ZO_DTYPE_FP16) || (n && !x))
+        return -EINVAL;
+    *sumsq = 0;
+    if (n == 0)
+        return 0;
+    const struct sumsq_pass pass = {.x = x, .dtype = dtype};
+    /* a read-only pass moves a sixth of an update's bytes per element: as many per thread */
+    unsigned count = thread_count(threads, n / 6);
+    int rc = run_split(&pass, sumsq_run[level], n, count, sumsq);
+    if (rc == 0 && !isfinite(*sumsq))  /* an inf or NaN, or squares past fp32's range: again in double */
+        rc = run_split(&pass, scalar_sumsq, n, count, sumsq);
+    return rc;
 }

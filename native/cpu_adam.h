@@ -49,6 +49,8 @@ struct zo_adam_args {
     int64_t step;          /* 1 for the first update */
     int adamw;             /* 1: decoupled weight decay (AdamW); 0: L2 added to the gradient (Adam) */
     unsigned threads;      /* 0: every CPU this process may run on */
+    double *grad_sumsq;    /* not NULL: receives the sum of the squares of grad as read (before
+                              grad_scale), summed in the same pass (see SUMSQ_BLOCK for accuracy) */
 };
 
 /* Below this many elements per thread a pass is not worth another thread (starting one costs
@@ -61,6 +63,13 @@ struct zo_adam_args {
  * ZO_ADAM_SIMD. A thread that cannot be started leaves its share to the calling thread, so the
  * update is never half applied. */
 int zo_adam_step(const struct zo_adam_args *args);
+
+/* The sum of the squares of n elements of x (ZO_DTYPE_FP32 | BF16 | FP16), each squared in fp32 and
+ * summed in blocks into a double; a sum that is not finite is taken again in double, so the result
+ * is finite exactly when every element is. The norm of a
+ * gradient nothing else reads (the update then sums it itself: grad_sumsq). -EINVAL: NULL sumsq, an
+ * unknown dtype or NULL x with n > 0. */
+int zo_sum_squares(const void *x, int dtype, size_t n, unsigned threads, double *sumsq);
 
 /* The level passes run on (enum zo_simd), decided once per process; -EINVAL when ZO_ADAM_SIMD
  * names no level. */

@@ -7,8 +7,11 @@
  *
  * Python interface
  *   adam_step(param_addr, grad_addr, grad_dtype, exp_avg_addr, exp_avg_sq_addr, out_addr, out_dtype,
- *             n, lr, beta1, beta2, eps, weight_decay, grad_scale, step, adamw, threads) -> None
- *       one fused Adam/AdamW pass over n elements (cpu_adam.h); OSError(EINVAL) on bad arguments
+ *             n, lr, beta1, beta2, eps, weight_decay, grad_scale, step, adamw, threads, want_sumsq)
+ *       -> float | None
+ *       one fused Adam/AdamW pass over n elements (cpu_adam.h), returning the gradient's sum of
+ *       squares when want_sumsq; OSError(EINVAL) on bad arguments
+ *   sum_squares(addr, dtype, n, threads) -> float: the sum of squares of n elements (cpu_adam.h)
  *   adam_simd() -> "avx512" | "avx2" | "scalar"; OSError(EINVAL) when ZO_ADAM_SIMD names no level.
  *       Off x86 (and when built with -DZO_ADAM_SCALAR_ONLY) it is always "scalar".
  *   DTYPE_NONE, DTYPE_FP32, DTYPE_BF16, DTYPE_FP16 (grad_dtype, out_dtype)
@@ -22,11 +25,14 @@ static PyObject *adam_step(PyObject *Py_UNUSED(module), PyObject *args)
     unsigned long long param, grad, exp_avg, exp_avg_sq, out;
     long long step;
     Py_ssize_t n;
+    int want_sumsq;
+    double sumsq = 0;
     struct zo_adam_args a;
-    if (!PyArg_ParseTuple(args, "KKiKKKindddddfLpI", &param, &grad, &a.grad_dtype, &exp_avg,
+    if (!PyArg_ParseTuple(args, "KKiKKKindddddfLpIp", &param, &grad, &a.grad_dtype, &exp_avg,
                           &exp_avg_sq, &out, &a.out_dtype, &n, &a.lr, &a.beta1, &a.beta2, &a.eps,
-                          &a.weight_decay, &a.grad_scale, &step, &a.adamw, &a.threads))
+                          &a.weight_decay, &a.grad_scale, &step, &a.adamw, &a.threads, &want_sumsq))
         return NULL;
+    a.grad_sumsq = want_sumsq ? &sumsq : NULL;
     if (n < 0) {
         PyErr_SetString(PyExc_ValueError, "n must be >= 0");
         return NULL;
@@ -44,7 +50,31 @@ static PyObject *adam_step(PyObject *Py_UNUSED(module), PyObject *args)
     Py_END_ALLOW_THREADS
     if (rc < 0)
         return raise_errno(rc);
+    if (want_sumsq)
+        return PyFloat_FromDouble(sumsq);
     Py_RETURN_NONE;
+}
+
+static PyObject *sum_squares(PyObject *Py_UNUSED(module), PyObject *args)
+{
+    unsigned long long addr;
+    int dtype;
+    Py_ssize_t n;
+    unsigned threads;
+    double sumsq = 0;
+    if (!PyArg_ParseTuple(args, "KinI", &addr, &dtype, &n, &threads))
+        return NULL;
+    if (n < 0) {
+        PyErr_SetString(PyExc_ValueError, "n must be >= 0");
+        return NULL;
+    }
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = zo_sum_squares((const void *)(uintptr_t)addr, dtype, (size_t)n, threads, &sumsq);
+    Py_END_ALLOW_THREADS
+    if (rc < 0)
+        return raise_errno(rc);
+    return PyFloat_FromDouble(sumsq);
 }
 
 static PyObject *adam_simd(PyObject *Py_UNUSED(module), PyObject *Py_UNUSED(ignored))
@@ -57,6 +87,7 @@ static PyObject *adam_simd(PyObject *Py_UNUSED(module), PyObject *Py_UNUSED(igno
 
 static PyMethodDef module_methods[] = {
     {"adam_step", adam_step, METH_VARARGS, "One fused Adam/AdamW pass (see native/cpu_adam.h)."},
+    {"sum_squares", sum_squares, METH_VARARGS, "The sum of squares of a tensor (see native/cpu_adam.h)."},
     {"adam_simd", adam_simd, METH_NOARGS, "The instruction set adam_step runs on."},
     {NULL, NULL, 0, NULL},
 };

@@ -8,6 +8,7 @@ A child costs ~2 s (importing torch), hence one child per level running every ca
 """
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
@@ -273,3 +274,59 @@ def test_bad_argument_is_named(name):
 def test_tensor_on_another_device_is_named():
     with pytest.raises(ValueError, match=r"^grad is on meta"):
         fused_adam_step(**{**_arguments(), "grad": torch.empty(64, device="meta")})
+
+
+# ------------------------------------------------------------------------------------------------
+# Sums of squares: the gradient norm, alone (sum_squares) or summed by the update (grad_sumsq)
+
+SUMSQ_SIZES = (1, 15, 4097, 300_001)  # tails, a block and a bit, and enough to split over threads
+
+
+def _float64_sumsq(tensor: torch.Tensor) -> float:
+    return float(tensor.double().square().sum())
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native", "torch-fallback"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_sum_squares_matches_a_float64_reference(monkeypatch, native, dtype):
+    if not native:
+        monkeypatch.setattr(cpu_adam, "_cpu_adam", None)
+    for n in SUMSQ_SIZES:
+        tensor = torch.randn(n, generator=torch.Generator().manual_seed(n)).to(dtype)
+        got = cpu_adam.sum_squares(tensor)
+        assert got.dtype == torch.float64 and got.shape == ()
+        assert got.item() == pytest.approx(_float64_sumsq(tensor), rel=1e-5), (n, dtype)
+    assert cpu_adam.sum_squares(torch.empty(0, dtype=dtype)).item() == 0
+
+
+@pytest.mark.parametrize("bad", [math.inf, -math.inf, math.nan])
+def test_sum_squares_is_finite_exactly_when_every_element_is(bad):
+    """What the engine's non-finite checks rest on: one bad element anywhere (a vector body or a tail)
+    makes the sum non-finite, while the largest finite bf16 values (whose squares overflow fp32) do not."""
+    for n, where in ((300_001, 0), (300_001, 150_000), (300_001, 300_000), (7, 3)):
+        tensor = torch.randn(n, generator=torch.Generator().manual_seed(where)).to(torch.bfloat16)
+        tensor[where] = bad
+        assert not math.isfinite(cpu_adam.sum_squares(tensor).item()), (n, where)
+    huge = torch.full((300_001,), torch.finfo(torch.bfloat16).max, dtype=torch.bfloat16)
+    assert math.isfinite(cpu_adam.sum_squares(huge).item())
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native", "torch-fallback"])
+def test_the_update_sums_the_squares_of_the_gradient_as_given_without_changing_its_result(monkeypatch, native):
+    if not native:
+        monkeypatch.setattr(cpu_adam, "_cpu_adam", None)
+    generator = torch.Generator().manual_seed(3)
+    n = 300_001
+    grad = torch.randn(n, generator=generator).to(torch.bfloat16)
+    start = [torch.randn(n, generator=generator), torch.zeros(n), torch.zeros(n)]
+    results = []
+    for grad_sumsq in (False, True):
+        param, exp_avg, exp_avg_sq = (t.clone() for t in start)
+        out = torch.empty(n, dtype=torch.bfloat16)
+        returned = fused_adam_step(param, grad, exp_avg, exp_avg_sq, out, lr=LR, betas=BETAS, eps=EPS,
+                                   weight_decay=WEIGHT_DECAY, step=1, grad_scale=0.5, grad_sumsq=grad_sumsq)
+        results.append((returned, param, exp_avg, exp_avg_sq, out))
+    assert results[0][0] is None
+    assert results[1][0] == pytest.approx(_float64_sumsq(grad), rel=1e-5)  # before grad_scale
+    for name, plain, summed in zip(("param", "exp_avg", "exp_avg_sq", "out"), results[0][1:], results[1][1:]):
+        assert_bits_equal(summed, plain, name)

@@ -64,11 +64,14 @@ def test_stage_2_accumulates_and_reduces_each_micro_batch_then_the_step_empties(
 
 
 @pytest.mark.parametrize("stage", [0, 1])
-def test_stages_0_and_1_accumulate_the_whole_window_and_reduce_at_the_step(make_engine, stage):
+def test_stages_0_and_1_accumulate_the_whole_window_and_reduce_in_the_backward_that_closes_it(make_engine, stage):
     engine = make_engine(make_model(), _config(stage, accum=2))
-    for micro_batch in make_batches(1, 2, 2)[0]:
-        engine.backward(engine(*micro_batch))
-        assert _grad_states(engine) == _all(engine, GradState.ACCUMULATING)
+    first, last = make_batches(1, 2, 2)[0]
+    engine.backward(engine(*first))
+    assert _grad_states(engine) == _all(engine, GradState.ACCUMULATING)
+    assert engine.step() is False
+    engine.backward(engine(*last))
+    assert _grad_states(engine) == _all(engine, GradState.REDUCED)  # reduced as backward completed each unit
     assert engine.step() is True
     assert _grad_states(engine) == _all(engine, GradState.EMPTY)
 
@@ -85,10 +88,10 @@ def test_units_updated_in_backward_end_the_window_updated_with_the_norm_they_use
         engine.step()
     engine.backward(engine(*micro_batches[-1]))
     assert _grad_states(engine) == _all(engine, GradState.UPDATED)
-    assert all(u.backward_update_norm is not None for u in engine.units)
+    assert all(u.updated_in_backward for u in engine.units)
     assert engine.step() is True
     assert _grad_states(engine) == _all(engine, GradState.EMPTY)
-    assert all(u.backward_update_norm is None for u in engine.units)
+    assert not any(u.updated_in_backward for u in engine.units)
 
 
 def test_a_window_skipped_in_backward_leaves_every_unit_discarded_until_the_step(make_engine):
@@ -180,7 +183,7 @@ def test_what_the_placement_decided_is_read_only(make_engine):
     engine = make_engine(make_model(), _config(2, offload=HOST))
     unit = engine.units[0]
     for name in ("index", "partitioned", "keep_full_grad", "keep_grad_shard", "grad_leaves", "master_is_param",
-                 "param_state", "grad_state", "offloaded_grad", "backward_update_norm"):
+                 "param_state", "grad_state", "offloaded_grad", "updated_in_backward"):
         with pytest.raises(AttributeError):
             setattr(unit, name, getattr(unit, name))
     with pytest.raises(UnitStateError, match=r"unit 'blocks\.0': keep_grads_on needs"):

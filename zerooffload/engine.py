@@ -126,6 +126,8 @@ class Engine:
         self._stats: StepStats | None = None
         self._window_skipped: str | None = None
         """Why this accumulation window will not update (``train.skip_nonfinite``), once it is known."""
+        self._closing = False
+        """The backward running now closes its accumulation window: every stage reduces in it."""
         self._last_checkpoint: str | None = None
         """The checkpoint this engine last saved or loaded: where to go back to after poisoned updates."""
         self._closed = False
@@ -143,7 +145,7 @@ class Engine:
     def _on_grad(self, unit: FlatUnit, index: int, param: nn.Parameter) -> None:
         complete = unit.accumulate(index, param.grad, self.state.compute)
         param.grad = None
-        if complete and self.stage >= 2 and self.config.zero.overlap_comm:
+        if complete and (self.stage >= 2 or self._closing) and self.config.zero.overlap_comm:
             self.reducer.mark_ready(unit)  # without overlap_comm, flush() reduces after backward
 
     def _on_reduced(self, unit: FlatUnit, shard: torch.Tensor, flags: torch.Tensor | None) -> None:
@@ -154,6 +156,8 @@ class Engine:
             self._link.device_to_host_bytes += shard.numel() * unit.compute_dtype.itemsize
         if not self._backward.take(unit, shard, flags, self.scaler.scale):
             unit.add_grad_shard(shard, self.state.compute)
+            if self._closing:
+                unit.grad_sumsq()  # its part of the step's norm, read while the gradient is fresh
         self._window_skipped = self._backward.skipped
 
     @_engine_call
@@ -172,15 +176,18 @@ class Engine:
             return
         for unit in self.units:
             unit.begin_backward()
-        self._backward.start(closes_window=(self.micro_steps + 1) % self.config.train.grad_accum_steps == 0)
+        self._closing = (self.micro_steps + 1) % self.config.train.grad_accum_steps == 0
+        self._backward.start(closes_window=self._closing)
         try:
             (loss * (self.scaler.scale / self.config.train.grad_accum_steps)).backward()
-            if self.stage >= 2:
+            if self.stage >= 2 or self._closing:
                 self.reducer.flush()
                 self.state.grad_writer.finish()
         except BaseException:
             self._backward.abandon()
             raise
+        finally:
+            self._closing = False
         self._backward.finish()
         self.param_scheduler.end_pass()
         self.micro_steps += 1
@@ -221,8 +228,6 @@ class Engine:
         self._stepped_at = self.micro_steps
         norm_sq = math.inf
         if self._window_skipped is None:
-            if self.stage <= 1:
-                self.reducer.flush()
             norm_sq, had_grad = self._updater.norm_and_flags()
             norm_sq /= self.scaler.scale ** 2
             if not math.isfinite(norm_sq) and (self.scaler.enabled or self.config.train.skip_nonfinite):

@@ -162,12 +162,10 @@ def plan_memory(layouts: list[UnitLayout], placement: Placement, *, stage: int, 
         reduce_phase += min(full, _waiting_grads(layouts, compute_bytes, bucket_bytes, world_size))
         # all-gather inputs of the units updated in backward, until it ends
         reduce_phase += sum(u.shard_numel for u, p in gathered_after_step if p.updates_in_backward) * compute_bytes
-    if stage == 1:
-        reduce_phase += shard * compute_bytes  # the reduced shards, held until the step
-    step_device = shard * compute_bytes if stage == 1 else 0
+    # stage 1's reduced shards land in the full buffers themselves (partition's add_grad_shard)
     step_fp32 = 0 if compute_bytes == 4 else (shard - moved) * 4  # scaled fp32 gradients of one unit at most
     gather = sum(u.shard_numel for u, _ in gathered_after_step) * compute_bytes  # all-gather inputs, all at once
-    plan[device][Kind.BUFFER] = max(reduce_phase, step_device + step_fp32 + gather)
+    plan[device][Kind.BUFFER] = max(reduce_phase, step_fp32 + gather)
     if moved:
         largest_moved = max(u.shard_numel for u, _ in moved_units)
         plan[staging][Kind.BUFFER] += largest_moved * 4  # one offloaded unit's fp32 gradient for its update

@@ -1,6 +1,6 @@
 """Optimizers over sharded fp32 masters, the fused CPU Adam pass, and learning-rate schedules."""
-from .cpu_adam import fused_adam_step, simd_level
+from .cpu_adam import fused_adam_step, simd_level, sum_squares
 from .optimizer import ZeroOptimizer, moment_names
 from .schedule import build_scheduler
 
-__all__ = ["ZeroOptimizer", "build_scheduler", "fused_adam_step", "moment_names", "simd_level"]
+__all__ = ["ZeroOptimizer", "build_scheduler", "fused_adam_step", "moment_names", "simd_level", "sum_squares"]

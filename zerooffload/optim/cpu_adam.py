@@ -33,7 +33,7 @@ try:
 except ImportError:  # built optional (setup.py): the torch fallback below takes over
     _cpu_adam = None
 
-__all__ = ["fused_adam_step", "simd_level"]
+__all__ = ["fused_adam_step", "simd_level", "sum_squares"]
 
 _DTYPE_NAMES = {torch.float32: "FP32", torch.bfloat16: "BF16", torch.float16: "FP16"}
 """The grad and out dtypes the pass reads and writes, by their name in the native module (DTYPE_*)."""
@@ -56,23 +56,40 @@ def simd_level() -> str:
 def fused_adam_step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
                     out: torch.Tensor | None = None, *, lr: float, betas: tuple[float, float], eps: float,
                     weight_decay: float, step: int, adamw: bool = True, grad_scale: float = 1.0,
-                    threads: int = 0) -> None:
+                    threads: int = 0, grad_sumsq: bool = False) -> float | None:
     """One Adam (``adamw=False``: L2 decay added to the gradient) or AdamW (decoupled decay) update in
     place, with ``step`` counting from 1 as torch's state["step"] after its increment; see the module
     note for the tensors. ``threads`` bounds the native pass's threads (0: every CPU this process may
-    use; passes under 256Ki elements run on the calling thread). Raises ValueError naming the argument
-    at fault."""
+    use; passes under 256Ki elements run on the calling thread). With ``grad_sumsq`` it returns the
+    sum of the squares of ``grad`` as given (before ``grad_scale``), summed in the same pass: the norm
+    for statistics costs no pass of its own. Raises ValueError naming the argument at fault."""
     _check_tensors(param, grad, exp_avg, exp_avg_sq, out)
     beta1, beta2 = _check_hyperparameters(lr, betas, eps, weight_decay, step, threads)
     if _cpu_adam is None:
+        sumsq = sum_squares(grad).item() if grad_sumsq else None  # before the update: grad may alias nothing
         _torch_step(param, grad, exp_avg, exp_avg_sq, out, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
                     weight_decay=weight_decay, step=step, adamw=adamw, grad_scale=grad_scale)
-        return
+        return sumsq
     simd_level()  # a bad ZO_ADAM_SIMD surfaces here as a ValueError naming it, not as OSError(EINVAL)
-    _cpu_adam.adam_step(param.data_ptr(), grad.data_ptr(), _dtype_code(grad), exp_avg.data_ptr(),
-                        exp_avg_sq.data_ptr(), 0 if out is None else out.data_ptr(), _dtype_code(out),
-                        param.numel(), float(lr), beta1, beta2, float(eps), float(weight_decay),
-                        float(grad_scale), step, bool(adamw), threads)
+    sumsq = _cpu_adam.adam_step(param.data_ptr(), grad.data_ptr(), _dtype_code(grad), exp_avg.data_ptr(),
+                               exp_avg_sq.data_ptr(), 0 if out is None else out.data_ptr(), _dtype_code(out),
+                               param.numel(), float(lr), beta1, beta2, float(eps), float(weight_decay),
+                               float(grad_scale), step, bool(adamw), threads, bool(grad_sumsq))
+    if sumsq is not None and not math.isfinite(sumsq):
+        return sum_squares(grad).item()  # squares past fp32's range are finite in double: sum_squares decides
+    return sumsq
+
+
+def sum_squares(tensor: torch.Tensor) -> torch.Tensor:
+    """The sum of the squares of ``tensor``'s elements, a float64 scalar on its device: a gradient's
+    squared norm. Contiguous fp32/bf16/fp16 CPU tensors take one native read-only pass (every element
+    squared in fp32, summed into a double, again in double when that is not finite), others torch's
+    float64 norm: either way the result is finite exactly when every element is."""
+    if _cpu_adam is not None and tensor.device.type == "cpu" and tensor.is_contiguous() and tensor.dtype in _DTYPE_NAMES:
+        simd_level()
+        total = _cpu_adam.sum_squares(tensor.data_ptr(), _dtype_code(tensor), tensor.numel(), 0)
+        return torch.tensor(total, dtype=torch.float64)
+    return torch.linalg.vector_norm(tensor, dtype=torch.float64).square()
 
 
 def _dtype_code(tensor: torch.Tensor | None) -> int:

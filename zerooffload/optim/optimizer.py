@@ -67,34 +67,52 @@ class ZeroOptimizer(torch.optim.Optimizer):
         whose ``.grad`` is set); each piece in ``outs`` also gets its new value written (cast) into
         ``outs[piece]``. ``grad_scale`` multiplies the gradients first: the native pass takes any dtype,
         torch's update fp32 gradients with ``grad_scale`` 1."""
-        outs = outs or {}
         if not self.native:
-            if grad_scale != 1.0:
-                raise ValueError("torch's update takes gradients already scaled: pass grad_scale = 1.0")
-            for piece, grad in (grads or {}).items():
-                piece.grad = grad
-            try:
-                loss = self._update.step(closure)
-            finally:
-                for piece in grads or {}:
-                    piece.grad = None
-            for piece, out in outs.items():
-                out.copy_(piece)
-            return loss
+            return self._torch_step(closure, grads or {}, grad_scale, outs or {})
+        self._native_steps(grads, grad_scale, outs or {}, grad_sumsq=False)
+        return None
+
+    @torch.no_grad()
+    def step_with_sumsq(self, grads: dict[torch.Tensor, torch.Tensor], grad_scale: float = 1.0,
+                        outs: dict[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """``step`` over ``grads`` by the native pass (``native``), returning the sum of the squares of
+        the gradients as given (before ``grad_scale``; float64), summed as the pass reads them."""
+        if not self.native:
+            raise ValueError("step_with_sumsq runs the native pass: this optimizer is not native")
+        return torch.tensor(self._native_steps(grads, grad_scale, outs or {}, grad_sumsq=True), dtype=torch.float64)
+
+    def _torch_step(self, closure, grads: dict, grad_scale: float, outs: dict):
+        if grad_scale != 1.0:
+            raise ValueError("torch's update takes gradients already scaled: pass grad_scale = 1.0")
+        for piece, grad in grads.items():
+            piece.grad = grad
+        try:
+            loss = self._update.step(closure)
+        finally:
+            for piece in grads:
+                piece.grad = None
+        for piece, out in outs.items():
+            out.copy_(piece)
+        return loss
+
+    def _native_steps(self, grads: dict | None, grad_scale: float, outs: dict, grad_sumsq: bool) -> float:
+        sumsq = 0.0
         for group in self.param_groups:
             for piece in group["params"]:
                 grad = piece.grad if grads is None else grads.get(piece)
                 if grad is not None:
-                    self._native_step(group, piece, grad, grad_scale, outs.get(piece))
-        return None
+                    sumsq += self._native_step(group, piece, grad, grad_scale, outs.get(piece), grad_sumsq) or 0.0
+        return sumsq
 
     def _native_step(self, group: dict, piece: torch.Tensor, grad: torch.Tensor, grad_scale: float,
-                     out: torch.Tensor | None) -> None:
+                     out: torch.Tensor | None, grad_sumsq: bool) -> float | None:
         state = self.state[piece]
         state["step"] += 1
         fused_out = out if out is not None and out.device.type == "cpu" else None  # the pass writes CPU memory
-        fused_adam_step(piece, grad, state["exp_avg"], state["exp_avg_sq"], fused_out, lr=group["lr"],
-                        betas=group["betas"], eps=group["eps"], weight_decay=group["weight_decay"],
-                        step=int(state["step"].item()), adamw=self.kind == "adamw", grad_scale=grad_scale)
+        sumsq = fused_adam_step(piece, grad, state["exp_avg"], state["exp_avg_sq"], fused_out, lr=group["lr"],
+                                betas=group["betas"], eps=group["eps"], weight_decay=group["weight_decay"],
+                                step=int(state["step"].item()), adamw=self.kind == "adamw", grad_scale=grad_scale,
+                                grad_sumsq=grad_sumsq)
         if out is not None and fused_out is None:
             out.copy_(piece)
+        return sumsq

@@ -80,8 +80,9 @@ class BackwardUpdates:
             if flags[-1] > 0 and self.state.config.train.skip_nonfinite:
                 self._refuse_poisoned_update(unit, position)
                 return True
-            self.updater.update_unit(opt_state, flags[:-1], grad, 1.0 / loss_scale, self._publication)
-            unit.mark_updated_in_backward(torch.linalg.vector_norm(grad, dtype=torch.float32))
+            sumsq = self.updater.update_unit(opt_state, flags[:-1], grad, 1.0 / loss_scale, self._publication,
+                                             sumsq=True)
+            unit.mark_updated_in_backward(sumsq)
         return True
 
     def finish(self) -> None:

@@ -22,6 +22,7 @@ from typing import ContextManager
 import torch
 
 from ..block_stream import BlockReader, BlockWriter
+from ..optim.cpu_adam import sum_squares
 from ..tiers import Block, Tier
 
 __all__ = ["OffloadedGrad"]
@@ -36,8 +37,8 @@ class OffloadedGrad:
         self.block, self.writer, self.host = block, writer, host
         self.reader = BlockReader(host, depth=1) if reader is None else reader
         self.written = False
-        self.norm = torch.zeros((), dtype=torch.float32)
-        """The fp32 norm of the gradient home now, taken as it was written."""
+        self.sumsq = torch.zeros((), dtype=torch.float64)
+        """The squared norm of the gradient home now, taken as it was written (``sum_squares``)."""
 
     def add(self, reduced: torch.Tensor) -> None:
         """Accumulate one micro-batch's reduced shard into the window's gradient: the first part is
@@ -49,7 +50,7 @@ class OffloadedGrad:
             data.add_(reduced)
         else:
             data.copy_(reduced)
-        self.norm = torch.linalg.vector_norm(data, dtype=torch.float32)
+        self.sumsq = sum_squares(data)
         self.writer.commit(self.block)
         self.written = True
 

@@ -41,9 +41,10 @@ Gradients (``GradState``), over one accumulation window::
     any --clear_grads--> EMPTY                                            (the window's end: the step)
 
 - ACCUMULATING: ``accumulate`` adds each parameter's gradient into the full ``flat_grad``. At stages
-  0–1 that buffer persists and takes the whole window; the step reduces it once (all-reduced in place
-  at stage 0: ``reduced_in_place``; reduce-scattered into a shard at stage 1), so a REDUCED unit takes
-  no more gradients there.
+  0–1 that buffer persists and takes the whole window; it is reduced once, as the backward that closes
+  the window completes the unit (all-reduced in place at stage 0: ``reduced_in_place``; at stage 1
+  reduce-scattered into this rank's range of the buffer itself: ``add_grad_shard``), so a REDUCED unit
+  takes no more gradients there.
 - At stages 2–3 a unit is reduced each micro-batch, as soon as its gradients are complete: the next
   micro-batch's gradients move it from REDUCED back to ACCUMULATING, and its reduced part adds into
   the window's shard. A unit with no gradient on this rank in a micro-batch is reduced all the same
@@ -65,6 +66,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ..optim.cpu_adam import sum_squares
 from ..tiers import Block, Kind, Tier
 from .offloaded_grads import OffloadedGrad
 from .unit_layout import ALIGN_ELEMENTS, Piece, UnitLayout
@@ -139,9 +141,12 @@ class FlatUnit:
         self.has_grad = [False] * len(layout.slots)
         self._written = [False] * len(layout.slots)
         self._nonfinite = False
+        self._shard_written = False
+        """Whether this window's reduced gradient has a part home yet: the first is copied, later ones added."""
         self.pending = 0
         self._offloaded_grad: OffloadedGrad | None = None
-        self._backward_update_norm: torch.Tensor | None = None
+        self._grad_sumsq: torch.Tensor | None = None
+        """This window's squared norm of the reduced gradient, once taken (``grad_sumsq``)."""
         self._param_state = ParamState.GATHERED  # materialize fills flat_param; a partitioned unit then reshards
         self._grad_state = GradState.EMPTY
 
@@ -197,9 +202,9 @@ class FlatUnit:
         return self._offloaded_grad
 
     @property
-    def backward_update_norm(self) -> torch.Tensor | None:
-        """The norm of the gradient this window's update in backward used (None: not updated in backward)."""
-        return self._backward_update_norm
+    def updated_in_backward(self) -> bool:
+        """This window's update already ran, in backward (``backward_updates``)."""
+        return self._grad_state is GradState.UPDATED
 
     def _refuse(self, what: str, action: str, current: enum.Enum, to: enum.Enum | None,
                 allowed: tuple[enum.Enum, ...]) -> UnitStateError:
@@ -282,8 +287,8 @@ class FlatUnit:
         self.master = weights[:self.trainable_numel] if self.master_is_param else None
         if self.keep_full_grad:
             self.flat_grad = device_tier.zeros(Kind.GRAD, layout.padded_numel, self.compute_dtype)
-        if self.keep_grad_shard and not self.grad_leaves:
-            self.grad_shard = device_tier.zeros(Kind.GRAD, layout.shard_numel, self.compute_dtype)
+        if self.keep_grad_shard and not self.grad_leaves:  # never zero-filled: a window's first part is copied
+            self.grad_shard = device_tier.empty(Kind.GRAD, layout.shard_numel, self.compute_dtype)
         if self.partitioned:
             self.reshard(device_tier)
 
@@ -345,9 +350,10 @@ class FlatUnit:
 
     def note_nonfinite(self) -> bool:
         """Whether a full gradient of this window was non-finite on this rank, the current one included
-        (for flags that must agree over ranks before the step: reduction's [Note: flags in the payload])."""
+        (for flags that must agree over ranks before the step: reduction's [Note: flags in the payload]).
+        One read of the buffer: its sum of squares is finite exactly when every element is."""
         self._move_grads("note_nonfinite", None, GradState.REDUCING)
-        self._nonfinite = self._nonfinite or not bool(torch.isfinite(self.flat_grad).all())
+        self._nonfinite = self._nonfinite or not math.isfinite(sum_squares(self.flat_grad).item())
         return self._nonfinite
 
     def reduced_in_place(self) -> None:
@@ -356,20 +362,31 @@ class FlatUnit:
 
     def add_grad_shard(self, reduced: torch.Tensor, tier: Tier) -> None:
         """Accumulate a reduced gradient shard (stage 2 adds one per micro-batch), on the device or,
-        offloaded, on the optimizer's tier."""
+        offloaded, on the optimizer's tier. The window's first part is copied (nothing is zero-filled),
+        later ones added; at stages 0–1 the part lands in this rank's range of the full buffer itself,
+        where at world size 1 it already is (no copy at all)."""
         self._move_grads("add_grad_shard", GradState.REDUCED, GradState.REDUCING)
+        self._grad_sumsq = None
         if self._offloaded_grad is not None:
             self._offloaded_grad.add(reduced)
             return
-        if self.grad_shard is None:
-            self.grad_shard = tier.zeros(Kind.BUFFER, self.layout.shard_numel, self.compute_dtype)
-        self.grad_shard.add_(reduced)
+        if self.keep_full_grad:
+            home = self.flat_grad[self.shard_range]
+        else:  # placed to leave, yet kept until the step (its update in backward did not run): made for the window
+            if self.grad_shard is None:
+                self.grad_shard = tier.empty(Kind.BUFFER, self.layout.shard_numel, self.compute_dtype)
+            home = self.grad_shard
+        if self._shard_written:
+            home.add_(reduced)
+        elif home.data_ptr() != reduced.data_ptr():
+            home.copy_(reduced)
+        self._shard_written = True
 
-    def mark_updated_in_backward(self, norm: torch.Tensor) -> None:
-        """Its last reduced shard went straight into its update (``backward_updates``); ``norm`` is the
-        norm of the window's gradient that update used (for the step's reported norm)."""
+    def mark_updated_in_backward(self, sumsq: torch.Tensor) -> None:
+        """Its last reduced shard went straight into its update (``backward_updates``); ``sumsq`` is the
+        squared norm of the window's gradient that update used (for the step's reported norm)."""
         self._move_grads("mark_updated_in_backward", GradState.UPDATED, GradState.REDUCING)
-        self._backward_update_norm = norm
+        self._grad_sumsq = sumsq
 
     def release_flat_grad(self, tier: Tier) -> None:
         """The reduced shard was handed on: drop a temporary full gradient (a persistent one stays). A
@@ -382,27 +399,41 @@ class FlatUnit:
             self.flat_grad = None
 
     def local_grad(self) -> torch.Tensor:
-        """What the optimizer reads: the reduced shard, or at stage 0 the full all-reduced buffer."""
+        """What the optimizer reads: the reduced shard (at stages 0–1 this rank's range of the full
+        buffer: the whole all-reduced buffer at stage 0)."""
         self._move_grads("local_grad", None, GradState.REDUCED)
-        return self.grad_shard if self.grad_shard is not None else self.flat_grad
+        return self.flat_grad[self.shard_range] if self.keep_full_grad else self.grad_shard
+
+    def grad_sumsq(self) -> torch.Tensor:
+        """This rank's squared norm of the window's reduced gradient (float64; 0 for a frozen unit), taken
+        once where the gradient is: by its update in backward, as an offloaded shard was written home, or
+        here in one native read, which the engine runs as the unit's reduction completes in the backward
+        that closes the window, so that the step reads no gradient for its norm."""
+        if not self.layout.trainable:
+            return torch.zeros((), dtype=torch.float64)
+        if self._grad_sumsq is None:
+            if self._offloaded_grad is not None:
+                self._grad_sumsq = self._offloaded_grad.sumsq
+            else:
+                self._grad_sumsq = sum_squares(self.local_grad())
+        return self._grad_sumsq
 
     def clear_grads(self, tier: Tier) -> None:
         """End of an accumulation window (whatever state it left): forget persistent gradients, free
         temporary ones; the gradients are EMPTY again.
 
-        A persistent full gradient is not zero-filled: the next window's first gradients overwrite it.
+        Persistent buffers are not zero-filled: the next window's first gradients overwrite them.
         """
         if not self.keep_full_grad and self.flat_grad is not None:
             tier.free(Kind.BUFFER, self.flat_grad)
             self.flat_grad = None
-        if self.keep_grad_shard and self.grad_shard is not None:  # None when offloaded
-            self.grad_shard.zero_()
-        elif self.grad_shard is not None:
+        if not self.keep_grad_shard and self.grad_shard is not None:
             tier.free(Kind.BUFFER, self.grad_shard)
             self.grad_shard = None
         if self._offloaded_grad is not None:
             self._offloaded_grad.clear()
-        self._backward_update_norm = None
+        self._shard_written = False
+        self._grad_sumsq = None
         self._nonfinite = False
         self.has_grad = [False] * len(self.layout.slots)
         self._written = [False] * len(self.layout.slots)

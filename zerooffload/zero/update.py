@@ -15,6 +15,7 @@ import torch
 from torch.profiler import record_function
 
 from ..comm import control_all_reduce
+from ..optim.cpu_adam import sum_squares
 from ..optim.state import UnitOptimizerState
 from ..tiers import Kind, Tier
 from .partition import FlatUnit
@@ -43,12 +44,11 @@ class Updater:
     # ------------------------------------------------------------------ the window's norm and flags
     def norm_and_flags(self) -> tuple[float, list[torch.Tensor]]:
         """One control all-reduce: the window's squared gradient norm (still scaled by the loss scale)
-        and each slot's "had a gradient" count over ranks."""
+        and each slot's "had a gradient" count over ranks. Each unit's part was taken where its gradient
+        was, most as backward produced them (``FlatUnit.grad_sumsq``)."""
         units, comm = self.state.units, self.state.comm
         flags = [torch.tensor(u.has_grad, dtype=torch.float64) for u in units]
-        # norms taken where each gradient was: on the device, or in host memory when offloaded
-        norms = [_grad_norm(unit).to(comm.device) for unit in units]
-        local_sq = torch.stack(norms).double().square().sum().cpu().reshape(1)
+        local_sq = torch.stack([unit.grad_sumsq().to(comm.device) for unit in units]).sum().cpu().reshape(1)
         if self.stage == 0 and comm.rank != 0:
             local_sq.zero_()  # stage 0 gradients are whole on every rank: count them once
         control = control_all_reduce(comm, torch.cat([local_sq, *flags]).to(comm.device)).cpu()
@@ -60,7 +60,7 @@ class Updater:
         all-gather running while the next updates. Frozen units are never updated, nor their state read
         or written."""
         units = self.state.units
-        left = [i for i, unit in enumerate(units) if unit.layout.trainable and unit.backward_update_norm is None]
+        left = [i for i, unit in enumerate(units) if unit.layout.trainable and not unit.updated_in_backward]
         publication = self.publication()
         states = self.state.visit(write=True, states=[self.state.opt_states[i] for i in left])
         for position, opt_state in enumerate(states):
@@ -73,15 +73,19 @@ class Updater:
         self.param_scheduler.stage_first_units()
 
     def update_unit(self, opt_state: UnitOptimizerState, flags: torch.Tensor, grad: torch.Tensor,
-                    grad_scale: float, publication: Publication) -> None:
+                    grad_scale: float, publication: Publication, *, sumsq: bool = False) -> torch.Tensor | None:
         """One unit's update on the pieces whose parameters had a gradient somewhere (``flags``),
-        writing its new weights into their target, then sent on (``publication``'s note)."""
+        writing its new weights into their target, then sent on (``publication``'s note). With
+        ``sumsq``, returns the squared norm of ``grad`` (float64), summed by the update as it reads it
+        (the pieces that do not step have none: zeros)."""
         target = publication.target(opt_state.unit)
         stepped = [(piece, tensor) for piece, tensor in opt_state.pieces if flags[piece.slot_index] > 0]
+        total = torch.zeros((), dtype=torch.float64) if sumsq else None
         if stepped:
             with record_function("zerooffload::optimizer_update"):
-                self._step_pieces(stepped, grad, grad_scale, target, self.state.update_tier(opt_state))
+                total = self._step_pieces(stepped, grad, grad_scale, target, self.state.update_tier(opt_state), sumsq)
         self.send(publication, opt_state, target, [piece for piece, _ in stepped])
+        return total
 
     def send(self, publication: Publication, opt_state: UnitOptimizerState, target: torch.Tensor | None,
              stepped: list[Piece]) -> None:
@@ -89,21 +93,27 @@ class Updater:
         publication.send(opt_state.unit, target, stepped, updated_on_device=place.updated_on_device)
 
     def _step_pieces(self, stepped: list[tuple[Piece, torch.Tensor]], grad: torch.Tensor, grad_scale: float,
-                     target: torch.Tensor | None, update_tier: Tier) -> None:
-        """The optimizer on one unit's stepped pieces. The native pass reads the reduced gradient as it
-        lies (any dtype) and scales it itself; torch's update gets an fp32 copy, scaled, for the unit."""
+                     target: torch.Tensor | None, update_tier: Tier, sumsq: bool) -> torch.Tensor | None:
+        """The optimizer on one unit's stepped pieces (``update_unit``). The native pass reads the reduced
+        gradient as it lies (any dtype), scales it and sums its squares itself; torch's update gets an
+        fp32 copy, scaled, for the unit, and the squares are summed before."""
         optimizer = self.state.optimizer
         update_device = stepped[0][1].device
-        scaled = None
-        if not optimizer.native or grad.device != update_device:
-            scaled = update_tier.empty(Kind.BUFFER, grad.numel(), torch.float32)
-            grad = scaled.copy_(grad).mul_(grad_scale)
-            grad_scale = 1.0
+        outs = {} if target is None else {t: target[p.start:p.stop] for p, t in stepped}
+        if optimizer.native and grad.device == update_device:
+            grads = {t: grad[p.start:p.stop] for p, t in stepped}
+            if sumsq:
+                return optimizer.step_with_sumsq(grads, grad_scale=grad_scale, outs=outs)
+            optimizer.step(grads=grads, grad_scale=grad_scale, outs=outs)
+            return None
+        total = sum_squares(grad) if sumsq else None
+        scaled = update_tier.empty(Kind.BUFFER, grad.numel(), torch.float32)
         try:
-            optimizer.step(grads={t: grad[p.start:p.stop] for p, t in stepped}, grad_scale=grad_scale,
-                           outs={} if target is None else {t: target[p.start:p.stop] for p, t in stepped})
+            scaled.copy_(grad).mul_(grad_scale)
+            optimizer.step(grads={t: scaled[p.start:p.stop] for p, t in stepped}, outs=outs)
         finally:
             update_tier.free(Kind.BUFFER, scaled)
+        return total
 
 
 def grad_scale(norm_sq: float, grad_clip: float, loss_scale: float) -> float:
@@ -113,18 +123,6 @@ def grad_scale(norm_sq: float, grad_clip: float, loss_scale: float) -> float:
     if grad_clip > 0:
         coefficient = min(1.0, grad_clip / (math.sqrt(norm_sq) + 1e-6))
     return coefficient / loss_scale
-
-
-def _grad_norm(unit: FlatUnit) -> torch.Tensor:
-    """This rank's part of ``unit``'s gradient norm for the window, from wherever its gradient went
-    (a frozen unit has none: 0)."""
-    if not unit.layout.trainable:
-        return torch.zeros((), dtype=torch.float32)
-    if unit.backward_update_norm is not None:
-        return unit.backward_update_norm
-    if unit.offloaded_grad is not None:
-        return unit.offloaded_grad.norm  # taken as it was written
-    return torch.linalg.vector_norm(unit.local_grad(), dtype=torch.float32)
 
 
 @contextlib.contextmanager
