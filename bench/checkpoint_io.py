@@ -31,9 +31,11 @@ import torch
 
 import zerooffload as zo
 from io_vs_fio import ensure_fio, judge_against_fio, peak_rss_bytes
+from pairs import record
 
 
 def _engine(args, swap: Path):
+    swap.mkdir()  # the engine takes an existing swap directory only (a missing one is an unmounted disk)
     torch.manual_seed(0)
     model = torch.nn.Sequential(*(torch.nn.Linear(args.width, args.width) for _ in range(args.layers)))
     return zo.initialize(model, {"zero": {"stage": 3}, "optimizer": {"type": "adam"}, "nvme": {"path": str(swap)},
@@ -54,7 +56,8 @@ def _judge_saves(args, engine, work: Path) -> tuple[int, int]:
         written = sum(f.stat().st_size for f in path.iterdir())
         return seconds
 
-    judge_against_fio("save", args.rounds, work, save, lambda: (stored, written), target=1.25)
+    judge_against_fio("save", args.rounds, work, save, lambda: (stored, written), target=1.25,
+                      title=f"checkpoint save of NVMe state, {stored / 2**30:.2f} GiB, vs the fio bound")
     return stored, written
 
 
@@ -100,6 +103,9 @@ def main() -> None:
         largest = args.width * args.width * 4 / 2**20
         print(f"consolidate: peak RSS {peak:.0f} MB (imports alone {base:.0f} MB; largest tensor {largest:.0f} MB; "
               f"checkpoint {written / 2**20:.0f} MB, output {(work / 'model.safetensors').stat().st_size / 2**20:.0f} MB)")
+        record("check", title="consolidate: peak RSS above the imports alone (MB)", value=peak - base,
+               target=f"near one tensor ({largest:.0f} MB), far below the checkpoint ({written / 2**20:.0f} MB)",
+               met=None, detail=f"peak {peak:.0f} MB, imports alone {base:.0f} MB")
         print(f"this process's peak RSS {peak_rss_bytes() / 2**20:.0f} MB")
     finally:
         shutil.rmtree(work, ignore_errors=True)

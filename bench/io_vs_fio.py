@@ -47,6 +47,7 @@ import torch
 from zerooffload.config import AioConfig, format_size, parse_size
 from zerooffload.io import AsyncIO, aligned_empty, open_file
 from zerooffload.cli.peer_process import PeerProcess
+from pairs import record
 
 OURS = ("uring", "pool", "python", "aiofiles")
 HERE = Path(__file__).resolve().parent
@@ -215,10 +216,12 @@ def rounds_against_fio(rounds: int, workdir: Path, measure: Callable[[], float])
 
 
 def judge_against_fio(label: str, rounds: int, workdir: Path, measure: Callable[[], float],
-                      moved: Callable[[], tuple[int, int]], target: float, note: Callable[[], str] = lambda: "") -> None:
+                      moved: Callable[[], tuple[int, int]], target: float, note: Callable[[], str] = lambda: "", *,
+                      title: str) -> None:
     """Time ``measure`` against the disk's bound R/read_bw + W/write_bw, fio measured in the same rounds
     (``moved()``: the bytes R read and W written by the measure just done); print every round (and
-    ``note()``), then min/median/max of the times and of the ratios, judged on the median against ``target``."""
+    ``note()``), then min/median/max of the times and of the ratios, judged on the median against ``target``
+    (and recorded as a check named ``title``)."""
     times, ratios = [], []
     for number, (seconds, read_bw, write_bw) in enumerate(rounds_against_fio(rounds, workdir, measure)):
         read_bytes, write_bytes = moved()
@@ -228,8 +231,12 @@ def judge_against_fio(label: str, rounds: int, workdir: Path, measure: Callable[
         print(f"  round {number}: {label} {seconds:.2f} s, bound {bound:.2f} s (fio read {read_bw / 1e9:.2f}, write "
               f"{write_bw / 1e9:.2f} GB/s), ratio {ratios[-1]:.3f}{note()}", flush=True)
     median = statistics.median(ratios)
+    spread = f"{min(ratios):.3f} / {median:.3f} / {max(ratios):.3f}"
     print(f"\n{label} s min/median/max {mmm(times)}; ratio to the fio bound min/median/max "
-          f"{min(ratios):.3f} / {median:.3f} / {max(ratios):.3f} (target ≤ {target}: {'met' if median <= target else 'NOT met'})")
+          f"{spread} (target ≤ {target}: {'met' if median <= target else 'NOT met'})")
+    record("check", title=title, value=median, target=f"≤ {target}", met=median <= target,
+           detail=f"{label} / (R/read_bw + W/write_bw), median of {rounds} rounds (min / median / max {spread}); "
+                  f"{label} s {mmm(times)}")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -256,6 +263,17 @@ def peak_rss_bytes() -> int:
     child, which can carry its parent's)."""
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) for line in f if line.startswith("VmHWM")) * 1024
+
+
+def record_ratios(speeds: dict, sides: list, args: argparse.Namespace) -> None:
+    """One check per side and op: the median per-round GB/s ratio to fio (no target is set for these)."""
+    for side in sides[1:]:
+        for op in ("write", "read"):
+            ratios = [a / b for a, b in zip(speeds[(side.name, op)], speeds[("fio", op)])]
+            record("check", title=f"{side.name} {op} GB/s / fio's in the same round (higher: faster)",
+                   value=statistics.median(ratios), target="none set", met=None,
+                   detail=f"ratio min / median / max {mmm(ratios)}, GB/s {mmm(speeds[(side.name, op)])}; "
+                          f"{args.rounds} rounds of {format_size(args.size)}, O_DIRECT")
 
 
 def mmm(values: list[float]) -> str:
@@ -319,6 +337,7 @@ def main() -> int:
         shutil.rmtree(workdir, ignore_errors=True)
     print(machine(args.dir))
     print(report(speeds, sides, args))
+    record_ratios(speeds, sides, args)
     return 0
 
 

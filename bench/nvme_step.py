@@ -56,7 +56,8 @@ def main() -> None:
             return time.perf_counter() - start
 
         judge_against_fio("step", args.rounds, work, step, lambda: (blocks + grads, blocks), target=1.15,
-                          note=lambda: f"; waited on NVMe {engine.stats.io.wait_seconds:.2f} s")
+                          note=lambda: f"; waited on NVMe {engine.stats.io.wait_seconds:.2f} s",
+                          title=f"NVMe optimizer step, {params / 1e6:.0f}M params, vs the fio bound")
         engine.close()
     finally:
         shutil.rmtree(work, ignore_errors=True)

@@ -21,7 +21,7 @@ DESIGN_KEYS = {
              "overlap_comm"},
     "offload.param": {"tier", "path"},
     "offload.optimizer": {"tier", "path", "fraction"},
-    "memory": {"device_budget", "host_budget"},
+    "memory": {"device_budget", "host_budget", "release_freed"},
     "nvme": {"path", "checksum"},
     "aio": {"backend", "block_size", "queue_depth", "threads", "direct", "blocks_in_flight"},
 }
@@ -79,6 +79,7 @@ fraction = 0.5
 [memory]
 device_budget = "20GiB"
 host_budget = 123456789
+release_freed = false
 
 [nvme]
 path = ["/mnt/a", "/mnt/b"]

@@ -300,6 +300,9 @@ class MemoryConfig(_Section):
                                   min=1)
     host_budget: _BUDGET = _opt("auto", 'bytes the engine may hold in host RAM; "auto": the RAM available (less a '
                                         "margin for activations, the allocator and torch)", size=True, min=1)
+    release_freed: bool = _opt(True, "give freed host buffers of 1 MiB and more back to the OS at once (glibc's mmap "
+                                     "threshold fixed), so RSS follows what the engine holds; false: leave the "
+                                     "allocator as it is")
 
 
 @_section

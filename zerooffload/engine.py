@@ -42,6 +42,7 @@ from . import checkpoint
 from .activations import ActivationProfile, checkpoint_forward
 from .comm import Comm, control_all_reduce, failing_together
 from .config import Config
+from .host_allocator import release_freed_memory
 from .memory_plan import check_memory
 from .optim import build_scheduler
 from .optim.state import UnitOptimizerState
@@ -82,6 +83,8 @@ class Engine:
                  lazy_init_fn: Any = None, activations: ActivationProfile | None = None):
         self.module = module
         self.config = config
+        if config.memory.release_freed:
+            release_freed_memory()  # before the first buffer: host_allocator's [Note: RSS that follows the accounting]
         self.comm = comm
         self.stage = config.zero.stage
         self.compute_dtype = COMPUTE_DTYPES[config.train.precision]
