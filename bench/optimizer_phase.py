@@ -16,7 +16,10 @@ the median per-round ratio, min/median/max reported):
 Every figure is a mean over ``--steps`` timed calls after one untimed. Each phase's split (forward,
 backward, step) is recorded for ``bench/results.py``'s plot.
 
-Usage:  python bench/optimizer_phase.py [--rounds 5] [--steps 3] [--batch 32] [--only step,clip,iteration,backward]
+Whole iterations run at ``--batch`` rows (1 by default: bf16 matrix products on a CPU without AVX-512
+BF16 or AMX take ~70 ms per 3162² unit and row, and would bury the optimizer phase under them).
+
+Usage:  python bench/optimizer_phase.py [--rounds 5] [--steps 3] [--batch 1] [--only step,clip,iteration,backward]
 """
 from __future__ import annotations
 
@@ -29,7 +32,7 @@ import torch
 
 import zerooffload as zo
 from zerooffload.optim import fused_adam_step, simd_level
-from pairs import record, report_pairs
+from pairs import record, report_pairs, rotating_rounds
 
 WIDTH, UNITS = 3162, 10
 LR, BETAS, EPS, WEIGHT_DECAY = 1e-4, (0.9, 0.999), 1e-8, 0.01
@@ -175,16 +178,8 @@ class Kernel:
         return _mean_seconds(self.step, steps)
 
 
-def _rounds(count: int, sides: dict[str, Callable[[], float]], unit: str = "s") -> dict[str, list[float]]:
-    """Every side measured once per round, the order rotating from round to round."""
-    names = list(sides)
-    times: dict[str, list[float]] = {name: [] for name in names}
-    for index in range(count):
-        order = names[index % len(names):] + names[:index % len(names)]
-        for name in order:
-            times[name].append(sides[name]())
-        print(f"  round {index}: " + ", ".join(f"{name} {times[name][-1] * 1e3:.1f} ms" for name in names), flush=True)
-    return times
+def _rounds(count: int, sides: dict[str, Callable[[], float]]) -> dict[str, list[float]]:
+    return rotating_rounds(count, sides, unit="ms", scale=1e3)
 
 
 def _report(title: str, ours: list[float], theirs: list[float], names: tuple[str, str], target: float) -> None:
@@ -223,7 +218,7 @@ def bench_iteration(args, batch) -> None:
                 times["engine"], times["torch"], ("engine", "torch"), 1.00)
         for side, runner in (("engine", engine), ("torch", reference)):
             record("split", title=f"stage {stage} iteration", side=side, phases=runner.split(args.steps))
-        del engine
+        engine.engine.close()  # its memory, before the next stage's engine
 
 
 def bench_backward(args, batch) -> None:
@@ -245,7 +240,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--only", default=",".join(BENCHES), help="comma-separated: " + ", ".join(BENCHES))
     args = parser.parse_args()
     print(f"machine: {os.cpu_count()} CPUs, torch {torch.__version__} ({torch.get_num_threads()} threads), fused "

@@ -26,6 +26,22 @@ def interleaved_pairs(count: int, ours: Side, theirs: Side, *, unit: str = "s/st
     return results
 
 
+def rotating_rounds(count: int, sides: dict[str, Callable[[], float]], *, unit: str = "s", scale: float = 1.0,
+                    show: bool = True) -> dict[str, list[float]]:
+    """Three or more sides: every side measured once per round, the order rotating from round to round
+    (so drift hits each in every position); each side's times, in ``sides``' order."""
+    names = list(sides)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for index in range(count):
+        shift = index % len(names)
+        for name in names[shift:] + names[:shift]:
+            times[name].append(sides[name]())
+        if show:
+            print(f"  round {index}: " + ", ".join(f"{name} {times[name][-1] * scale:.4g} {unit}" for name in names),
+                  flush=True)
+    return times
+
+
 def report_pairs(title: str, names: tuple[str, str], results: list[tuple[float, float]], target: float, *,
                  unit: str = "s/step") -> None:
     """Both sides' min/median/max and the per-pair ratio's, judged on its median against ``target``."""

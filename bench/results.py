@@ -66,9 +66,6 @@ class Bench:
     """"fio": skipped when fio is not on PATH (the reference side cannot be dropped)."""
     deepspeed: str = ""
     """The option naming DeepSpeed's python, for a benchmark with a DeepSpeed side."""
-    alone: str = ""
-    """Arguments (put right after the script) that run our side alone, when the benchmark cannot run
-    without DeepSpeed."""
 
 
 BENCHES = [
@@ -77,10 +74,11 @@ BENCHES = [
     Bench("rss_depth", "rss_depth.py", "", "--layers 1 --width 1024", 360),
     Bench("nvme_step", "nvme_step.py", "--rounds 5", "--rounds 1 --layers 2 --width 1024", 300, needs="fio"),
     Bench("checkpoint_io", "checkpoint_io.py", "--rounds 5", "--rounds 1 --layers 2 --width 1024", 240, needs="fio"),
-    Bench("zero3_nvme", "zero3_nvme.py", "--pairs 5 --steps 6", "--pairs 1 --steps 1", 480,
-          deepspeed="--deepspeed-python", alone="--side ours"),
+    Bench("zero3_nvme", "zero3_nvme.py", "--pairs 5 --steps 4", "--pairs 1 --steps 1", 900,
+          deepspeed="--deepspeed-python"),
     Bench("io_vs_fio", "io_vs_fio.py", "--rounds 5 --size 256MiB", "--rounds 5 --size 16MiB", 180, needs="fio",
           deepspeed="--ds-python"),
+    Bench("clip_rate", "clip_rate.py", "--steps 60", "--steps 3", 300),
     Bench("bench_adam", "-m zerooffload bench adam", "--params 1e8 --pairs 5", "--params 1e7 --pairs 1", 180,
           deepspeed="--deepspeed-python"),
 ]
@@ -114,15 +112,13 @@ def deepspeed_version(python: str) -> str | None:
 
 
 def arguments(bench: Bench, quick: bool, deepspeed: str | None) -> list[str]:
-    """The child's arguments after ``python``: DeepSpeed's python passed when there is one; else our
-    side alone, or an empty python, which the scripts and ``bench adam`` take as "no DeepSpeed side"."""
+    """The child's arguments after ``python``: DeepSpeed's python passed when there is one; else an
+    empty one, which the scripts and ``bench adam`` take as "no DeepSpeed side"."""
     args = shlex.split(bench.command) + shlex.split(bench.quick if quick else bench.args)
     if not bench.deepspeed:
         return args
     if deepspeed:
         return args + [bench.deepspeed, deepspeed]
-    if bench.alone:
-        return args[:1] + shlex.split(bench.alone) + args[1:]
     return args + [bench.deepspeed, ""]
 
 
@@ -160,8 +156,7 @@ def run(bench: Bench, quick: bool, deepspeed: str | None, workdir: Path) -> Run:
         result.notes.append(f"failed: timed out after {timeout} s" if code is None else f"failed: exit status {code}")
     output = log.read_text(errors="replace")
     if bench.deepspeed and not deepspeed:
-        alone = f"; our side ran alone ({last_line(output)})" if bench.alone and code == 0 else ""
-        result.notes.append(f"DeepSpeed comparison skipped: DeepSpeed not available{alone}")
+        result.notes.append("DeepSpeed comparison skipped: DeepSpeed not available")
     result.records = read_records(records) + (parse_bench_adam(output) if bench.name == "bench_adam" else [])
     return result
 
@@ -196,11 +191,6 @@ def parse_bench_adam(output: str) -> list[dict]:
                         "names": [ours, peer], "ratios": [1 / float(high), 1 / float(mid), 1 / float(low)],
                         "target": None, "met": None})
     return records
-
-
-def last_line(text: str) -> str:
-    lines = text.strip().splitlines()
-    return lines[-1] if lines else "no output"
 
 
 # ------------------------------------------------------------------------------------------------
