@@ -3,22 +3,22 @@
 [Note: a step]
 ``engine(batch)`` runs the module (floating inputs cast to the compute dtype). ``engine.backward``
 scales the loss by ``loss_scale / grad_accum_steps`` and runs autograd; a post-accumulate hook on
-every trainable parameter adds its gradient into its unit's flat gradient (and drops ``.grad``). At
-stages 2–3 a unit whose gradients are complete is handed to the reducer during backward (and an
-offloaded unit's reduced shard leaves for the optimizer's tier, ``offloaded_grads``); at stages 0–1
-all units are reduced when the window closes. ``engine.step`` at the accumulation boundary then:
-1. averages the gradients over ranks (all-reduce at stage 0, reduce-scatter to shard owners above);
-2. in ONE small control all-reduce sums the squared norms of the reduced gradients and the "had a
-   gradient" flag of every parameter over ranks;
-3. skips the step everywhere if fp16 gradients overflowed, else folds the unscale and the clip to
+every trainable parameter adds its gradient into its unit's flat gradient (and drops ``.grad``). A
+unit whose gradients are complete is handed to the reducer during backward: at stages 2–3 in every
+backward (an offloaded unit's reduced shard then leaves for the optimizer's tier, ``offloaded_grads``),
+at stages 0–1 in the one that closes the window; averaged over ranks (all-reduce at stage 0,
+reduce-scatter to shard owners above), its squared norm taken as it lands (``FlatUnit.grad_sumsq``).
+``engine.step`` at the accumulation boundary then:
+1. in ONE small control all-reduce sums the squared norms and the "had a gradient" flag of every
+   parameter over ranks;
+2. skips the step everywhere if fp16 gradients overflowed, else folds the unscale and the clip to
    ``train.grad_clip`` into one gradient scale;
-4. unit by unit, its optimizer block loaded (``optim.state``; streamed when on NVMe): the update of the
+3. unit by unit, its optimizer block loaded (``optim.state``; streamed when on NVMe): the update of the
    pieces whose parameters had a gradient somewhere (others skip, as torch skips ``grad is None``;
    frozen parameters have no pieces, and units with no trainable parameter are neither reduced nor
-   updated: optim.state's frozen prefix rule),
-   writing the new compute weights where they are published (``update``, ``publication``): all-gathered
-   at stages 1–2, a partitioned unit's shard at stage 3, gathered again at its next use by the
-   ``ParamScheduler`` (``param_hooks``).
+   updated: optim.state's frozen prefix rule), writing the new compute weights where they are
+   published (``update``, ``publication``): all-gathered at stages 1–2, a partitioned unit's shard at
+   stage 3, gathered again at its next use by the ``ParamScheduler`` (``param_hooks``).
 The parts: ``placement`` decides where every unit's state lives, ``sharded_state`` holds it,
 ``update`` and ``backward_updates`` change it, ``state_dicts`` reads and writes it whole.
 
@@ -42,13 +42,12 @@ from . import checkpoint
 from .activations import ActivationProfile, checkpoint_forward
 from .comm import Comm, control_all_reduce, failing_together
 from .config import Config
-from .host_allocator import release_freed_memory
 from .memory_plan import check_memory
 from .optim import build_scheduler
 from .optim.state import UnitOptimizerState
 from .precision import COMPUTE_DTYPES, LossScaler, cast_floats
 from .telemetry import MemoryReport, StepStats, WindowMeter, memory_report
-from .tiers import DeviceCopier, LinkStats, close_tiers, make_tiers, open_swap
+from .tiers import DeviceCopier, LinkStats, close_tiers, make_tiers, open_swap, release_idle
 from .zero.backward_updates import BackwardUpdates
 from .zero.param_hooks import register_param_hooks
 from .zero.partition import FlatUnit
@@ -83,8 +82,6 @@ class Engine:
                  lazy_init_fn: Any = None, activations: ActivationProfile | None = None):
         self.module = module
         self.config = config
-        if config.memory.release_freed:
-            release_freed_memory()  # before the first buffer: host_allocator's [Note: RSS that follows the accounting]
         self.comm = comm
         self.stage = config.zero.stage
         self.compute_dtype = COMPUTE_DTYPES[config.train.precision]
@@ -97,8 +94,7 @@ class Engine:
         partitioned = [u for u in self.units if u.partitioned]
         check_live_bound(partitioned, config.zero.max_live_size)
         plan = check_memory(module, layouts, config, self.tiers, activations, comm.world_size, comm.device)
-        self._io = open_swap(self.tiers, plan, config, comm.rank)
-        self._link = LinkStats()
+        self._io, self._link = open_swap(self.tiers, plan, config, comm.rank), LinkStats()
         self.state = ShardedState(module, config, comm, self.units, self.placement, self.tiers, self._link,
                                   param_groups, lazy_init_fn)
         self.opt_states, self.optimizer = self.state.opt_states, self.state.optimizer
@@ -119,18 +115,15 @@ class Engine:
                        for unit in self.units for index, slot in enumerate(unit.layout.slots) if slot.trainable]
         if partitioned:
             self._hooks += register_param_hooks(module, partitioned, self.param_scheduler)
-        if config.train.activation_checkpointing:
-            for unit in self.units:
-                if unit.layout.name:  # block units; the root unit holds the embeddings and head
-                    checkpoint_forward(unit.layout.module)
+        if config.train.activation_checkpointing:  # block units; the root unit holds the embeddings and head
+            for unit in (u for u in self.units if u.layout.name):
+                checkpoint_forward(unit.layout.module)
         self.micro_steps = self.global_steps = self.skipped_steps = 0
         self._stepped_at = 0
         """The micro-step after which ``step()`` last ran (a window is stepped once)."""
         self._stats: StepStats | None = None
         self._window_skipped: str | None = None
         """Why this accumulation window will not update (``train.skip_nonfinite``), once it is known."""
-        self._closing = False
-        """The backward running now closes its accumulation window: every stage reduces in it."""
         self._last_checkpoint: str | None = None
         """The checkpoint this engine last saved or loaded: where to go back to after poisoned updates."""
         self._closed = False
@@ -148,7 +141,7 @@ class Engine:
     def _on_grad(self, unit: FlatUnit, index: int, param: nn.Parameter) -> None:
         complete = unit.accumulate(index, param.grad, self.state.compute)
         param.grad = None
-        if complete and (self.stage >= 2 or self._closing) and self.config.zero.overlap_comm:
+        if complete and (self.stage >= 2 or self._backward.closes_window) and self.config.zero.overlap_comm:
             self.reducer.mark_ready(unit)  # without overlap_comm, flush() reduces after backward
 
     def _on_reduced(self, unit: FlatUnit, shard: torch.Tensor, flags: torch.Tensor | None) -> None:
@@ -159,7 +152,7 @@ class Engine:
             self._link.device_to_host_bytes += shard.numel() * unit.compute_dtype.itemsize
         if not self._backward.take(unit, shard, flags, self.scaler.scale):
             unit.add_grad_shard(shard, self.state.compute)
-            if self._closing:
+            if self._backward.closes_window:
                 unit.grad_sumsq()  # its part of the step's norm, read while the gradient is fresh
         self._window_skipped = self._backward.skipped
 
@@ -179,20 +172,18 @@ class Engine:
             return
         for unit in self.units:
             unit.begin_backward()
-        self._closing = (self.micro_steps + 1) % self.config.train.grad_accum_steps == 0
-        self._backward.start(closes_window=self._closing)
+        self._backward.start(closes_window=(self.micro_steps + 1) % self.config.train.grad_accum_steps == 0)
         try:
             (loss * (self.scaler.scale / self.config.train.grad_accum_steps)).backward()
-            if self.stage >= 2 or self._closing:
+            if self.stage >= 2 or self._backward.closes_window:
                 self.reducer.flush()
                 self.state.grad_writer.finish()
         except BaseException:
             self._backward.abandon()
             raise
-        finally:
-            self._closing = False
         self._backward.finish()
         self.param_scheduler.end_pass()
+        release_idle(self.tiers)  # the phase's buffers kept for reuse go: buffer_arena's note
         self.micro_steps += 1
 
     def _check_step_called(self) -> None:
@@ -245,6 +236,7 @@ class Engine:
             self._updater.step_units(had_grad, grad_scale(norm_sq, self.config.train.grad_clip, self.scaler.scale))
         for unit in self.units:
             unit.clear_grads(self.state.compute)
+        release_idle(self.tiers)
         self.scaler.update(overflow)
         self.global_steps += 1
         if self.scheduler is not None and not overflow:

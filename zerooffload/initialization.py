@@ -10,6 +10,7 @@ from .activations import ActivationProfile, measure_activations
 from .comm import failing_together, init_comm
 from .config import Config, dtype_bytes
 from .engine import Engine
+from .host_allocator import release_freed_memory
 from .lazy_init import is_lazy, swap_in_placeholders
 from .threads import set_threads
 from .zero.sharded_state import EAGER
@@ -33,6 +34,8 @@ def initialize(model: nn.Module, config: Config | dict | str | None = None, para
     """
     config = Config.load(config if config is not None else {})
     set_threads(config.train.threads)
+    if config.memory.release_freed:
+        release_freed_memory()  # before the first buffer: host_allocator's [Note: RSS that follows the accounting]
     lazy = is_lazy(model)
     comm = init_comm()
     activations = None

@@ -40,6 +40,7 @@ from typing import Any, Callable
 import psutil
 import torch
 
+from .buffer_arena import BufferArena
 from .config import Config, ConfigError, MemoryConfig
 from .io.aio import AsyncIO
 from .io.buffers import aligned_empty
@@ -47,7 +48,8 @@ from .io.swapfile import SwapStore
 from .kinds import Kind
 
 __all__ = ["Kind", "Tier", "DeviceTier", "HostTier", "NvmeTier", "Block", "IOStats", "LinkStats", "DeviceCopier",
-           "BudgetError", "make_tiers", "open_swap", "close_tiers", "swap_bytes", "check_plan", "check_ram", "Plan"]
+           "BudgetError", "make_tiers", "open_swap", "close_tiers", "release_idle", "swap_bytes", "check_plan",
+           "check_ram", "Plan"]
 
 
 class BudgetError(ConfigError):
@@ -71,35 +73,59 @@ class Tier(abc.ABC):
         self.budget = budget
         self.usage = {kind: 0 for kind in Kind}
         self.peak = 0
+        self.arena = BufferArena() if self.resident and device.type == "cpu" else None
+        """Engine buffers kept for reuse in CPU memory (buffer_arena's [Note: buffer arena])."""
 
     @property
     def used(self) -> int:
         return sum(self.usage.values())
 
+    @property
+    def idle(self) -> int:
+        """Bytes the arena keeps for reuse: held, though no tensor uses them now."""
+        return 0 if self.arena is None else self.arena.idle_bytes
+
     def _account(self, kind: Kind, nbytes: int) -> None:
+        if self.budget is not None and self.used + self.idle + nbytes > self.budget:
+            self.release_idle()  # what the arena keeps yields to what is asked for
         if self.budget is not None and self.used + nbytes > self.budget:
             raise BudgetError(
                 f"{self.name} tier: allocating {nbytes} bytes of {kind.value} would hold {self.used + nbytes} bytes, "
                 f"over {self.budget_key} = {self.budget}; raise it or move state to another tier")
         self.usage[kind] += nbytes
-        self.peak = max(self.peak, self.used)
+        self.peak = max(self.peak, self.used + self.idle)
 
     @abc.abstractmethod
     def _allocate(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """A fresh 1-D tensor in this tier's memory."""
 
     def empty(self, kind: Kind, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        """An uninitialized 1-D tensor of ``numel`` elements, counted against this tier as ``kind``."""
+        """An uninitialized 1-D tensor of ``numel`` elements, counted against this tier as ``kind``
+        (an engine buffer may be one the arena kept)."""
+        reused = self.arena.take(numel, dtype) if kind is Kind.BUFFER and self.arena is not None else None
         self._account(kind, numel * dtype.itemsize)
-        return self._allocate(numel, dtype)
+        if reused is not None:
+            return reused
+        tensor = self._allocate(numel, dtype)
+        if kind is Kind.BUFFER and self.arena is not None:
+            self.arena.lend(tensor)
+        return tensor
 
     def zeros(self, kind: Kind, numel: int, dtype: torch.dtype) -> torch.Tensor:
         return self.empty(kind, numel, dtype).zero_()
 
     def free(self, kind: Kind, tensor: torch.Tensor | None) -> None:
-        """Stop counting ``tensor`` (the caller drops its references; memory returns when they are gone)."""
+        """Stop counting ``tensor`` (the caller drops its references; memory returns when they are gone,
+        or an engine buffer waits in the arena for its next use)."""
         if tensor is not None:
             self.usage[kind] -= tensor.numel() * tensor.element_size()
+            if kind is Kind.BUFFER and self.arena is not None:
+                self.arena.give_back(tensor)
+
+    def release_idle(self) -> None:
+        """Let the buffers the arena keeps go: at the end of a phase, or to make room."""
+        if self.arena is not None:
+            self.arena.clear()
 
     def release_storage(self, kind: Kind, tensor: torch.Tensor) -> None:
         """Free ``tensor``'s memory now but keep the tensor, and every view of it, for ``restore_storage``.
@@ -376,11 +402,18 @@ def open_swap(tiers: dict[str, Tier], plan: Plan, config: Config, rank: int) -> 
     return tiers["nvme"].io
 
 
+def release_idle(tiers: dict[str, Tier]) -> None:
+    """A phase (a backward, a step) is over: the buffers every tier's arena kept for reuse go."""
+    for tier in tiers.values():
+        tier.release_idle()
+
+
 def close_tiers(tiers: dict[str, Tier]) -> None:
     """Stop accounting every tier's tensors and release what the tiers hold (swap files)."""
     for tier in tiers.values():
         tier.usage = {kind: 0 for kind in Kind}
         tier.close()
+    release_idle(tiers)
 
 
 def swap_bytes(plan: Plan) -> int:

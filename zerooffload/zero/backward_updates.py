@@ -53,6 +53,9 @@ class BackwardUpdates:
         self._publication: Publication | None = None
         self.skipped: str | None = None
         """Why the window was skipped here (a non-finite gradient before the first update), if it was."""
+        self.closes_window = False
+        """Whether the backward running now (or the last one) closes its accumulation window: every stage
+        reduces in it."""
 
     @property
     def active(self) -> bool:
@@ -61,6 +64,7 @@ class BackwardUpdates:
     def start(self, closes_window: bool) -> None:
         """A backward begins; its updates run if it closes the accumulation window."""
         self.skipped = None
+        self.closes_window = closes_window
         if not (self.units and closes_window):
             return
         self._prefetch_window_part(0)
