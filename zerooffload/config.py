@@ -300,9 +300,10 @@ class MemoryConfig(_Section):
                                   min=1)
     host_budget: _BUDGET = _opt("auto", 'bytes the engine may hold in host RAM; "auto": the RAM available (less a '
                                         "margin for activations, the allocator and torch)", size=True, min=1)
-    release_freed: bool = _opt(True, "give freed host buffers of 1 MiB and more back to the OS at once (glibc's mmap "
-                                     "threshold fixed), so RSS follows what the engine holds; false: leave the "
-                                     "allocator as it is")
+    release_freed: Literal["auto", "on", "off"] = _opt(
+        "auto", "give freed host buffers of 1 MiB and more back to the OS at once (glibc's mmap threshold fixed), so "
+        "RSS follows what the engine holds, at the cost of page faults on fresh buffers (CPU activations too); auto: "
+        "on when parameters or optimizer states live on NVMe")
 
 
 @_section

@@ -11,8 +11,11 @@ only from their top: on a stage 3 NVMe run of a deep MLP (2048² units) the proc
 which also stops glibc moving it, every buffer that large has a mapping of its own, returned when
 freed: RSS then follows what the engine holds (``memory_report``), whatever the depth or the step
 (``bench/rss_depth.py``). The cost is the kernel's page faults on each fresh buffer (about 1 ms per 8
-MiB), small beside the bandwidth the same bytes take to fill. ``memory.release_freed = false`` leaves
-the allocator as it was; on a C library other than glibc there is nothing to set.
+MiB): small beside an NVMe step, but on CPU-only training every activation of 1 MiB or more is a fresh
+mapping too, which made the nano GPT's ``zerooffload train`` ~25% slower here. So
+``memory.release_freed = auto`` (the default) fixes it where state lives on NVMe, the runs whose RAM
+decides what fits; ``on`` and ``off`` decide for any run. On a C library other than glibc there is
+nothing to set.
 """
 from __future__ import annotations
 

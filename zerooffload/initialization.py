@@ -19,6 +19,14 @@ from .zero.unit_layout import find_units
 __all__ = ["initialize"]
 
 
+def _releases_freed(config: Config) -> bool:
+    """``memory.release_freed``; ``auto``: where state lives on NVMe, the runs whose RAM decides what fits."""
+    mode = config.memory.release_freed
+    if mode == "auto":
+        return "nvme" in (config.offload.param.tier, config.offload.optimizer.tier)
+    return mode == "on"
+
+
 def initialize(model: nn.Module, config: Config | dict | str | None = None, param_groups: list[dict] | None = None,
                init_fn: Any = None, *, example_inputs: tuple | dict | None = None) -> "Engine":
     """Shard ``model``'s training state as ``config`` says and return the engine that trains it.
@@ -34,7 +42,7 @@ def initialize(model: nn.Module, config: Config | dict | str | None = None, para
     """
     config = Config.load(config if config is not None else {})
     set_threads(config.train.threads)
-    if config.memory.release_freed:
+    if _releases_freed(config):
         release_freed_memory()  # before the first buffer: host_allocator's [Note: RSS that follows the accounting]
     lazy = is_lazy(model)
     comm = init_comm()
