@@ -13,6 +13,7 @@ from .engine import Engine
 from .host_allocator import release_freed_memory
 from .lazy_init import is_lazy, swap_in_placeholders
 from .threads import set_threads
+from .zero.placement import streams_state
 from .zero.sharded_state import EAGER
 from .zero.unit_layout import find_units
 
@@ -20,11 +21,9 @@ __all__ = ["initialize"]
 
 
 def _releases_freed(config: Config) -> bool:
-    """``memory.release_freed``; ``auto``: where state lives on NVMe, the runs whose RAM decides what fits."""
+    """``memory.release_freed``; ``auto``: where state streams from NVMe, the runs whose RAM decides what fits."""
     mode = config.memory.release_freed
-    if mode == "auto":
-        return "nvme" in (config.offload.param.tier, config.offload.optimizer.tier)
-    return mode == "on"
+    return streams_state(config) if mode == "auto" else mode == "on"
 
 
 def initialize(model: nn.Module, config: Config | dict | str | None = None, param_groups: list[dict] | None = None,

@@ -26,7 +26,7 @@ from ..config import Config
 from ..optim.state import units_to_offload
 from .unit_layout import UnitLayout
 
-__all__ = ["Placement", "UnitPlacement", "place", "updates_in_backward"]
+__all__ = ["Placement", "UnitPlacement", "place", "streams_state", "updates_in_backward"]
 
 COMPUTE = "device"
 """The tier the compute runs in."""
@@ -100,6 +100,11 @@ class Placement:
     def updates_in_backward(self) -> list[UnitPlacement]:
         """The units updated in backward, in unit order."""
         return [u for u in self.units if u.updates_in_backward]
+
+
+def streams_state(config: Config) -> bool:
+    """Whether the config puts parameters or optimizer states on a tier that is not addressable (NVMe)."""
+    return any(tier in _NOT_ADDRESSABLE for tier in (config.offload.param.tier, config.offload.optimizer.tier))
 
 
 def updates_in_backward(config: Config) -> bool:
