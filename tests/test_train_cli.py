@@ -206,6 +206,7 @@ def _tags(checkpoints: Path) -> set[str]:
     return {p.name for p in checkpoints.iterdir() if p.is_dir()}
 
 
+@pytest.mark.slow  # 20 s: six steps saved every two, then two resumes
 def test_keep_last_prunes_old_step_tags_and_resume_falls_back_past_a_corrupt_latest(tmp_path):
     """--keep-last 2 keeps the newest two step tags and a user's own directory; a corrupt ``latest``
     makes --resume fall back, saying so, to the newest tag that verifies; --tag picks an older one and
