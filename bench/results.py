@@ -230,37 +230,39 @@ def records_of(runs: list[Run], kind: str) -> list[tuple[str, dict]]:
     return [(r.bench.name, rec) for r in runs for rec in r.records if rec["kind"] == kind]
 
 
+PHASES = ("forward", "backward", "step")
+"""The step-time split's parts, in the order optimizer_phase.py records and the plot stacks them."""
+
+
+def markdown_table(header: list[str], rows: list[list]) -> list[str]:
+    """A Markdown table: the header row, its separator, then one line per row (cells already formatted)."""
+    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)] + [
+        "| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]
+
+
 def runs_table(runs: list[Run]) -> list[str]:
-    lines = ["| benchmark | command | status | seconds |", "|---|---|---|---|"]
-    for r in runs:
-        lines.append(f"| {r.bench.name} | `{r.shown}` | {r.status} | {r.seconds:.0f} |")
-    return lines
+    return markdown_table(["benchmark", "command", "status", "seconds"],
+                          [[r.bench.name, f"`{r.shown}`", r.status, f"{r.seconds:.0f}"] for r in runs])
 
 
 def pairs_table(runs: list[Run]) -> list[str]:
     rows = records_of(runs, "pairs")
     if not rows:
         return ["No comparisons recorded."]
-    lines = [("Ratio = ours / theirs (time) per pair or round, the two sides interleaved; judged on the median. "
-              "A target of — means none is set."), "",
-             "| benchmark | comparison | ours / theirs | ratio min / median / max | target | verdict |",
-             "|---|---|---|---|---|---|"]
-    for name, rec in rows:
-        target = "—" if rec["target"] is None else f"≤ {rec['target']:.2f}"
-        lines.append(f"| {name} | {rec['title']} | {rec['names'][0]} / {rec['names'][1]} | {spread(rec['ratios'])} "
-                     f"| {target} | {verdict(rec['met'])} |")
-    return lines
+    return [("Ratio = ours / theirs (time) per pair or round, the two sides interleaved; judged on the median. "
+             "A target of — means none is set."), ""] + markdown_table(
+        ["benchmark", "comparison", "ours / theirs", "ratio min / median / max", "target", "verdict"],
+        [[name, rec["title"], f"{rec['names'][0]} / {rec['names'][1]}", spread(rec["ratios"]),
+          "—" if rec["target"] is None else f"≤ {rec['target']:.2f}", verdict(rec["met"])] for name, rec in rows])
 
 
 def checks_table(runs: list[Run]) -> list[str]:
     rows = records_of(runs, "check")
     if not rows:
         return ["No single-figure checks recorded."]
-    lines = ["| benchmark | check | value | target | verdict | detail |", "|---|---|---|---|---|---|"]
-    for name, rec in rows:
-        lines.append(f"| {name} | {rec['title']} | {rec['value']:.4g} | {rec['target']} | {verdict(rec['met'])} "
-                     f"| {rec['detail']} |")
-    return lines
+    return markdown_table(["benchmark", "check", "value", "target", "verdict", "detail"],
+                          [[name, rec["title"], f"{rec['value']:.4g}", rec["target"], verdict(rec["met"]),
+                            rec["detail"]] for name, rec in rows])
 
 
 def split_section(runs: list[Run]) -> list[str]:
@@ -268,13 +270,11 @@ def split_section(runs: list[Run]) -> list[str]:
     if not rows:
         return ["No step-time split recorded (optimizer_phase.py's iteration phase did not run): no plot."]
     plot_split([rec for _, rec in rows], HERE / "results_split.png")
-    lines = ["Mean seconds per iteration (optimizer_phase.py, iteration phase).", "",
-             "| iteration | side | forward | backward | step | total |", "|---|---|---|---|---|---|"]
-    for _, rec in rows:
-        p = rec["phases"]
-        lines.append(f"| {rec['title']} | {rec['side']} | {p['forward']:.3f} | {p['backward']:.3f} | {p['step']:.3f} "
-                     f"| {sum(p.values()):.3f} |")
-    return lines + ["", "![forward / backward / step per side](results_split.png)"]
+    table = markdown_table(["iteration", "side", "forward", "backward", "step", "total"],
+                           [[rec["title"], rec["side"], *(f"{rec['phases'][k]:.3f}" for k in PHASES),
+                             f"{sum(rec['phases'].values()):.3f}"] for _, rec in rows])
+    return (["Mean seconds per iteration (optimizer_phase.py, iteration phase).", ""] + table
+            + ["", "![forward / backward / step per side](results_split.png)"])
 
 
 def rss_section(runs: list[Run]) -> list[str]:
@@ -282,12 +282,11 @@ def rss_section(runs: list[Run]) -> list[str]:
     if not rows:
         return ["No RSS rows recorded (rss_depth.py did not run or recorded none): no plot."]
     plot_rss([rec for _, rec in rows], HERE / "results_rss.png")
-    lines = ["| benchmark | layers | params (M) | RSS above baseline (GB) | engine's report (GB) | ratio |",
-             "|---|---|---|---|---|---|"]
-    for name, rec in rows:
-        lines.append(f"| {name} | {rec['layers']} | {rec['params'] / 1e6:.0f} | {rec['rss_bytes'] / 1e9:.2f} "
-                     f"| {rec['report_bytes'] / 1e9:.2f} | {rec['ratio']:.2f} |")
-    return lines + ["", "![RSS above baseline against the engine's report](results_rss.png)"]
+    table = markdown_table(
+        ["benchmark", "layers", "params (M)", "RSS above baseline (GB)", "engine's report (GB)", "ratio"],
+        [[name, rec["layers"], f"{rec['params'] / 1e6:.0f}", f"{rec['rss_bytes'] / 1e9:.2f}",
+          f"{rec['report_bytes'] / 1e9:.2f}", f"{rec['ratio']:.2f}"] for name, rec in rows])
+    return table + ["", "![RSS above baseline against the engine's report](results_rss.png)"]
 
 
 def notes_list(runs: list[Run]) -> list[str]:
@@ -338,7 +337,7 @@ def plot_split(records: list[dict], path: Path) -> None:
     labels = [f"{textwrap.fill(rec['title'], 10)}\n{rec['side']}" for rec in records]
     fig, ax = plt.subplots(figsize=(max(5.0, 1.2 * len(records) + 1.5), 4.5))
     bottom = [0.0] * len(records)
-    for phase in ("forward", "backward", "step"):
+    for phase in PHASES:
         heights = [rec["phases"][phase] for rec in records]
         ax.bar(labels, heights, bottom=bottom, label=phase)
         bottom = [b + h for b, h in zip(bottom, heights)]
