@@ -21,7 +21,7 @@ import zerooffload as zo
 from zerooffload.tiers import BudgetError
 
 RSS_PROBE = r"""
-import gc, json, sys, threading, time
+import ctypes, ctypes.util, gc, json, sys, threading, time
 import psutil, torch
 import torch.utils.checkpoint as cp
 from zerooffload.activations import measure_activations
@@ -42,6 +42,7 @@ if checkpointing:
         block.forward = (lambda f: lambda *a: cp.checkpoint(f, *a, use_reentrant=False))(block.forward)
 model(x, x).backward()  # gradients exist and the allocator is warm: what grows next is activations
 gc.collect()
+ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)  # what the first pass freed is not kept
 process = psutil.Process()
 base = peak = process.memory_info().rss
 done = False
