@@ -57,6 +57,29 @@ def test_round_trip_reuse_and_free(tmp_path, aio):
             store.read("k3", torch.empty(1))
 
 
+def test_a_version_written_aside_replaces_the_key_only_when_renamed(tmp_path, aio):
+    """The commit of a tentative version (tiers' held blocks): until the rename, reads see the old bytes;
+    after it, the new ones, and the old extents are free again (the file does not grow on the next round)."""
+    old, new = _random(10_000, 1), _random(10_000, 2)
+    with SwapStore(str(tmp_path), aio) as store:
+        store.write("block", old).wait()
+        spans = []
+        for round_ in range(3):
+            store.write("block~aside", new).wait()
+            out = torch.empty_like(old)
+            store.read("block", out).wait()
+            assert torch.equal(out, old)
+            spans.append(store.file_bytes)
+            store.rename("block~aside", "block")
+            store.read("block", out).wait()
+            assert torch.equal(out, new) and "block~aside" not in store
+            assert store.stored_bytes == 10_000
+            old, new = new, _random(10_000, 3 + round_)
+        assert spans == [2 * 12288] * 3  # two versions at most, whatever the rounds
+        with pytest.raises(KeyError, match="'nothing' is not stored"):
+            store.rename("nothing", "block")
+
+
 def test_files_are_private_and_named(tmp_path, aio):
     with SwapStore(str(tmp_path), aio, rank=3) as store:
         path = store.paths[0]

@@ -339,6 +339,18 @@ class SwapStore:
                 raise KeyError(f"swap key {key!r} is not stored")
             self._release(entry)
 
+    def rename(self, source: str, target: str) -> None:
+        """Make ``source``'s bytes ``target``'s (its old extents given back) and forget ``source``: the
+        commit of a version written aside, which reads of ``target`` did not see until now."""
+        with self._lock:
+            entry = self._entries.pop(source, None)
+            if entry is None:
+                raise KeyError(f"swap key {source!r} is not stored")
+            old = self._entries.pop(target, None)
+            if old is not None:
+                self._release(old)
+            self._entries[target] = entry
+
     def _drop(self, key: str, entry: _Entry) -> None:
         """Free ``key`` if it still names ``entry`` (a later write may have replaced it)."""
         with self._lock:
