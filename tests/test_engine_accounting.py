@@ -166,6 +166,7 @@ def test_fp32_parameter_shards_on_nvme_are_read_from_the_optimizer_blocks(make_e
     model = _mlp()
     shard_bytes = 4 * sum(unit_shards(model, 1))
     engine = make_engine(model, {"zero": {"stage": 3}, "train": {"grad_clip": 1.0},
+                                 "optimizer": {"update_in_backward": "off"},  # the step's own reads and writes
                                  "offload": {"param": {"tier": "nvme"}, "optimizer": {"tier": "nvme"}}})
     report = engine.memory_report()
     assert report.bytes("nvme", "param") == 0 and report.bytes("nvme", "optimizer") == 3 * shard_bytes
@@ -215,6 +216,7 @@ def test_nvme_traffic_per_step_is_every_optimizer_block_once_each_way(make_engin
     fewer, and with one micro-batch none at all and no swap space."""
     model = _mlp()
     engine = make_engine(model, {"zero": {"stage": 2}, "train": {"grad_clip": clip, "grad_accum_steps": accum},
+                                 "optimizer": {"update_in_backward": "off" if clip else "auto"},
                                  "offload": {"optimizer": {"tier": "nvme"}}})
     blocks = engine.memory_report().bytes("nvme", "optimizer")
     grads = 4 * sum(trainable_spans(model, 1, 0))  # fp32, each unit's trainable part rounded up for O_DIRECT
@@ -233,6 +235,28 @@ def test_nvme_traffic_per_step_is_every_optimizer_block_once_each_way(make_engin
         assert (stats.io.read_bytes, stats.io.write_bytes) == (moved, moved)
         assert 0 < stats.stall_seconds <= stats.seconds <= seen
         assert stats.io_gbps == pytest.approx(2 * moved / stats.seconds / 1e9, rel=1e-9)
+
+
+@pytest.mark.parametrize("clip, accum", [(1e9, 1), (1e-4, 1), (1e9, 2), (1e-4, 2)])
+def test_nvme_traffic_of_tentative_updates_in_backward(make_engine, clip, accum):
+    """Clipping, updates in backward are tentative (backward_updates' [Note: tentative updates]): the
+    blocks are kept twice on NVMe; in backward each is read and written once (aside) and the gradient
+    kept as the step would keep it. Unclipped, the step commits the blocks and reads no gradient; clipped,
+    it redoes every unit: the blocks once more each way and the kept gradient read."""
+    model = _mlp()
+    engine = make_engine(model, {"zero": {"stage": 2}, "train": {"grad_clip": clip, "grad_accum_steps": accum},
+                                 "offload": {"optimizer": {"tier": "nvme"}}})
+    blocks = engine.memory_report().bytes("nvme", "optimizer") // 2
+    grads = 4 * sum(trainable_spans(model, 1, 0))
+    assert blocks == 3 * grads and engine.memory_report().bytes("nvme", "grad") == grads
+    for _ in range(2):
+        for _ in range(accum):
+            _one_step(engine)
+        redo = int(clip < 1)
+        assert engine.stats.undone_updates == redo * len(engine.units)
+        io = engine.stats.io
+        assert io.read_bytes == (1 + redo) * blocks + (accum - 1 + redo) * grads
+        assert io.write_bytes == (1 + redo) * blocks + accum * grads
 
 
 def test_fraction_splits_optimizer_state_between_the_tier_and_the_device(make_engine):

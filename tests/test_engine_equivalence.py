@@ -227,16 +227,16 @@ def test_updates_in_backward_equal_the_updates_in_the_step(rank_pools, stage):
             assert result["errors"] == device["errors"], (precision, tier, fraction, param_tier)
 
 
-def _backward_then_step(clip: float) -> dict:
+def _backward_then_step(clip: float, update_in_backward: str = "auto") -> dict:
     """Stage 3, everything on NVMe, world 1: what one backward changes before its step, the NVMe bytes
-    per step, and the weights after two steps. A clip (even one that never binds) needs the global
-    norm, so it keeps the updates in the step."""
+    and undone tentative updates per step, and the weights after two steps."""
     batches = make_batches(2, 1, MICRO)
     model = make_model()
     initial = {k: v.clone() for k, v in model.state_dict().items()}
     offload = {"param": {"tier": "nvme"}, "optimizer": {"tier": "nvme"}}
     grad_bytes = 4 * sum(trainable_spans(model, 1, 0))  # fp32, of the shards' trainable parts
-    with zo.initialize(model, _config(3, "fp32", 1, clip, offload=offload)) as engine:
+    config = _config(3, "fp32", 1, clip, offload=offload, optimizer={"update_in_backward": update_in_backward})
+    with zo.initialize(model, config) as engine:
         (idx, targets), = batches[0]
         engine.backward(engine(idx, targets))
         moved_in_backward = any(not torch.equal(v, initial[k]) for k, v in engine.full_state_dict().items())
@@ -244,16 +244,35 @@ def _backward_then_step(clip: float) -> dict:
         (idx, targets), = batches[1]
         engine.backward(engine(idx, targets))
         engine.step()
-        io, full = engine.stats.io, engine.full_state_dict()
-    return {"moved": moved_in_backward, "io": io, "full": full, "grad_bytes": grad_bytes}
+        stats, full = engine.stats, engine.full_state_dict()
+    return {"moved": moved_in_backward, "io": stats.io, "undone": stats.undone_updates, "full": full,
+            "grad_bytes": grad_bytes, "units": len(engine.units),
+            "block_bytes": sum(s.block.nbytes for s in engine.opt_states),  # optimizer blocks, and homes written apart
+            "home_bytes": sum(getattr(u.param_block, "head", u.param_block).nbytes  # a step writes a split one's head
+                              for u in engine.units if u.partitioned and u.param_block.writable)}
 
 
 def test_updates_in_backward_skip_the_gradients_round_trip_through_nvme():
-    on, off = _backward_then_step(0.0), _backward_then_step(1e9)
+    on, off = _backward_then_step(0.0), _backward_then_step(1e9, "off")
     assert on["moved"] and not off["moved"]
     assert all(torch.equal(on["full"][k], off["full"][k]) for k in off["full"])
     assert off["io"].write_bytes - on["io"].write_bytes == on["grad_bytes"]
     assert off["io"].read_bytes - on["io"].read_bytes == on["grad_bytes"]
+
+
+def test_tentative_updates_in_backward_are_the_clipped_updates_of_the_step():
+    """A clip: updates in backward run before the norm is known, their blocks stored aside (backward_updates'
+    [Note: tentative updates]). Unclipped, the step commits them: the masters read before the step are
+    the old ones, the gradient is written (kept) but never read back. Clipped, every one is undone and
+    redone in the step: bitwise the step's clipped update, for one more read and write of each block."""
+    for clip, redo in ((1e9, False), (1e-3, True)):
+        step, tentative = _backward_then_step(clip, "off"), _backward_then_step(clip)
+        assert not tentative["moved"]
+        assert all(torch.equal(tentative["full"][k], step["full"][k]) for k in step["full"])
+        assert tentative["undone"] == (tentative["units"] if redo else 0)
+        redo_bytes = tentative["block_bytes"] + tentative["home_bytes"]  # a redo's blocks, and homes it republishes
+        assert tentative["io"].write_bytes - step["io"].write_bytes == (redo_bytes if redo else 0)
+        assert tentative["io"].read_bytes - step["io"].read_bytes == (redo_bytes if redo else -tentative["grad_bytes"])
 
 
 WINDOWS = {"updates in the step": (2, 0.05), "updates in backward": (1, 0.0),
@@ -390,8 +409,12 @@ def test_a_frozen_base_trains_like_pytorch_and_only_trainable_state_is_held_and_
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     units = 3  # with trainable parameters: block 1, block 2, the root
     slack = units * world * ALIGN  # each rank's part of each unit is rounded up for O_DIRECT
+    # a clip at stages 2–3: tentative updates in backward, their blocks kept twice on NVMe, a redo writing
+    # them (and the shards) again (backward_updates' [Note: tentative updates])
+    versions = 2 if stage >= 2 and clip > 0 else 1
     # fp32 master and two moments, the parameter shard, and the gradient kept for the step (each part)
-    per_element = 12 + (4 if offload == "all on nvme" else 0) + 4 * accum
+    per_element = versions * (12 + (4 if offload == "all on nvme" else 0)) + 4 * accum
     written = sum(r["written"][-1] for r in ranks)
     assert 12 * trainable <= written <= per_element * (trainable + slack), written
-    assert 12 * trainable <= sum(r["optimizer_bytes"] for r in ranks) <= 12 * (trainable + slack)
+    held = sum(r["optimizer_bytes"] for r in ranks)
+    assert 12 * versions * trainable <= held <= 12 * versions * (trainable + slack)

@@ -218,7 +218,8 @@ class OptimizerConfig(_Section):
     momentum: float = _opt(0.0, "SGD momentum", min=0, below=1)
     update_in_backward: Literal["auto", "on", "off"] = _opt(
         "auto", "update units whose gradients leave the device in the backward that closes a window (auto: "
-        "whenever the update needs nothing global, i.e. no train.grad_clip and no fp16)")
+        "unless fp16; with train.grad_clip only units whose optimizer state is on nvme, tentatively: the step "
+        "commits the update, or redoes it clipped when the global norm exceeds the clip)")
 
     def check(self) -> None:
         for i, beta in enumerate(self.betas):
@@ -373,13 +374,15 @@ class Config(_Section):
         self._check_update_in_backward()
 
     def _check_update_in_backward(self) -> None:
-        """``optimizer.update_in_backward = "on"`` only where it can apply: an update that needs nothing
-        global, of units whose reduced gradients leave the device."""
+        """``optimizer.update_in_backward = "on"`` only where it can apply: units whose reduced gradients
+        leave the device, updated tentatively under a clip (their state before the update kept on NVMe)."""
         if self.optimizer.update_in_backward != "on":
             return
         needs = []
-        if self.train.grad_clip > 0:
-            needs.append(f"train.grad_clip = 0 (it is {self.train.grad_clip}: clipping waits for the global norm)")
+        if self.train.grad_clip > 0 and self.offload.optimizer.tier != "nvme":
+            needs.append(f"offload.optimizer.tier = 'nvme' with train.grad_clip = {self.train.grad_clip} (a clipped "
+                         "update in backward is tentative: the state before it is kept on NVMe for the redo), or "
+                         "train.grad_clip = 0")
         if self.train.precision == "fp16":
             needs.append("train.precision other than fp16 (an fp16 step may be skipped for overflow)")
         if self.zero.stage < 2 or self.offload.optimizer.tier == "device" or self.offload.optimizer.fraction == 0:

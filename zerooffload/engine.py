@@ -227,13 +227,16 @@ class Engine:
             if not math.isfinite(norm_sq) and (self.scaler.enabled or self.config.train.skip_nonfinite):
                 self._window_skipped = "inf/NaN gradients" if self.scaler.enabled else "non-finite gradient norm"
         overflow = self._window_skipped is not None
+        scale = None if overflow else grad_scale(norm_sq, self.config.train.grad_clip, self.scaler.scale)
+        undone = self._backward.settle(keep=scale == 1.0 / self.scaler.scale)  # tentative updates: kept if unclipped
         if overflow:
             self.skipped_steps += 1
             logger.warning("step %d skipped (%s); %d skipped so far", self.global_steps + 1, self._window_skipped,
                            self.skipped_steps)
             self._window_skipped = None
+            self._updater.republish(undone)
         else:
-            self._updater.step_units(had_grad, grad_scale(norm_sq, self.config.train.grad_clip, self.scaler.scale))
+            self._updater.step_units(had_grad, scale)  # with the undone units
         for unit in self.units:
             unit.clear_grads(self.state.compute)
         release_idle(self.tiers)
@@ -243,7 +246,8 @@ class Engine:
             self.scheduler.step()
         self._stats = self._meter.stats(step=self.global_steps, updated=not overflow,
                                         skipped_steps=self.skipped_steps, norm_sq=norm_sq, loss_scale=self.scaler.scale,
-                                        lr=self.optimizer.param_groups[0]["lr"], memory=self.memory_report())
+                                        lr=self.optimizer.param_groups[0]["lr"], memory=self.memory_report(),
+                                        undone_updates=len(undone))
         self._meter.start()
         return not overflow
 

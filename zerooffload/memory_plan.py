@@ -114,9 +114,10 @@ def plan_memory(layouts: list[UnitLayout], placement: Placement, *, stage: int, 
                 stream_buffers: int = STREAM_BUFFERS, grad_reads: int = GRAD_READS) -> Plan:
     """Bytes by tier and kind of ``placement`` ([Note: placement]): full parameters on the device but for
     partitioned units (a shard each on its home, plus at most ``max_live_bytes`` gathered on the device);
-    optimizer blocks on their tiers (no master for units whose master is the weights); gradients by
-    stage, a shard that leaves on the optimizer's tier when kept for the step; an offloaded partitioned
-    unit's shard in its block's master segment takes no space of its own; temporaries per phase, with
+    optimizer blocks on their tiers (no master for units whose master is the weights; twice for tentative
+    updates, stored aside); gradients by stage, a shard that leaves on the optimizer's tier when kept for
+    the step; an offloaded partitioned unit's shard in its block's master segment takes no space of its
+    own; temporaries per phase, with
     ``stream_buffers`` host buffers per block stream or writer and ``grad_reads`` for gradients read
     back (``block_stream``)."""
     units = list(zip(layouts, placement.units))
@@ -134,7 +135,8 @@ def plan_memory(layouts: list[UnitLayout], placement: Placement, *, stage: int, 
         in_masters = p.params_in_masters and p.offloaded and u.trainable_numel == u.padded_numel  # no frozen values
         if p.partitioned and not in_masters:
             plan[p.param_home][Kind.PARAM] += u.shard_numel * compute_bytes
-        plan[p.optimizer][Kind.OPTIMIZER] += u.shard_numel * 4 * (moments + (0 if p.master_is_param else 1))
+        versions = 2 if p.updates_tentatively else 1  # a tentative update's block is stored aside until the step
+        plan[p.optimizer][Kind.OPTIMIZER] += versions * u.shard_numel * 4 * (moments + (0 if p.master_is_param else 1))
     plan[device][Kind.GATHERED] = min(max_live_bytes, partitioned_full)
     if partitioned and placement.shards_off_device:  # shards staged in host memory (scheduler's note)
         largest_shard = max(u.shard_numel for u in partitioned) * compute_bytes

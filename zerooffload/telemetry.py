@@ -72,6 +72,9 @@ class StepStats:
     """Host memory <-> device tier: bytes each way in the window (offloaded parameters, gradients, updates)."""
     seconds: float
     """Wall time of the window (previous step's end to this step's end): divide bytes by it for GB/s."""
+    undone_updates: int = 0
+    """Units whose tentative update in backward this step undid: redone clipped, or dropped by a skipped
+    step (backward_updates' [Note: tentative updates]); 0 where the clip did not bind."""
 
     @property
     def prefetch_hit_rate(self) -> float | None:
@@ -111,7 +114,7 @@ class WindowMeter:
         self.started = time.perf_counter()
 
     def stats(self, *, step: int, updated: bool, skipped_steps: int, norm_sq: float, loss_scale: float, lr: float,
-              memory: MemoryReport) -> StepStats:
+              memory: MemoryReport, undone_updates: int = 0) -> StepStats:
         """The window's ``StepStats`` (``norm_sq``: the unscaled squared global gradient norm)."""
         counters = self.counters
         return StepStats(
@@ -120,4 +123,4 @@ class WindowMeter:
             data_elements=counters.data_elements, data_bytes=counters.data_bytes,
             control_elements=counters.control_elements, memory=memory, prefetch=dataclasses.replace(self.prefetch),
             io=dataclasses.replace(self.io), link=dataclasses.replace(self.link),
-            seconds=time.perf_counter() - self.started)
+            seconds=time.perf_counter() - self.started, undone_updates=undone_updates)

@@ -138,8 +138,12 @@ class Tier(abc.ABC):
     def close(self) -> None:
         """Release what the tier holds outside memory (the NVMe tier's swap files)."""
 
-    def block(self, kind: Kind, key: str, numel: int, dtype: torch.dtype) -> "Block":
-        """A buffer of ``numel`` ``dtype`` elements whose home is this tier (see [Note: blocks])."""
+    def block(self, kind: Kind, key: str, numel: int, dtype: torch.dtype, *, aside: bool = False) -> "Block":
+        """A buffer of ``numel`` ``dtype`` elements whose home is this tier (see [Note: blocks]); a block
+        in memory is changed in place, so it keeps no version ``aside`` (NVMe blocks do)."""
+        if aside:
+            raise ValueError(f"block {key!r} on the {self.name} tier is changed in place: it cannot keep a version "
+                             "aside (only NVMe blocks can)")
         return Block(self.empty(kind, numel, dtype))
 
     def restore_storage(self, kind: Kind, tensor: torch.Tensor) -> None:
@@ -199,6 +203,18 @@ class Block:
     def unload(self) -> torch.Tensor | None:
         """Let the memory go; returns the caller's host buffer for reuse (None when resident)."""
         return None
+
+    def hold(self) -> None:
+        """Keep a version aside (``_SwappedBlock.hold``): a block in memory is changed in place, so only an
+        empty one (a frozen shard's span) can, having nothing to keep."""
+        if self.numel:
+            raise TypeError("a block in memory is changed in place: it cannot keep its old version aside")
+
+    def commit(self) -> None:
+        """Nothing was kept aside (``hold``)."""
+
+    def discard(self) -> None:
+        """Nothing was kept aside (``hold``)."""
 
 
 @dataclass(slots=True)
@@ -276,6 +292,10 @@ class _TimedHandle:
             self.stats.wait_seconds += time.perf_counter() - start
 
 
+ASIDE = "~aside"
+"""Suffix of the swap key under which a held block stores its tentative version."""
+
+
 class _SwappedBlock(Block):
     """A block in the NVMe tier's swap store, paged through a caller's host buffer."""
 
@@ -288,6 +308,8 @@ class _SwappedBlock(Block):
         self.numel, self.dtype = numel, dtype
         self.data = None
         self._buffer: torch.Tensor | None = None
+        self._store_key = key
+        """Where ``store`` writes: the block's key, or while stores are held its version aside."""
 
     def load(self, buffer: torch.Tensor | None = None, *, read: bool = True) -> Any:
         if buffer is None or buffer.numel() * buffer.element_size() < self.nbytes:
@@ -301,11 +323,32 @@ class _SwappedBlock(Block):
 
     def store(self) -> Any:
         self.stats.write_bytes += self.nbytes
-        return _TimedHandle(self.store_.write(self.key, self.data), self.stats)
+        return _TimedHandle(self.store_.write(self._store_key, self.data), self.stats)
 
     def unload(self) -> torch.Tensor | None:
         buffer, self._buffer, self.data = self._buffer, None, None
         return buffer
+
+    def hold(self) -> None:
+        """Store later versions aside, until ``commit`` makes the last one the block's or ``discard``
+        drops it; loads read the block as it was all the while. For an update that may have to be
+        redone from the state before it (backward_updates' [Note: tentative updates]); the space aside
+        was counted when the block was made (``NvmeTier.block``'s ``aside``)."""
+        self.discard()  # a version left aside by a window that failed is no one's
+        self._store_key = self.key + ASIDE
+
+    def commit(self) -> None:
+        """The version stored aside (if one was) becomes the block's; stores go to the block again. Call
+        once no store is in flight."""
+        aside, self._store_key = self._store_key, self.key
+        if aside != self.key and aside in self.store_:
+            self.store_.rename(aside, self.key)
+
+    def discard(self) -> None:
+        """Drop the version stored aside (if one was): the block is what it was before ``hold``."""
+        aside, self._store_key = self._store_key, self.key
+        if aside != self.key and aside in self.store_:
+            self.store_.free(aside)
 
 
 class _SwappedPrefix(_SwappedBlock):
@@ -347,8 +390,10 @@ class NvmeTier(Tier):
     def _allocate(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         raise TypeError("the nvme tier holds blocks (Tier.block), not tensors the compute can address")
 
-    def block(self, kind: Kind, key: str, numel: int, dtype: torch.dtype) -> Block:
-        self._account(kind, numel * dtype.itemsize)
+    def block(self, kind: Kind, key: str, numel: int, dtype: torch.dtype, *, aside: bool = False) -> Block:
+        """``aside``: the block may keep a second version while its stores are held (``hold``), so its
+        space is counted twice."""
+        self._account(kind, numel * dtype.itemsize * (2 if aside else 1))
         return _SwappedBlock(self.swap, key, numel, dtype, self.io)
 
     def prefix_block(self, key: str, numel: int, dtype: torch.dtype) -> Block:

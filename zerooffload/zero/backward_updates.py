@@ -17,6 +17,22 @@ arrive summed over ranks with the reduced shard itself (``reduction``'s flags), 
 ``engine.step`` then updates only the other units, and closes the window as always (counters, LR
 schedule, the gradient norm reported). So the backward that closes a window applies its update: call
 ``step`` after every ``backward``, as always.
+
+[Note: tentative updates]
+With ``train.grad_clip`` the update needs the global norm, known only once backward is over. Units
+whose optimizer block streams from NVMe are updated in backward all the same, *tentatively*: as if
+the clip coefficient were 1, their new blocks stored aside (``tiers`` blocks' ``hold``: the block as
+it was stays readable), the window's gradient kept on the optimizer's tier as the step would keep it,
+each optimizer counter noted. The step then takes the norm from those very gradients; where the clip
+coefficient is exactly 1 (the norm is within the clip) the tentative update IS the clipped one, and
+its blocks are committed (a rename in the swap store: no byte moves). Otherwise every tentative
+update is undone (versions aside dropped, counters restored, units back to REDUCED) and the step
+updates those units as it updates the others, from the blocks as they were and the kept gradients,
+clipped; a skipped window republishes their weights from the old masters. So the result is bitwise
+clip-then-update either way. What it costs: twice the units' optimizer blocks on NVMe, the gradient
+written once (and read back for a redo), and a redo is one more read and write of the redone blocks
+in the step. Blocks in memory are changed in place, which cannot be undone without a second copy in
+RAM, so those units keep their updates in the step under a clip.
 """
 from __future__ import annotations
 
@@ -51,6 +67,12 @@ class BackwardUpdates:
         self._states: Iterator[UnitOptimizerState] | None = None
         """The units' optimizer states in arrival order, streamed: the next one loads during an update."""
         self._publication: Publication | None = None
+        self.tentative = bool(self.units) and self.units[0].placement.updates_tentatively
+        """Whether the updates run before the global norm is known, to be kept or undone by ``settle``."""
+        self._counters: list[tuple[dict, torch.Tensor]] = []
+        """Each tentatively updated piece's optimizer state and its step counter before the update."""
+        self._held: list[UnitOptimizerState] = []
+        """The states whose blocks hold a tentative version this window."""
         self.skipped: str | None = None
         """Why the window was skipped here (a non-finite gradient before the first update), if it was."""
         self.closes_window = False
@@ -70,6 +92,10 @@ class BackwardUpdates:
         self._prefetch_window_part(0)
         self._states = self.state.visit(write=True, states=self._opt_states)
         self._publication = self.updater.publication()
+        if self.tentative:
+            for opt_state in self._opt_states:
+                opt_state.block.hold()
+            self._held = list(self._opt_states)
 
     def take(self, unit: FlatUnit, shard: torch.Tensor, flags: torch.Tensor, loss_scale: float) -> bool:
         """Update ``unit`` from its last reduced ``shard`` if it updates in backward now (True), given
@@ -84,10 +110,40 @@ class BackwardUpdates:
             if flags[-1] > 0 and self.state.config.train.skip_nonfinite:
                 self._refuse_poisoned_update(unit, position)
                 return True
+            if self.tentative:
+                self._note_counters(opt_state)
             sumsq = self.updater.update_unit(opt_state, flags[:-1], grad, 1.0 / loss_scale, self._publication,
-                                             sumsq=True)
-            unit.mark_updated_in_backward(sumsq)
+                                             sumsq=not self.tentative)
+        # a tentative update's norm is the kept gradient's, read as the step reads it: the clip decides alike
+        unit.mark_updated_in_backward(unit.offloaded_grad.sumsq if self.tentative else sumsq)
         return True
+
+    def settle(self, keep: bool) -> list[FlatUnit]:
+        """The step's verdict on this window's tentative updates (none: nothing to do): kept, their
+        blocks committed; or undone, the blocks as they were, counters restored, and the units' kept
+        gradients waiting for the step's update. Returns the units undone."""
+        held, counters, self._held, self._counters = self._held, self._counters, [], []
+        undone = []
+        for opt_state in held:
+            if keep:
+                opt_state.block.commit()
+                continue
+            opt_state.block.discard()
+            if opt_state.unit.updated_in_backward:
+                opt_state.unit.undo_update_in_backward()
+                undone.append(opt_state.unit)
+        if not keep:
+            for state, step in counters:
+                state["step"].copy_(step)
+        return undone
+
+    def _note_counters(self, opt_state: UnitOptimizerState) -> None:
+        """Keep the step counters of ``opt_state``'s pieces as they are before its tentative update."""
+        optimizer = self.state.optimizer
+        for _, piece in opt_state.pieces:
+            state = optimizer.state[piece]
+            if "step" in state:
+                self._counters.append((state, state["step"].clone()))
 
     def finish(self) -> None:
         """Backward is over: the last optimizer block stored, the new weights home or all-gathered."""
@@ -111,7 +167,7 @@ class BackwardUpdates:
         window is skipped like any other (the stream closed, later shards discarded); after it, weights
         have changed and the step cannot be undone, so every rank raises (the flag was summed over ranks)."""
         name = unit.layout.name or "<root>"
-        if position > 0:
+        if position > 0 and not self.tentative:  # tentative updates are undone by the step (settle)
             raise RuntimeError(
                 f"unit {name!r} has a non-finite (inf/NaN) gradient on some rank, found after {position} unit(s) "
                 "were already updated in this backward: those weights have changed, so this engine must not go "
@@ -124,7 +180,11 @@ class BackwardUpdates:
     def _window_grad(self, unit: FlatUnit, shard: torch.Tensor) -> Iterator[torch.Tensor]:
         """The window's whole gradient of ``unit`` given its last reduced part: that part rounded to the
         compute dtype as the tier would store it, or added to the earlier parts read from the tier (and
-        not stored back: the update is its last use)."""
+        not stored back: the update is its last use; but for a tentative update, the kept gradient)."""
+        if self.tentative:
+            with unit.offloaded_grad.adding(shard) as grad:
+                yield grad
+            return
         if unit.offloaded_grad is None or not unit.offloaded_grad.written:
             yield shard.to(unit.compute_dtype)
             return
@@ -134,7 +194,7 @@ class BackwardUpdates:
     def _prefetch_window_part(self, position: int) -> None:
         """Start reading the earlier gradient parts (accumulation) of the ``position``-th unit updated in
         backward, if there is one and it has some."""
-        if position < len(self.units):
+        if position < len(self.units) and not self.tentative:  # a kept gradient is read as it is added to
             kept = self.units[position].offloaded_grad
             if kept is not None and kept.written:
                 kept.prefetch()

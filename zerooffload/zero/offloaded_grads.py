@@ -12,12 +12,14 @@ most ``GRAD_READS`` host buffers by default; without one, each unit reads throug
 That is one write and one read of the gradient per step (2 × 2 B/param in bf16) beside the 24 B/param
 the optimizer blocks move, and it frees the device of Ψ/Nd gradient elements. When the update needs no
 global view of the gradients, units are updated in backward instead and no shard is kept here at
-all (backward_updates' [Note: updates in backward]). A unit with frozen parameters keeps only its shard's
+all (backward_updates' [Note: updates in backward]); a tentative update in backward (under a clip)
+keeps it, for the step may redo that update. A unit with frozen parameters keeps only its shard's
 trainable span here (unit_layout's [Note: unit vocabulary]): the rest of its gradient is zeros.
 """
 from __future__ import annotations
 
-from typing import ContextManager
+import contextlib
+from typing import ContextManager, Iterator
 
 import torch
 
@@ -44,12 +46,20 @@ class OffloadedGrad:
         """Accumulate one micro-batch's reduced shard into the window's gradient: the first part is
         written home, a later one added to what is home (read back); stored in the background either way.
         The engine finishes the writer after each backward, so a part is home before the next is added."""
+        with self.adding(reduced):
+            pass
+
+    @contextlib.contextmanager
+    def adding(self, reduced: torch.Tensor) -> Iterator[torch.Tensor]:
+        """``add``, lending the window's gradient so far (this part included) to the caller before it is
+        stored: a tentative update in backward reads the very values the step would read for its redo."""
         data = self.writer.begin(self.block, read=self.written)
         reduced = reduced[:self.block.numel]  # the block holds the trainable span: frozen slots' are zeros
         if self.written:
             data.add_(reduced)
         else:
             data.copy_(reduced)
+        yield data
         self.sumsq = sum_squares(data)
         self.writer.commit(self.block)
         self.written = True

@@ -37,6 +37,7 @@ Gradients (``GradState``), over one accumulation window::
     EMPTY/ACCUMULATING --begin_reduction--> REDUCING --add_grad_shard, reduced_in_place--> REDUCED
                                                      --mark_updated_in_backward---------> UPDATED
                                                      --release_flat_grad, nothing kept--> DISCARDED
+    UPDATED --undo_update_in_backward--> REDUCED                          (a tentative update, redone)
     REDUCED --accumulate--> ACCUMULATING, --begin_reduction--> REDUCING   (stages 2–3 only)
     any --clear_grads--> EMPTY                                            (the window's end: the step)
 
@@ -51,8 +52,9 @@ Gradients (``GradState``), over one accumulation window::
   (zeros: its peers may have some), from EMPTY or REDUCED.
 - REDUCING: ``begin_reduction`` has handed the full gradient to the reducer; ``note_nonfinite`` reads
   it then. The hand-off ends it: the shard kept (``add_grad_shard``: REDUCED), used by an update in
-  backward (``mark_updated_in_backward``: UPDATED, nothing kept, no gradient may follow in the window),
-  or dropped because the window is being skipped (``release_flat_grad`` finds it still REDUCING:
+  backward (``mark_updated_in_backward``: UPDATED, no gradient may follow in the window; nothing kept,
+  but for a tentative update, whose shard stays on the optimizer's tier in case the step undoes the
+  update to redo it: REDUCED again), or dropped because the window is being skipped (``release_flat_grad`` finds it still REDUCING:
   DISCARDED).
 - ``begin_backward`` needs EMPTY, ACCUMULATING or (stages 2–3) REDUCED: a unit still REDUCING, or
   UPDATED or DISCARDED, waits for the step. ``local_grad`` (the optimizer's read) needs REDUCED.
@@ -387,6 +389,14 @@ class FlatUnit:
         squared norm of the window's gradient that update used (for the step's reported norm)."""
         self._move_grads("mark_updated_in_backward", GradState.UPDATED, GradState.REDUCING)
         self._grad_sumsq = sumsq
+
+    def undo_update_in_backward(self) -> None:
+        """Its tentative update in backward was undone (backward_updates' [Note: tentative updates]): the
+        window's gradient, kept on the optimizer's tier, waits for the step's update again."""
+        if self._offloaded_grad is None or not self._offloaded_grad.written:
+            raise UnitStateError(f"unit {self.name!r}: cannot undo its update in backward: its gradient was not "
+                                 "kept (only tentative updates keep it)")
+        self._move_grads("undo_update_in_backward", GradState.REDUCED, GradState.UPDATED)
 
     def release_flat_grad(self, tier: Tier) -> None:
         """The reduced shard was handed on: drop a temporary full gradient (a persistent one stays). A

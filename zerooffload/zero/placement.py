@@ -14,6 +14,9 @@ what it can do. The rules:
 - gradients: full buffers over the window at stages 0–1, reduced shards at stages 2–3; a shard whose
   optimizer block is off the device *leaves* it, for that tier until the step (*kept*) or straight
   into an update in backward (``optimizer.update_in_backward``, backward_updates' [Note: updates in backward]);
+  with ``train.grad_clip`` that update is *tentative*, for units whose optimizer block is on NVMe only
+  (the block as it was is kept there until the step validates the update: [Note: tentative updates]),
+  and their shard is kept all the same, for the redo;
 - fp32 masters are the weights themselves with fp32 weights and optimizer both on the device; a
   partitioned fp32 unit on NVMe with its optimizer block there reads its shard from the block's master
   segment (*params in masters*), unless ``nvme.checksum`` asks for whole blocks.
@@ -61,6 +64,8 @@ class UnitPlacement:
     """A shard that leaves waits on the optimizer's tier for the step (``offloaded_grads``)."""
     updates_in_backward: bool
     """Updated in the backward that closes a window, as its last reduced shard arrives."""
+    updates_tentatively: bool
+    """That update runs before the global norm is known: the step commits it or redoes it clipped."""
     master_is_param: bool
     """The fp32 masters are the weights' own shard: no copy, no bytes."""
     params_in_masters: bool
@@ -108,12 +113,12 @@ def streams_state(config: Config) -> bool:
 
 
 def updates_in_backward(config: Config) -> bool:
-    """Whether units whose gradients leave the device are updated in the backward that closes a window:
-    ``optimizer.update_in_backward``; ``auto`` when the update needs nothing global (no
-    ``train.grad_clip``, no fp16 loss scale that may skip the step)."""
+    """Whether units whose gradients leave the device are updated in the backward that closes a window
+    (``optimizer.update_in_backward``; ``auto``: unless an fp16 loss scale may skip the step). With
+    ``train.grad_clip`` only units whose optimizer block streams from NVMe are, tentatively (``place``)."""
     mode = config.optimizer.update_in_backward
     if mode == "auto":
-        return config.train.grad_clip == 0 and config.train.precision != "fp16"
+        return config.train.precision != "fp16"
     return mode == "on"
 
 
@@ -121,8 +126,7 @@ def place(layouts: list[UnitLayout], config: Config) -> Placement:
     """The placement ``config`` makes of ``layouts`` (see [Note: placement])."""
     stage, offload = config.zero.stage, config.offload
     moved = units_to_offload(layouts, offload.optimizer.fraction)
-    in_backward = updates_in_backward(config)
-    kept = config.train.grad_accum_steps > 1 or not in_backward
+    in_backward, tentative = updates_in_backward(config), config.train.grad_clip > 0
     units = []
     for index, (layout, offloaded) in enumerate(zip(layouts, moved)):
         optimizer = offload.optimizer.tier if offloaded else COMPUTE
@@ -130,11 +134,13 @@ def place(layouts: list[UnitLayout], config: Config) -> Placement:
         param_home = offload.param.tier if partitioned else COMPUTE
         grad_leaves = stage >= 2 and layout.trainable and optimizer != COMPUTE
         fp32 = config.train.precision == "fp32"
+        early = grad_leaves and in_backward and (optimizer in _NOT_ADDRESSABLE or not tentative)
+        kept = grad_leaves and (config.train.grad_accum_steps > 1 or not early or tentative)
         units.append(UnitPlacement(
             index=index, trainable=layout.trainable, partitioned=partitioned, param_home=param_home,
             optimizer=optimizer, update_on=STAGING if optimizer in _NOT_ADDRESSABLE else optimizer,
             keep_full_grad=stage <= 1 and layout.trainable, keep_grad_shard=stage >= 2 and layout.trainable,
-            grad_leaves=grad_leaves, grads_kept=grad_leaves and kept, updates_in_backward=grad_leaves and in_backward,
+            grad_leaves=grad_leaves, grads_kept=kept, updates_in_backward=early, updates_tentatively=early and tentative,
             master_is_param=fp32 and offload.param.tier == COMPUTE and optimizer == COMPUTE,
             params_in_masters=(fp32 and partitioned and param_home in _NOT_ADDRESSABLE
                                and optimizer in _NOT_ADDRESSABLE and not config.nvme.checksum)))

@@ -72,6 +72,16 @@ class Updater:
         publication.finish()
         self.param_scheduler.stage_first_units()
 
+    def republish(self, units: list[FlatUnit]) -> None:
+        """Publish ``units``' weights from their masters as they are (after tentative updates in
+        backward were undone in a window that does not update: backward_updates' note)."""
+        if not units:
+            return
+        publication = self.publication()
+        for opt_state in self.state.visit(write=False, states=[self.state.opt_states[u.index] for u in units]):
+            self.send(publication, opt_state, publication.target(opt_state.unit), [])
+        publication.finish()
+
     def update_unit(self, opt_state: UnitOptimizerState, flags: torch.Tensor, grad: torch.Tensor,
                     grad_scale: float, publication: Publication, *, sumsq: bool = False) -> torch.Tensor | None:
         """One unit's update on the pieces whose parameters had a gradient somewhere (``flags``),
