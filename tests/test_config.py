@@ -21,6 +21,7 @@ DESIGN_KEYS = {
              "overlap_comm"},
     "offload.param": {"tier", "path"},
     "offload.optimizer": {"tier", "path", "fraction"},
+    "offload.activations": {"tier"},
     "memory": {"device_budget", "host_budget", "release_freed"},
     "nvme": {"path", "checksum"},
     "aio": {"backend", "block_size", "queue_depth", "threads", "direct", "blocks_in_flight"},
@@ -76,6 +77,9 @@ tier = "host"
 path = "/mnt/optim"
 fraction = 0.5
 
+[offload.activations]
+tier = "host"
+
 [memory]
 device_budget = "20GiB"
 host_budget = 123456789
@@ -105,7 +109,8 @@ def every_key(tmp_path):
 def _sections(config) -> dict:
     return {"train": config.train, "optimizer": config.optimizer, "scheduler": config.scheduler,
             "zero": config.zero, "offload.param": config.offload.param,
-            "offload.optimizer": config.offload.optimizer, "memory": config.memory, "nvme": config.nvme,
+            "offload.optimizer": config.offload.optimizer, "offload.activations": config.offload.activations,
+            "memory": config.memory, "nvme": config.nvme,
             "aio": config.aio}
 
 

@@ -72,3 +72,24 @@ def test_side_stream_copies_arrive_before_their_use_and_free_the_host_buffer_aft
     host.fill_(0)  # the host buffer is free once released
     assert torch.allclose(total.cpu(), expected.sum(), rtol=1e-4)
     assert link.host_to_device_bytes == host.numel() * 4
+
+
+def test_checkpointed_inputs_offloaded_to_the_host_train_bitwise_as_on_the_device(make_engine):
+    """offload.activations.tier = host (activation_offload's note): block inputs wait in pinned host
+    buffers between forward and backward, counted in the host tier, back on the device in time."""
+    batches = make_batches(2, 1, 2)
+    results = {}
+    for tier in ("device", "host"):
+        engine = make_engine(make_model(), {"zero": {"stage": 2}, "train": {"activation_checkpointing": True},
+                                            "offload": {"activations": {"tier": tier}}})
+        held = []
+        for (idx, targets), in batches:
+            loss = engine(idx.cuda(), targets.cuda())
+            held.append(engine.memory_report().bytes("host", "activation"))
+            engine.backward(loss)
+            engine.step()
+            assert engine.memory_report().bytes("host", "activation") == 0
+        results[tier] = (engine.full_state_dict(), held)
+    assert results["device"][1] == [0, 0] and all(h > 0 for h in results["host"][1])
+    device, host = results["device"][0], results["host"][0]
+    assert all(torch.equal(device[k], host[k]) for k in device)

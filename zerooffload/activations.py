@@ -25,6 +25,7 @@ freed before the next op, and the RAM margin covers them.
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,6 +49,9 @@ class ActivationProfile:
     """Without activation checkpointing."""
     checkpointed: int
     """With ``train.activation_checkpointing``."""
+    checkpoint_inputs: int = 0
+    """Of ``checkpointed``: the block inputs kept from forward to backward (what ``offload.activations``
+    may move off the device)."""
 
     def bytes(self, checkpointing: bool) -> int:
         return self.checkpointed if checkpointing else self.plain
@@ -138,8 +142,9 @@ def measure_activations(module: nn.Module, layouts: list[UnitLayout], compute_by
     in_blocks = [saved.by_unit.get(layout.name, 0) for layout in blocks]
     root, largest = saved.by_unit.get("", 0), max(in_blocks, default=0)
     backward_temporaries = 3 * max(largest, root)
+    inputs = sum(saved.inputs.values())
     return ActivationProfile(plain=root + sum(in_blocks) + backward_temporaries,
-                             checkpointed=root + sum(saved.inputs.values()) + largest + backward_temporaries)
+                             checkpointed=root + inputs + largest + backward_temporaries, checkpoint_inputs=inputs)
 
 
 def _on_meta(value: Any) -> Any:
@@ -149,17 +154,19 @@ def _on_meta(value: Any) -> Any:
     return value
 
 
-def checkpoint_forward(module: nn.Module) -> None:
+def checkpoint_forward(module: nn.Module, offload: Any = None) -> None:
     """Recompute ``module``'s activations in backward (``train.activation_checkpointing``).
 
     The module's own ``forward`` is wrapped on the instance (its class is left alone) with torch's
-    non-reentrant checkpoint, only while gradients are enabled so evaluation runs plainly.
+    non-reentrant checkpoint, only while gradients are enabled so evaluation runs plainly. ``offload``
+    (``activation_offload.HostActivations``) keeps the inputs the checkpoint saves off the device.
     """
     forward = module.forward
 
     def checkpointed(*args: Any, **kwargs: Any) -> Any:
-        if torch.is_grad_enabled():
+        if not torch.is_grad_enabled():
+            return forward(*args, **kwargs)
+        with offload.hooks() if offload is not None else contextlib.nullcontext():
             return torch.utils.checkpoint.checkpoint(forward, *args, use_reentrant=False, **kwargs)
-        return forward(*args, **kwargs)
 
     module.forward = checkpointed

@@ -283,11 +283,22 @@ class OffloadOptimizerConfig(_Section):
 
 
 @_section
+class OffloadActivationsConfig(_Section):
+    PATH = "offload.activations"
+    tier: Literal["device", "host"] = _opt(
+        "device", "where checkpointed activations (the block inputs train.activation_checkpointing keeps) wait "
+        "for backward; host: copied off a CUDA device after each block's forward, prefetched back in backward "
+        "order (on a CPU device they are in host memory already: nothing moves)")
+
+
+@_section
 class OffloadConfig(_Section):
     PATH = "offload"
     param: OffloadParamConfig = field(default_factory=OffloadParamConfig, metadata={"doc": "parameters"})
     optimizer: OffloadOptimizerConfig = field(default_factory=OffloadOptimizerConfig,
                                               metadata={"doc": "optimizer states"})
+    activations: OffloadActivationsConfig = field(default_factory=OffloadActivationsConfig,
+                                                  metadata={"doc": "checkpointed activations"})
 
 
 _BUDGET = Union[int, Literal["auto"]]
@@ -372,6 +383,11 @@ class Config(_Section):
                 f"offload.optimizer.tier = {self.offload.optimizer.tier!r} needs zero.stage >= 1 (stage 0 keeps no "
                 "optimizer shards): set zero.stage = 1, 2 or 3")
         self._check_update_in_backward()
+        if self.offload.activations.tier != "device" and not self.train.activation_checkpointing:
+            raise ConfigError(
+                f"offload.activations.tier = {self.offload.activations.tier!r} needs train.activation_checkpointing "
+                "= true (only checkpointed block inputs are moved off the device): turn it on, or set "
+                "offload.activations.tier = 'device'")
 
     def _check_update_in_backward(self) -> None:
         """``optimizer.update_in_backward = "on"`` only where it can apply: units whose reduced gradients

@@ -39,6 +39,7 @@ import torch
 from torch import nn
 
 from . import checkpoint
+from .activation_offload import HostActivations
 from .activations import ActivationProfile, checkpoint_forward
 from .comm import Comm, control_all_reduce, failing_together
 from .config import Config
@@ -51,7 +52,7 @@ from .tiers import DeviceCopier, LinkStats, close_tiers, make_tiers, open_swap, 
 from .zero.backward_updates import BackwardUpdates
 from .zero.param_hooks import register_param_hooks
 from .zero.partition import FlatUnit
-from .zero.placement import place
+from .zero.placement import activations_leave_device, place
 from .zero.reduction import GradReducer, Mode, reduction_order
 from .zero.scheduler import ParamScheduler, check_live_bound
 from .zero.sharded_state import ShardedState, make_units
@@ -115,9 +116,11 @@ class Engine:
                        for unit in self.units for index, slot in enumerate(unit.layout.slots) if slot.trainable]
         if partitioned:
             self._hooks += register_param_hooks(module, partitioned, self.param_scheduler)
+        self._activations = (HostActivations(self.state.staging, comm.device)
+                             if activations_leave_device(config, comm.device) else None)
         if config.train.activation_checkpointing:  # block units; the root unit holds the embeddings and head
             for unit in (u for u in self.units if u.layout.name):
-                checkpoint_forward(unit.layout.module)
+                checkpoint_forward(unit.layout.module, self._activations)
         self.micro_steps = self.global_steps = self.skipped_steps = 0
         self._stepped_at = 0
         """The micro-step after which ``step()`` last ran (a window is stepped once)."""
@@ -136,6 +139,8 @@ class Engine:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.compute_dtype != torch.float32:
             args, kwargs = cast_floats(args, self.compute_dtype), cast_floats(kwargs, self.compute_dtype)
+        if self._activations is not None:
+            self._activations.begin_forward()
         return self.module(*args, **kwargs)
 
     def _on_grad(self, unit: FlatUnit, index: int, param: nn.Parameter) -> None:
@@ -173,6 +178,8 @@ class Engine:
         for unit in self.units:
             unit.begin_backward()
         self._backward.start(closes_window=(self.micro_steps + 1) % self.config.train.grad_accum_steps == 0)
+        if self._activations is not None:
+            self._activations.prefetch_last()
         try:
             (loss * (self.scaler.scale / self.config.train.grad_accum_steps)).backward()
             if self.stage >= 2 or self._backward.closes_window:

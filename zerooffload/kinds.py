@@ -21,3 +21,5 @@ class Kind(enum.Enum):
     """Stage 3: full parameters of units gathered for compute (bounded by ``zero.max_live_size``)."""
     BUFFER = "buffer"
     """Engine temporaries: gradients of a unit being reduced, reduce-scatter outputs, staging."""
+    ACTIVATION = "activation"
+    """Checkpointed block inputs waiting off the device for backward (``offload.activations.tier``)."""

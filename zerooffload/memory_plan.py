@@ -6,7 +6,8 @@ config at start and a run that starts does not fail for memory later. Steady-sta
 and optimizer step, and the larger phase counts. The one assumption: backward finishes the block
 units in the reducer's order (``_waiting_grads``); the reducer warns when a model does not.
 Activations are not tier allocations: ``activations.measure_activations`` measures them, and the
-checks add them to the device tier.
+checks add them to the device tier, but for checkpointed inputs moved to the host tier
+(``place_activations``), which are.
 """
 from __future__ import annotations
 
@@ -21,11 +22,11 @@ from .block_stream import GRAD_READS, STREAM_BUFFERS, grad_read_depth, stream_de
 from .config import Config, ConfigError, dtype_bytes
 from .optim.optimizer import moment_names
 from .tiers import Kind, Plan, Tier, check_plan, check_ram, swap_bytes, swap_free_bytes
-from .zero.placement import Placement, place
+from .zero.placement import STAGING, Placement, activations_leave_device, place
 from .zero.reduction import MAX_BUCKETS_IN_FLIGHT, REDUCE_DTYPE
 from .zero.unit_layout import UnitLayout, find_units
 
-__all__ = ["plan_memory", "plan_for_config", "check_memory", "fitting_layout", "activation_bytes", "LAYOUTS_TO_TRY"]
+__all__ = ["plan_memory", "plan_for_config", "check_memory", "fitting_layout", "place_activations", "LAYOUTS_TO_TRY"]
 
 LAYOUTS_TO_TRY = (
     ("offload.optimizer.tier=host",),
@@ -46,7 +47,8 @@ def plan_for_config(layouts: list[UnitLayout], config: Config, world_size: int) 
 
 
 def fitting_layout(module: nn.Module, config: Config, world_size: int, fits: Callable[[Plan, int], bool],
-                   activations: ActivationProfile | None = None, local_ranks: int = 1) -> str | None:
+                   activations: ActivationProfile | None = None, local_ranks: int = 1,
+                   device: torch.device = torch.device("cpu")) -> str | None:
     """The first of ``LAYOUTS_TO_TRY`` (as overrides) whose plan ``fits`` beside its activations
     (``fits(plan, activation_bytes)``) and whose swap files fit the free space of ``nvme.path`` (for
     ``local_ranks`` ranks), or None. With measured ``activations`` each layout is tried as configured,
@@ -61,8 +63,9 @@ def fitting_layout(module: nn.Module, config: Config, world_size: int, fits: Cal
             shards = world_size if candidate.zero.stage >= 1 else 1
             layouts = find_units(module, candidate.zero.unit_modules, shards)
             plan = plan_for_config(layouts, candidate, world_size)
+            on_device = place_activations(plan, activations, candidate, device)
             on_disk = swap_bytes(plan) * local_ranks
-            if (fits(plan, activation_bytes(activations, candidate))
+            if (fits(plan, on_device)
                     and (not on_disk or on_disk <= swap_free_bytes(candidate))):
                 return " ".join(overrides)
     return None
@@ -73,12 +76,12 @@ def check_memory(module: nn.Module, layouts: list[UnitLayout], config: Config, t
     """The run's plan, refused before anything is allocated when it does not fit its budgets or the
     RAM (the refusal names a layout that would fit: ``fitting_layout``)."""
     plan = plan_for_config(layouts, config, world_size)
-    measured = activation_bytes(activations, config)
+    measured = place_activations(plan, activations, config, device)
     check_plan(plan, tiers, measured)  # memory budgets first: they are cheap to check, swap space is not
     local_ranks = _local_ranks(world_size)
     check_ram(plan, config.memory, device, activations=measured, released=_storage_bytes(module),
               local_ranks=local_ranks, suggestion=lambda fits: fitting_layout(
-                  module, config, world_size, fits, activations, local_ranks))
+                  module, config, world_size, fits, activations, local_ranks, device))
     return plan
 
 
@@ -95,10 +98,17 @@ def _local_ranks(world_size: int) -> int:
     return int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
 
 
-def activation_bytes(activations: ActivationProfile | None, config: Config) -> int:
-    """The measured activations of the run ``config`` describes; 0 when not measured (the RAM margin
-    stands in for them)."""
-    return activations.bytes(config.train.activation_checkpointing) if activations else 0
+def place_activations(plan: Plan, activations: ActivationProfile | None, config: Config, device: torch.device) -> int:
+    """The measured activations of the run ``config`` describes that stay on ``device``; 0 when not
+    measured (the RAM margin stands in for them). Checkpointed inputs that ``offload.activations.tier``
+    moves to the host (activation_offload's note) are counted in ``plan``'s host tier instead."""
+    if not activations:
+        return 0
+    total = activations.bytes(config.train.activation_checkpointing)
+    if not activations_leave_device(config, device):
+        return total
+    plan.setdefault(STAGING, {kind: 0 for kind in Kind})[Kind.ACTIVATION] += activations.checkpoint_inputs
+    return total - activations.checkpoint_inputs
 
 
 def _with_overrides(config: Config, overrides: tuple[str, ...]) -> Config | None:

@@ -25,11 +25,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from ..config import Config
 from ..optim.state import units_to_offload
 from .unit_layout import UnitLayout
 
-__all__ = ["Placement", "UnitPlacement", "place", "streams_state", "updates_in_backward"]
+__all__ = ["Placement", "UnitPlacement", "activations_leave_device", "place", "streams_state",
+           "updates_in_backward"]
 
 COMPUTE = "device"
 """The tier the compute runs in."""
@@ -110,6 +113,13 @@ class Placement:
 def streams_state(config: Config) -> bool:
     """Whether the config puts parameters or optimizer states on a tier that is not addressable (NVMe)."""
     return any(tier in _NOT_ADDRESSABLE for tier in (config.offload.param.tier, config.offload.optimizer.tier))
+
+
+def activations_leave_device(config: Config, device: torch.device) -> bool:
+    """Whether checkpointed block inputs wait in the host tier (``offload.activations.tier``): with
+    checkpointing, off a CPU device (on one they are in host memory already: activation_offload's note)."""
+    return (config.offload.activations.tier == STAGING and config.train.activation_checkpointing
+            and device.type != "cpu")
 
 
 def updates_in_backward(config: Config) -> bool:
