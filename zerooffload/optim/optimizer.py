@@ -47,18 +47,32 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def __init__(self, groups: list[dict], config: OptimizerConfig):
         super().__init__(groups, _defaults(config))
         self.kind = config.type
-        self._update = _TORCH[config.type](self.param_groups, fused=_fusable(self.param_groups))
-        self.state = self._update.state
+        self.fused = _fusable(self.param_groups)
+        """Whether torch's update (where it runs) is its fused kernel."""
+        self._torch_update: torch.optim.Optimizer | None = None
         self.native = config.type in ("adam", "adamw") and simd_level() != "torch" and all(
             p.device.type == "cpu" for g in self.param_groups for p in g["params"])
+
+    def add_param_group(self, param_group: dict) -> None:
+        """torch's own, without the wrapper around it that imports ``torch._dynamo`` on first use (4 s and
+        ~100 MiB of modules here, for a guard that matters only under ``torch.compile``, which never runs
+        these pieces). The native update then imports none of it; torch's update does, when it runs."""
+        add = torch.optim.Optimizer.add_param_group
+        getattr(add, "__wrapped__", add)(self, param_group)
 
     def attach_state(self, piece: torch.Tensor, moments: dict[str, torch.Tensor]) -> None:
         """Give a piece its moment tensors (views into tier-owned buffers) before the first step."""
         state = dict(moments)
         if self.kind != "sgd":
-            fused = self._update.param_groups[0].get("fused")
-            state["step"] = torch.zeros((), dtype=torch.float32, device=piece.device if fused else "cpu")
+            state["step"] = torch.zeros((), dtype=torch.float32, device=piece.device if self.fused else "cpu")
         self.state[piece] = state
+
+    def _torch(self) -> torch.optim.Optimizer:
+        """torch's optimizer over the same groups and state, made on its first use."""
+        if self._torch_update is None:
+            self._torch_update = _TORCH[self.kind](self.param_groups, fused=self.fused)
+            self._torch_update.state = self.state
+        return self._torch_update
 
     @torch.no_grad()
     def step(self, closure=None, *, grads: dict[torch.Tensor, torch.Tensor] | None = None, grad_scale: float = 1.0,
@@ -87,7 +101,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         for piece, grad in grads.items():
             piece.grad = grad
         try:
-            loss = self._update.step(closure)
+            loss = self._torch().step(closure)
         finally:
             for piece in grads:
                 piece.grad = None
