@@ -129,7 +129,7 @@ def test_readme_cites_only_files_in_the_repository():
 def test_help_says_what_the_tool_does_and_lists_the_commands():
     run = _cli("--help")
     assert run.returncode == 0 and "Train PyTorch models whose parameters, gradients and optimizer" in run.stdout
-    for command in ("train", "checkpoint", "doctor", "estimate", "bench", "--debug", "Exit status"):
+    for command in ("train", "checkpoint", "doctor", "estimate", "bench", "tune", "--debug", "Exit status"):
         assert command in run.stdout
 
 

@@ -40,7 +40,7 @@ from tqdm import tqdm
 from ..config import ALIGNMENT, AioConfig, Config, ConfigError, format_size, parse_size
 from ..io import AioError, AioFile, AsyncIO, aligned_empty, open_file
 
-__all__ = ["BenchError", "Record", "run_io_bench"]
+__all__ = ["BenchError", "Record", "ScratchDisk", "Unavailable", "run_io_bench", "scratch_disk"]
 
 log = logging.getLogger("zerooffload.cli.bench")
 
@@ -99,12 +99,12 @@ def run_io_bench(args: argparse.Namespace, config: Config) -> int:
     back as written exits 1; Ctrl-C exits 130. The test file is deleted in every case.
     """
     try:
-        size = _parse_total(args.size)
+        size = parse_total(args.size)
         directory = args.path or config.nvme.paths[0]
         if args.plot:
             _require_matplotlib()
         settings = _settings(args, config.aio)
-        _preflight(directory, size)
+        preflight(directory, size)
         records = _measure(settings, directory, size)
     except BenchError as exc:
         print(f"zerooffload bench io: {exc}", file=sys.stderr)
@@ -127,7 +127,7 @@ def run_io_bench(args: argparse.Namespace, config: Config) -> int:
 # Parsing: flags and config into settings
 
 
-def _parse_total(text: str) -> int:
+def parse_total(text: str) -> int:
     """``--size`` in bytes: positive and a multiple of 4096, as O_DIRECT transfers must be."""
     try:
         size = parse_size(text, "--size")
@@ -193,7 +193,7 @@ def _require_matplotlib() -> None:
         raise BenchError("--plot needs matplotlib: pip install 'zerooffload[plot]'", code=2) from None
 
 
-def _preflight(directory: str, size: int) -> None:
+def preflight(directory: str, size: int) -> None:
     """Refuse up front what would fail half way: no directory, too little disk or memory."""
     if not os.path.isdir(directory):
         raise BenchError(f"--path {directory}: not a directory", code=2)
@@ -235,20 +235,41 @@ def _test_file(directory: str, size: int) -> Iterator[AioFile]:
         os.unlink(path)
 
 
-def _measure(settings: list[AioConfig], directory: str, size: int) -> list[Record]:
-    """Run every setting on one test file, one progress tick per run; skip backends that cannot run."""
+@dataclass
+class ScratchDisk:
+    """A test file with its payload and readback buffers: where runs happen (``bench io``, ``tune io``)."""
+
+    file: AioFile
+    payload: torch.Tensor
+    readback: torch.Tensor
+
+    def run(self, setting: AioConfig) -> list[Record]:
+        """One run of ``setting`` on fresh bytes: its write and read records (``Unavailable`` when the
+        backend cannot start here)."""
+        self.payload.add_(1)  # new bytes each run: a write that moved nothing would read back stale
+        return _run(setting, self.file, self.payload, self.readback)
+
+
+@contextlib.contextmanager
+def scratch_disk(directory: str, size: int) -> Iterator[ScratchDisk]:
+    """A ``ScratchDisk`` of ``size`` bytes in ``directory``, its file deleted on leaving."""
     payload, readback = aligned_empty(size), aligned_empty(size)
     payload.random_(0, 256, generator=torch.Generator().manual_seed(0))
+    with _test_file(directory, size) as file:
+        yield ScratchDisk(file, payload, readback)
+
+
+def _measure(settings: list[AioConfig], directory: str, size: int) -> list[Record]:
+    """Run every setting on one test file, one progress tick per run; skip backends that cannot run."""
     records: list[Record] = []
     skipped: set[str] = set()
-    with _test_file(directory, size) as file, tqdm(total=len(settings), unit="run", file=sys.stderr,
-                                                   disable=None, desc="bench io") as bar:
+    with scratch_disk(directory, size) as disk, tqdm(total=len(settings), unit="run", file=sys.stderr,
+                                                     disable=None, desc="bench io") as bar:
         for setting in settings:
             if setting.backend not in skipped:
-                payload.add_(1)  # new bytes each run: a write that moved nothing would read back stale
                 try:
-                    records += _run(setting, file, payload, readback)
-                except _Unavailable as exc:
+                    records += disk.run(setting)
+                except Unavailable as exc:
                     skipped.add(setting.backend)
                     log.warning("skipping backend %s: %s", setting.backend, exc)
             bar.update(1)
@@ -257,7 +278,7 @@ def _measure(settings: list[AioConfig], directory: str, size: int) -> list[Recor
     return records
 
 
-class _Unavailable(Exception):
+class Unavailable(Exception):
     """The backend cannot start on this machine (the reason is the message)."""
 
 
@@ -266,7 +287,7 @@ def _run(setting: AioConfig, file: AioFile, payload: torch.Tensor, readback: tor
     try:
         aio = AsyncIO(setting, raw=True)
     except RuntimeError as exc:
-        raise _Unavailable(str(exc)) from None
+        raise Unavailable(str(exc)) from None
     readback.zero_()
     with aio:
         start = time.perf_counter()

@@ -163,6 +163,27 @@ def _add_bench(commands) -> None:
     adam.set_defaults(run=_cmd_bench_adam)
 
 
+def _cmd_tune_io(args: argparse.Namespace) -> int:
+    from .tune_io import run_tune_io
+
+    return run_tune_io(args, _load_config(args))
+
+
+def _add_tune(commands) -> None:
+    tune = commands.add_parser("tune", help="find settings for this machine by measuring it")
+    kinds = tune.add_subparsers(dest="tune", required=True, metavar="WHAT")
+    io = kinds.add_parser("io", help="search the [aio] settings (backend, block size, depth) for one disk")
+    io.add_argument("--path", metavar="DIR", help="directory on the disk to tune (default: nvme.path)")
+    io.add_argument("--out", metavar="FILE", help="write a config whose only section is the tuned [aio]")
+    io.add_argument("--size", default="256MiB", help="bytes each run writes and reads back (default 256MiB)")
+    io.add_argument("--budget", type=float, default=100.0, metavar="S",
+                    help="seconds the search may take; it stops where it is then (default 100)")
+    io.add_argument("--compare", action="store_true",
+                    help="also run the full bench io --sweep grid and compare its best with the tuned setting")
+    _add_config_arguments(io)
+    io.set_defaults(run=_cmd_tune_io)
+
+
 def _cmd_consolidate(args: argparse.Namespace) -> int:
     from ..checkpoint import consolidate
     from ..precision import COMPUTE_DTYPES
@@ -229,6 +250,7 @@ def _parser() -> argparse.ArgumentParser:
     doctor.set_defaults(run=_cmd_doctor)
     _add_estimate(commands)
     _add_bench(commands)
+    _add_tune(commands)
     return parser
 
 
