@@ -30,7 +30,7 @@ import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import psutil
@@ -40,7 +40,7 @@ from tqdm import tqdm
 from ..config import ALIGNMENT, AioConfig, Config, ConfigError, format_size, parse_size
 from ..io import AioError, AioFile, AsyncIO, aligned_empty, open_file
 
-__all__ = ["BenchError", "Record", "ScratchDisk", "Unavailable", "run_io_bench", "scratch_disk"]
+__all__ = ["BenchError", "Record", "ScratchDisk", "Unavailable", "exit_status", "run_io_bench", "scratch_disk"]
 
 log = logging.getLogger("zerooffload.cli.bench")
 
@@ -98,20 +98,30 @@ def run_io_bench(args: argparse.Namespace, config: Config) -> int:
     Usage problems (a bad flag, too little space) exit 2 before any I/O; a byte that does not read
     back as written exits 1; Ctrl-C exits 130. The test file is deleted in every case.
     """
+    return exit_status("bench io", lambda: _bench_io(args, config))
+
+
+def exit_status(command: str, work: Callable[[], int]) -> int:
+    """``work()``'s exit status; a ``BenchError`` prints its one line and exits with its code, Ctrl-C
+    with 130 (the test file is gone either way: ``scratch_disk``)."""
     try:
-        size = parse_total(args.size)
-        directory = args.path or config.nvme.paths[0]
-        if args.plot:
-            _require_matplotlib()
-        settings = _settings(args, config.aio)
-        preflight(directory, size)
-        records = _measure(settings, directory, size)
+        return work()
     except BenchError as exc:
-        print(f"zerooffload bench io: {exc}", file=sys.stderr)
+        print(f"zerooffload {command}: {exc}", file=sys.stderr)
         return exc.code
     except KeyboardInterrupt:
-        print("zerooffload bench io: interrupted (no test file left behind)", file=sys.stderr)
+        print(f"zerooffload {command}: interrupted (no test file left behind)", file=sys.stderr)
         return 130
+
+
+def _bench_io(args: argparse.Namespace, config: Config) -> int:
+    size = parse_total(args.size)
+    directory = args.path or config.nvme.paths[0]
+    if args.plot:
+        _require_matplotlib()
+    settings = _settings(args, config.aio)
+    preflight(directory, size)
+    records = _measure(settings, directory, size)
     print(json.dumps([r.as_json() for r in records], indent=1) if args.json else format_table(records))
     if args.plot:
         try:

@@ -32,7 +32,7 @@ from typing import Callable
 from tqdm import tqdm
 
 from ..config import AioConfig, Config, format_size
-from .bench import BenchError, Unavailable, parse_total, preflight, scratch_disk
+from .bench import BenchError, Unavailable, exit_status, parse_total, preflight, scratch_disk
 
 __all__ = ["Point", "TuneResult", "search", "run_tune_io"]
 
@@ -154,29 +154,26 @@ def _spread(samples: list[tuple[float, float]]) -> float:
 
 def run_tune_io(args: argparse.Namespace, config: Config) -> int:
     """Search, print the result (and with ``--compare`` the full sweep's best against it), write
-    ``--out`` and the probe cache; the exit status."""
-    try:
-        size = parse_total(args.size)
-        directory = args.path or config.nvme.paths[0]
-        preflight(directory, size)
-        with scratch_disk(directory, size) as disk, tqdm(unit="run", file=sys.stderr, disable=None,
-                                                         desc="tune io") as bar:
-            def measure(point: Point) -> tuple[float, float]:
-                write, read = disk.run(point.aio(config.aio))
-                return write.gbps, read.gbps
+    ``--out`` and the probe cache; the exit status (``bench``'s: 2 for usage, 130 on Ctrl-C)."""
+    return exit_status("tune io", lambda: _tune_io(args, config))
 
-            def progress(point: Point) -> None:
-                bar.set_postfix_str(str(point))
-                bar.update()
 
-            result = search(measure, budget=args.budget, progress=progress)
-            comparison = _compare(measure, result) if args.compare else None
-    except BenchError as exc:
-        print(f"zerooffload tune io: {exc}", file=sys.stderr)
-        return exc.code
-    except KeyboardInterrupt:
-        print("zerooffload tune io: interrupted (no test file left behind)", file=sys.stderr)
-        return 130
+def _tune_io(args: argparse.Namespace, config: Config) -> int:
+    size = parse_total(args.size)
+    directory = args.path or config.nvme.paths[0]
+    preflight(directory, size)
+    with scratch_disk(directory, size) as disk, tqdm(unit="run", file=sys.stderr, disable=None,
+                                                     desc="tune io") as bar:
+        def measure(point: Point) -> tuple[float, float]:
+            write, read = disk.run(point.aio(config.aio))
+            return write.gbps, read.gbps
+
+        def progress(point: Point) -> None:
+            bar.set_postfix_str(str(point))
+            bar.update()
+
+        result = search(measure, budget=args.budget, progress=progress)
+        comparison = _compare(measure, result) if args.compare else None
     print(f"best of {len(result.measured)} settings in {result.seconds:.0f} s ({result.stopped}): {result.best}: "
           f"write {result.write_gbps:.2f} GB/s, read {result.read_gbps:.2f} GB/s")
     if comparison:
