@@ -89,7 +89,7 @@ def test_a_backend_that_cannot_run_is_left_out():
 def test_the_command_writes_a_config_of_its_aio_section_and_the_probe_cache(tmp_path):
     out, cache = tmp_path / "aio.toml", tmp_path / "cache"
     done = subprocess.run([sys.executable, "-m", "zerooffload", "tune", "io", "--path", str(tmp_path), "--size",
-                           "8MiB", "--budget", "15", "--out", str(out)], capture_output=True, text=True,
+                           "8MiB", "--budget", "3", "--out", str(out)], capture_output=True, text=True,
                           timeout=120, env={**__import__("os").environ, "XDG_CACHE_HOME": str(cache)})
     assert done.returncode == 0, done.stderr[-2000:]
     assert "best of" in done.stdout and "GB/s" in done.stdout
@@ -106,7 +106,9 @@ def test_the_command_writes_a_config_of_its_aio_section_and_the_probe_cache(tmp_
 
 @pytest.mark.parametrize("args, message", [(["--size", "1000"], "multiple of 4096"),
                                            (["--path", "/nonexistent/dir"], "not a directory")])
-def test_bad_arguments_are_one_line(tmp_path, args, message):
-    done = subprocess.run([sys.executable, "-m", "zerooffload", "tune", "io", "--path", str(tmp_path), *args],
-                          capture_output=True, text=True, timeout=60)
-    assert done.returncode == 2 and message in done.stderr and "Traceback" not in done.stderr
+def test_bad_arguments_are_one_line(tmp_path, capsys, args, message):
+    from zerooffload.cli.main import main
+
+    assert main(["tune", "io", "--path", str(tmp_path), *args]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
