@@ -3,8 +3,8 @@
 
 Workload: an MLP of --layers Linear(--width, --width) (default 18 × 4096² ≈ 302M parameters), ZeRO
 stage 2, fp32, world size 1, optimizer states (fp32 master, Adam m and v: 12 B/param) in swap files
-under --dir, gradient clipping on (so the update waits for the step instead of running inside
-backward: engine's [Note: updates in backward]). Each round times ``engine.step()`` after a backward: it reads every unit's block and its
+under --dir, gradient clipping on and ``optimizer.update_in_backward = off`` (so every update runs
+in the step, not tentatively in backward: backward_updates' notes). Each round times ``engine.step()`` after a backward: it reads every unit's block and its
 reduced gradient shard (R = 12 + 4 B/param; the gradients were written during backward) and writes
 the blocks back (W = 12 B/param), updating in between with the native pass. The bound
 uses fio's sequential O_DIRECT read and write bandwidth (1 MiB blocks, queue depth 32, 1 GiB)
@@ -40,7 +40,8 @@ def main() -> None:
     try:
         torch.manual_seed(0)
         model = torch.nn.Sequential(*(torch.nn.Linear(args.width, args.width) for _ in range(args.layers)))
-        engine = zo.initialize(model, {"zero": {"stage": 2}, "optimizer": {"type": "adamw"}, "train": {"grad_clip": 1.0},
+        engine = zo.initialize(model, {"zero": {"stage": 2}, "train": {"grad_clip": 1.0},
+                                       "optimizer": {"type": "adamw", "update_in_backward": "off"},
                                        "offload": {"optimizer": {"tier": "nvme"}}, "nvme": {"path": str(work)}})
         params = sum(p.numel() for p in model.parameters())
         blocks = engine.memory_report().bytes("nvme", "optimizer")

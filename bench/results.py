@@ -71,10 +71,10 @@ class Bench:
 BENCHES = [
     Bench("optimizer_phase", "optimizer_phase.py", "--rounds 5 --steps 2", "--rounds 1 --steps 1 --only step", 600),
     Bench("step_overhead", "step_overhead.py", "--pairs 5 --steps 2", "--pairs 1 --steps 1 --preset nano", 420),
-    Bench("rss_depth", "rss_depth.py", "", "--layers 1 --width 1024", 360),
+    Bench("rss_depth", "rss_depth.py", "--steps 3", "--layers 1 --width 1024", 360),
     Bench("nvme_step", "nvme_step.py", "--rounds 5", "--rounds 1 --layers 2 --width 1024", 300, needs="fio"),
     Bench("checkpoint_io", "checkpoint_io.py", "--rounds 5", "--rounds 1 --layers 2 --width 1024", 240, needs="fio"),
-    Bench("zero3_nvme", "zero3_nvme.py", "--pairs 5 --steps 3", "--pairs 1 --steps 1", 900,
+    Bench("zero3_nvme", "zero3_nvme.py", "--pairs 5 --steps 2", "--pairs 1 --steps 1", 900,
           deepspeed="--deepspeed-python"),
     Bench("io_vs_fio", "io_vs_fio.py", "--rounds 5 --size 256MiB", "--rounds 5 --size 16MiB", 180, needs="fio",
           deepspeed="--ds-python"),
