@@ -35,8 +35,13 @@ _PROGRESS_LINE = re.compile(r"^step (\d+)/(\d+) loss=\d+\.\d{3} tok_s=[\d,]+ ste
 
 
 def test_train_smoke_30_steps(tmp_path):
-    """The default run; off a terminal its progress is plain lines: the first step, every tenth, the last."""
-    run = _completed([sys.executable, "-m", "zerooffload", "train", "--steps", "30"], tmp_path / "out")
+    """The default run; off a terminal its progress is plain lines: the first step, every tenth, the last.
+    With --trace it writes a trace of steps 2-3 too (trace's note; tests/test_trace.py checks traces whole)."""
+    trace = tmp_path / "trace.json"
+    run = _completed([sys.executable, "-m", "zerooffload", "train", "--steps", "30", "--trace", str(trace)],
+                     tmp_path / "out")
+    main = [e for e in json.loads(trace.read_text())["traceEvents"] if e["ph"] == "X" and e["tid"] == 0]
+    assert sum(e["name"] == "step" for e in main) >= 2 and any(e["name"].startswith("forward h.") for e in main)
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert summary["steps"] == 30 and summary["stage"] == 2 and summary["world_size"] == 1
     assert summary["loss_ratio"] < 0.9  # the loss falls even in 30 steps

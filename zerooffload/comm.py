@@ -43,9 +43,9 @@ from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
-from torch.profiler import record_function
 
 from .errors import EngineGroupEnded
+from .trace import span
 
 __all__ = ["Comm", "CommCounters", "EngineGroupEnded", "ExchangeWork", "init_comm", "failing_together", "end_group",
            "all_reduce", "reduce_scatter", "all_gather", "control_all_reduce", "broadcast", "barrier",
@@ -215,7 +215,7 @@ def all_reduce(comm: Comm, tensor: torch.Tensor, *, async_op: bool = False) -> d
     if comm.world_size == 1:
         return None
     _count(comm, 2 * tensor.numel(), tensor)
-    with record_function("zerooffload::all_reduce"):
+    with span("zerooffload::all_reduce"):
         return dist.all_reduce(tensor, group=comm.group, async_op=async_op)
 
 
@@ -230,7 +230,7 @@ def reduce_scatter(comm: Comm, output: torch.Tensor, input: torch.Tensor, *, scr
         output.copy_(input)
         return None
     _count(comm, input.numel(), input)
-    with record_function("zerooffload::reduce_scatter"):
+    with span("zerooffload::reduce_scatter"):
         return _reduce_scatter(comm, output, input, scratch, async_op)
 
 
@@ -259,7 +259,7 @@ def all_gather(comm: Comm, output: torch.Tensor, input: torch.Tensor, *,
             output.copy_(input)
         return None
     _count(comm, output.numel(), output)
-    with record_function("zerooffload::all_gather"):
+    with span("zerooffload::all_gather"):
         if not comm.direct_exchange:
             return _all_gather_single(output, input, group=comm.group, async_op=async_op)
         rows = output.view(comm.world_size, -1)

@@ -41,7 +41,7 @@ from torch import nn
 from . import checkpoint
 from .activation_offload import HostActivations
 from .activations import ActivationProfile, checkpoint_forward
-from .comm import Comm, control_all_reduce, failing_together
+from .comm import Comm, all_gather_object, control_all_reduce, failing_together
 from .config import Config
 from .memory_plan import check_memory
 from .optim import build_scheduler
@@ -49,6 +49,7 @@ from .optim.state import UnitOptimizerState
 from .precision import COMPUTE_DTYPES, LossScaler, cast_floats
 from .telemetry import MemoryReport, StepStats, WindowMeter, memory_report
 from .tiers import DeviceCopier, LinkStats, close_tiers, make_tiers, open_swap, release_idle
+from .trace import RECORDER, ArmedTrace, forward_segments, segment
 from .zero.backward_updates import BackwardUpdates
 from .zero.param_hooks import register_param_hooks
 from .zero.partition import FlatUnit
@@ -116,6 +117,7 @@ class Engine:
                        for unit in self.units for index, slot in enumerate(unit.layout.slots) if slot.trainable]
         if partitioned:
             self._hooks += register_param_hooks(module, partitioned, self.param_scheduler)
+        self._hooks += forward_segments([(unit.layout.name, unit.layout.module) for unit in self.units])
         self._activations = (HostActivations(self.state.staging, comm.device)
                              if activations_leave_device(config, comm.device) else None)
         if config.train.activation_checkpointing:  # block units; the root unit holds the embeddings and head
@@ -130,11 +132,13 @@ class Engine:
         self._last_checkpoint: str | None = None
         """The checkpoint this engine last saved or loaded: where to go back to after poisoned updates."""
         self._closed = False
+        self._trace: ArmedTrace | None = None
         self._meter = WindowMeter(comm.counters, self.param_scheduler.stats, lambda: self.param_scheduler.live_bytes,
                                   self._io, self._link)
         self._meter.start()
 
     # ------------------------------------------------------------------ forward and backward
+    @segment("forward")
     @_engine_call
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.compute_dtype != torch.float32:
@@ -146,6 +150,8 @@ class Engine:
     def _on_grad(self, unit: FlatUnit, index: int, param: nn.Parameter) -> None:
         complete = unit.accumulate(index, param.grad, self.state.compute)
         param.grad = None
+        if complete:
+            RECORDER.finish_as(f"backward {unit.name}", then="backward: reduce")
         if complete and (self.stage >= 2 or self._backward.closes_window) and self.config.zero.overlap_comm:
             self.reducer.mark_ready(unit)  # without overlap_comm, flush() reduces after backward
 
@@ -161,6 +167,7 @@ class Engine:
                 unit.grad_sumsq()  # its part of the step's norm, read while the gradient is fresh
         self._window_skipped = self._backward.skipped
 
+    @segment("backward: reduce")
     @_engine_call
     def backward(self, output: Any) -> None:
         """Backward of a loss (or of ``output.loss``), scaled by loss scale / ``grad_accum_steps``.
@@ -221,11 +228,19 @@ class Engine:
         return self.micro_steps > 0 and self.micro_steps % self.config.train.grad_accum_steps == 0
 
     # ------------------------------------------------------------------ the step
+    @segment("step")
     @_engine_call
     def step(self) -> bool:
         """Call after every backward; updates at accumulation boundaries and returns whether it did."""
         if not self.is_accumulation_boundary or self._stepped_at == self.micro_steps:
             return False
+        try:
+            return self._step()
+        finally:
+            if self._trace is not None and self._trace.step_done():
+                self._trace = None
+
+    def _step(self) -> bool:
         self._stepped_at = self.micro_steps
         norm_sq = math.inf
         if self._window_skipped is None:
@@ -257,6 +272,15 @@ class Engine:
                                         undone_updates=len(undone))
         self._meter.start()
         return not overflow
+
+    @_engine_call
+    def trace(self, path: str | os.PathLike, steps: int = 1) -> None:
+        """Record the next ``steps`` optimizer steps into a Chrome trace at ``path`` (trace's [Note:
+        step traces]); call it between steps. Every rank must call it: at the last step rank 0 writes
+        one file with every rank's events."""
+        gather = (lambda events: all_gather_object(self.comm, events)) if self.comm.world_size > 1 else (
+            lambda events: [events])
+        self._trace = ArmedTrace(path, steps, gather, writes=self.comm.rank == 0)
 
     # ------------------------------------------------------------------ inspection and whole values
     @property
@@ -354,6 +378,9 @@ class Engine:
         if self._closed:
             return
         self._closed = True
+        if self._trace is not None:  # armed and never finished: the recorder stops with the engine
+            RECORDER.stop()
+            self._trace = None
         for hook in self._hooks:
             hook.remove()
         self._hooks = []

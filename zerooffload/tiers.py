@@ -46,6 +46,7 @@ from .io.aio import AsyncIO
 from .io.buffers import aligned_empty
 from .io.swapfile import SwapStore
 from .kinds import Kind
+from .trace import RECORDER
 
 __all__ = ["Kind", "Tier", "DeviceTier", "HostTier", "NvmeTier", "Block", "IOStats", "LinkStats", "DeviceCopier",
            "BudgetError", "make_tiers", "open_swap", "close_tiers", "release_idle", "swap_bytes", "check_plan",
@@ -94,6 +95,7 @@ class Tier(abc.ABC):
                 f"over {self.budget_key} = {self.budget}; raise it or move state to another tier")
         self.usage[kind] += nbytes
         self.peak = max(self.peak, self.used + self.idle)
+        RECORDER.counter(f"{self.name} bytes", self.used)
 
     @abc.abstractmethod
     def _allocate(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
@@ -119,6 +121,7 @@ class Tier(abc.ABC):
         or an engine buffer waits in the arena for its next use)."""
         if tensor is not None:
             self.usage[kind] -= tensor.numel() * tensor.element_size()
+            RECORDER.counter(f"{self.name} bytes", self.used)
             if kind is Kind.BUFFER and self.arena is not None:
                 self.arena.give_back(tensor)
 
@@ -279,17 +282,25 @@ class DeviceCopier:
 
 
 class _TimedHandle:
-    """A swap transfer whose ``wait`` counts the time it blocks toward the tier's ``IOStats``."""
+    """A swap transfer whose ``wait`` counts the time it blocks toward the tier's ``IOStats``, and
+    which an armed trace shows from submission to that wait (trace's [Note: step traces])."""
 
-    def __init__(self, handle: Any, stats: IOStats):
-        self.handle, self.stats = handle, stats
+    def __init__(self, handle: Any, stats: IOStats, track: str, key: str, nbytes: int):
+        self.handle, self.stats, self.track, self.key = handle, stats, track, key
+        self.trace_id = RECORDER.transfer_started(track, nbytes, key)
+        self.nbytes = nbytes
 
     def wait(self) -> int:
         start = time.perf_counter()
         try:
             return self.handle.wait()
         finally:
-            self.stats.wait_seconds += time.perf_counter() - start
+            end = time.perf_counter()
+            self.stats.wait_seconds += end - start
+            if end - start > 1e-4:
+                RECORDER.complete(f"wait: {self.track} {self.key}", "waits", start, end, bytes=self.nbytes)
+            RECORDER.transfer_done(self.track, self.trace_id, self.key)
+            self.trace_id = None
 
 
 ASIDE = "~aside"
@@ -319,11 +330,13 @@ class _SwappedBlock(Block):
         if not read:
             return _Done()
         self.stats.read_bytes += self.nbytes
-        return _TimedHandle(self.store_.read(self.key, self.data, prefix=self.prefix), self.stats)
+        return _TimedHandle(self.store_.read(self.key, self.data, prefix=self.prefix), self.stats, "nvme read",
+                            self.key, self.nbytes)
 
     def store(self) -> Any:
         self.stats.write_bytes += self.nbytes
-        return _TimedHandle(self.store_.write(self._store_key, self.data), self.stats)
+        return _TimedHandle(self.store_.write(self._store_key, self.data), self.stats, "nvme write", self.key,
+                            self.nbytes)
 
     def unload(self) -> torch.Tensor | None:
         buffer, self._buffer, self.data = self._buffer, None, None

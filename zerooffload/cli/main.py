@@ -222,6 +222,9 @@ def _add_train(commands) -> None:
     train.add_argument("--resume", action="store_true",
                        help="continue from OUT/checkpoints/latest (or the newest step tag that verifies)")
     train.add_argument("--tag", metavar="NAME", help="with --resume: continue from this tag instead")
+    train.add_argument("--trace", metavar="FILE", help="write a Chrome/Perfetto trace of steps 2.. (see --trace-steps)")
+    train.add_argument("--trace-steps", type=_number(int, 1, "a whole number of steps >= 1"), default=2, metavar="N",
+                       help="with --trace: how many steps it records after the first (default 2)")
     _add_config_arguments(train)
     train.set_defaults(run=_cmd_train, usage_error=train.error)
 

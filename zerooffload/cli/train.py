@@ -146,6 +146,8 @@ def _train(args, engine, config: Config, seq: int, resumed: tuple[int, list[floa
     started = time.perf_counter()
     progress = _Progress(args, run.first_step, rank)
     for step in range(run.first_step, args.steps):
+        if args.trace and step == run.first_step + 1:  # the first step warms up; the trace writes itself
+            engine.trace(args.trace, steps=min(args.trace_steps, args.steps - step))
         step_start, window_loss = time.perf_counter(), 0.0
         for micro_step in range(accum):
             x, y = corpus.batch(step * accum + micro_step, batch_size=micro, seq_len=seq, seed=config.train.seed,

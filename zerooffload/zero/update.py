@@ -18,6 +18,7 @@ from ..comm import control_all_reduce
 from ..optim.cpu_adam import sum_squares
 from ..optim.state import UnitOptimizerState
 from ..tiers import Kind, Tier
+from ..trace import RECORDER
 from .partition import FlatUnit
 from .publication import Publication
 from .scheduler import ParamScheduler
@@ -67,8 +68,10 @@ class Updater:
             upcoming = units[left[position + 1]].offloaded_grad if position + 1 < len(left) else None
             if upcoming is not None:
                 upcoming.prefetch()  # its read overlaps this unit's update
+            RECORDER.push(f"update {opt_state.unit.name}")
             with _reduced_grad(opt_state.unit) as grad:  # entered even when nothing steps: it may be prefetched
                 self.update_unit(opt_state, had_grad[left[position]], grad, grad_scale, publication)
+            RECORDER.pop()
         publication.finish()
         self.param_scheduler.stage_first_units()
 
