@@ -95,7 +95,7 @@ class Tier(abc.ABC):
                 f"over {self.budget_key} = {self.budget}; raise it or move state to another tier")
         self.usage[kind] += nbytes
         self.peak = max(self.peak, self.used + self.idle)
-        RECORDER.counter(f"{self.name} bytes", self.used)
+        RECORDER.counter(self.name, self.used)
 
     @abc.abstractmethod
     def _allocate(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
@@ -121,7 +121,7 @@ class Tier(abc.ABC):
         or an engine buffer waits in the arena for its next use)."""
         if tensor is not None:
             self.usage[kind] -= tensor.numel() * tensor.element_size()
-            RECORDER.counter(f"{self.name} bytes", self.used)
+            RECORDER.counter(self.name, self.used)
             if kind is Kind.BUFFER and self.arena is not None:
                 self.arena.give_back(tensor)
 

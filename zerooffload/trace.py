@@ -134,9 +134,10 @@ class Recorder:
                                     "ts": self._us(time.perf_counter()), "tid": TRACKS.index(track),
                                     "args": {"in flight when the trace ended": in_flight}})
 
-    def counter(self, name: str, value: int) -> None:
+    def counter(self, tier: str, value: int) -> None:
+        """``tier``'s bytes held now (the counter ``<tier> bytes``; its name is made only when recording)."""
         if self.active:
-            self._add({"name": name, "ph": "C", "ts": self._us(time.perf_counter()), "tid": 0,
+            self._add({"name": f"{tier} bytes", "ph": "C", "ts": self._us(time.perf_counter()), "tid": 0,
                        "args": {"bytes": value}})
 
 
