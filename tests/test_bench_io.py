@@ -93,6 +93,6 @@ def test_test_file_removed_on_error(tmp_path):
 
 
 def test_sweep_grid_leaves_pinned_knobs_alone():
-    assert len(bench._grid("uring", set())) == len(bench.SWEEP_BLOCK_SIZES) * len(bench.SWEEP_QUEUE_DEPTHS)
-    assert bench._grid("uring", {"block_size"}) == [{"queue_depth": q} for q in bench.SWEEP_QUEUE_DEPTHS]
-    assert bench._grid("python", {"block_size", "threads"}) == [{}]
+    assert len(bench.sweep_grid("uring", set())) == len(bench.SWEEP_BLOCK_SIZES) * len(bench.SWEEP_QUEUE_DEPTHS)
+    assert bench.sweep_grid("uring", {"block_size"}) == [{"queue_depth": q} for q in bench.SWEEP_QUEUE_DEPTHS]
+    assert bench.sweep_grid("python", {"block_size", "threads"}) == [{}]

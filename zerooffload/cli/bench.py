@@ -40,7 +40,8 @@ from tqdm import tqdm
 from ..config import ALIGNMENT, AioConfig, Config, ConfigError, format_size, parse_size
 from ..io import AioError, AioFile, AsyncIO, aligned_empty, open_file
 
-__all__ = ["BenchError", "Record", "ScratchDisk", "Unavailable", "exit_status", "run_io_bench", "scratch_disk"]
+__all__ = ["BenchError", "Record", "ScratchDisk", "Unavailable", "exit_status", "run_io_bench", "scratch_disk",
+           "sweep_grid"]
 
 log = logging.getLogger("zerooffload.cli.bench")
 
@@ -176,11 +177,11 @@ def _settings(args: argparse.Namespace, base: AioConfig) -> list[AioConfig]:
                 pinned.add(key)
             except ConfigError as exc:
                 raise BenchError(f"{flag} {value}: {exc}", code=2) from None
-    grids = {name: _grid(name, pinned) if args.sweep else [{}] for name in _backend_names(args.backend)}
+    grids = {name: sweep_grid(name, pinned) if args.sweep else [{}] for name in _backend_names(args.backend)}
     return [dataclasses.replace(base, backend=name, **point) for name, grid in grids.items() for point in grid]
 
 
-def _grid(backend: str, pinned: set[str]) -> list[dict]:
+def sweep_grid(backend: str, pinned: set[str] | frozenset[str] = frozenset()) -> list[dict]:
     """The sweep for one backend: block sizes x its own in-flight knob (see the constants above),
     less the knobs in ``pinned``."""
     if backend in QUEUE_BACKENDS:

@@ -32,7 +32,8 @@ from typing import Callable
 from tqdm import tqdm
 
 from ..config import AioConfig, Config, format_size
-from .bench import BenchError, Unavailable, exit_status, parse_total, preflight, scratch_disk
+from .bench import (QUEUE_BACKENDS, SWEEP_BLOCK_SIZES, BenchError, Unavailable, exit_status, parse_total,
+                    preflight, scratch_disk, sweep_grid)
 
 __all__ = ["Point", "TuneResult", "search", "run_tune_io"]
 
@@ -40,7 +41,7 @@ BACKENDS = ("uring", "pool")
 """The native backends, which the engine runs on; the Python ones are baselines, never the best."""
 BLOCK_SIZES = tuple(1 << s for s in range(17, 24))  # 128 KiB .. 8 MiB
 DEPTHS = (1, 2, 4, 8, 16, 32, 64)
-COARSE = tuple((b, d) for b in (256 << 10, 1 << 20, 4 << 20) for d in (4, 32))
+COARSE = tuple((b, d) for b in SWEEP_BLOCK_SIZES for d in (4, 32))
 MIN_MARGIN = 0.05
 """A challenger must beat the best by at least this share, even on a quiet disk."""
 FINALISTS = 3
@@ -54,12 +55,12 @@ class Point:
 
     def aio(self, base: AioConfig) -> AioConfig:
         """The ``AioConfig`` that runs this point (the depth as the backend's own knob)."""
-        knob = "queue_depth" if self.backend == "uring" else "threads"
+        knob = "queue_depth" if self.backend in QUEUE_BACKENDS else "threads"
         return dataclasses.replace(base, backend=self.backend, block_size=self.block_size, direct=True,
                                    **{knob: self.depth})
 
     def __str__(self) -> str:
-        knob = "qd" if self.backend == "uring" else "threads"
+        knob = "qd" if self.backend in QUEUE_BACKENDS else "threads"
         return f"{self.backend} {format_size(self.block_size)} {knob} {self.depth}"
 
 
@@ -188,11 +189,15 @@ def _tune_io(args: argparse.Namespace, config: Config) -> int:
 
 def aio_toml(aio: AioConfig, directory: str, result: TuneResult) -> str:
     """A complete config whose only section is ``[aio]``: the tuned settings, the rest defaults."""
-    keys = {"backend": f'"{aio.backend}"', "block_size": aio.block_size, "queue_depth": aio.queue_depth,
-            "threads": aio.threads}
     lines = [f"# zerooffload tune io --path {directory}: {result.best}, write {result.write_gbps:.2f} GB/s, "
              f"read {result.read_gbps:.2f} GB/s ({len(result.measured)} settings, {result.seconds:.0f} s)", "[aio]"]
-    return "\n".join(lines + [f"{key} = {value}" for key, value in keys.items()]) + "\n"
+    return "\n".join(lines + [f"{key} = {json.dumps(value)}" for key, value in _tuned_keys(aio).items()]) + "\n"
+
+
+def _tuned_keys(aio: AioConfig) -> dict:
+    """The ``[aio]`` keys ``tune io`` sets, as the config and the probe cache both hold them."""
+    return {"backend": aio.backend, "block_size": aio.block_size, "queue_depth": aio.queue_depth,
+            "threads": aio.threads}
 
 
 def cache_path() -> Path:
@@ -208,8 +213,7 @@ def _cache(directory: str, aio: AioConfig, result: TuneResult) -> None:
     except (OSError, ValueError):
         probe = {}
     probe.setdefault("io", {})[os.path.realpath(directory)] = {
-        "aio": {"backend": aio.backend, "block_size": aio.block_size, "queue_depth": aio.queue_depth,
-                "threads": aio.threads},
+        "aio": _tuned_keys(aio),
         "write_gbps": result.write_gbps, "read_gbps": result.read_gbps, "measured_at": time.time()}
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(probe, indent=1))
@@ -218,9 +222,9 @@ def _cache(directory: str, aio: AioConfig, result: TuneResult) -> None:
 def _compare(measure: Callable[[Point], tuple[float, float]], result: TuneResult, pairs: int = 5) -> str:
     """The full ``bench io --sweep`` grid of the native backends, then its best and the tuned point
     measured again in ``pairs`` interleaved pairs: the tuned one's median ratio on write and read."""
-    sweep = {Point(b, block, depth): [measure(Point(b, block, depth))] for b in BACKENDS
-             if any(p.backend == b for p in result.measured)
-             for block in (256 << 10, 1 << 20, 4 << 20) for depth in (4, 16, 32)}
+    grid = [Point(b, point["block_size"], point.get("queue_depth", point.get("threads"))) for b in BACKENDS
+            if any(p.backend == b for p in result.measured) for point in sweep_grid(b)]
+    sweep = {point: [measure(point)] for point in grid}
     rival = max(sweep, key=lambda p: _median_score(sweep[p]))
     ratios = []
     for _ in range(pairs):
