@@ -28,9 +28,9 @@ __all__ = ["HostActivations"]
 class _Packed:
     """One saved input on its way to the host and back."""
 
-    def __init__(self, index: int, host: torch.Tensor, shape: torch.Size, device: torch.device,
-                 copied: torch.cuda.Event | None):
-        self.index, self.host, self.shape, self.device = index, host, shape, device
+    def __init__(self, index: int, host: torch.Tensor, copied: torch.cuda.Event | None):
+        self.index, self.host = index, host
+        """The input's position in its forward, and its host copy (shaped as the input) until it is back."""
         self.copied = copied
         """Recorded after the copy to the host (CUDA): the copy back waits for it."""
         self.back: torch.Tensor | None = None
@@ -65,7 +65,7 @@ class HostActivations:
             self._fetch(self._packed[-1])
 
     def _pack(self, tensor: torch.Tensor) -> Any:
-        if tensor.device != self.device or tensor.device.type == "meta":
+        if tensor.device != self.device:
             return tensor
         host = self.host.empty(Kind.ACTIVATION, tensor.numel(), tensor.dtype).view(tensor.shape)
         copied = None
@@ -75,7 +75,7 @@ class HostActivations:
                 tensor.record_stream(self.stream)  # its memory is not reused before the copy has read it
                 copied = torch.cuda.Event()
                 copied.record(self.stream)
-        packed = _Packed(len(self._packed), host, tensor.shape, tensor.device, copied)
+        packed = _Packed(len(self._packed), host, copied)
         self._packed.append(packed)
         return packed
 
@@ -101,7 +101,7 @@ class HostActivations:
         with self._side_stream():
             if packed.copied is not None:
                 self.stream.wait_event(packed.copied)
-            packed.back = torch.empty(packed.shape, dtype=packed.host.dtype, device=packed.device)
+            packed.back = torch.empty_like(packed.host, device=self.device)
             packed.back.copy_(packed.host, non_blocking=self.stream is not None)
             if self.stream is not None:
                 packed.arrived = torch.cuda.Event()
