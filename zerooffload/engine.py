@@ -150,9 +150,10 @@ class Engine:
     def _on_grad(self, unit: FlatUnit, index: int, param: nn.Parameter) -> None:
         complete = unit.accumulate(index, param.grad, self.state.compute)
         param.grad = None
-        if complete:
-            RECORDER.finish_as(f"backward {unit.name}", then="backward: reduce")
-        if complete and (self.stage >= 2 or self._backward.closes_window) and self.config.zero.overlap_comm:
+        if not complete:
+            return
+        RECORDER.finish_as(f"backward {unit.name}", then="backward: reduce")
+        if (self.stage >= 2 or self._backward.closes_window) and self.config.zero.overlap_comm:
             self.reducer.mark_ready(unit)  # without overlap_comm, flush() reduces after backward
 
     def _on_reduced(self, unit: FlatUnit, shard: torch.Tensor, flags: torch.Tensor | None) -> None:
