@@ -38,7 +38,7 @@ from torch.overrides import TorchFunctionMode
 
 from .zero.unit_layout import UnitLayout
 
-__all__ = ["ActivationProfile", "measure_activations", "checkpoint_forward"]
+__all__ = ["ActivationProfile", "MetaBranches", "measure_activations", "checkpoint_forward"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,9 +52,18 @@ class ActivationProfile:
     checkpoint_inputs: int = 0
     """Of ``checkpointed``: the block inputs kept from forward to backward (what ``offload.activations``
     may move off the device)."""
+    backward_temporaries: int = 0
+    """Of both: the bound on backward's own temporaries (three times the largest unit's saved bytes)."""
 
     def bytes(self, checkpointing: bool) -> int:
         return self.checkpointed if checkpointing else self.plain
+
+    @property
+    def bound_excess(self) -> int:
+        """What the bound on backward's temporaries adds over one unit's worth, the amount a backward
+        usually holds (against the built-in GPT's RSS): a prediction's peak leaves it out, a memory
+        check never does."""
+        return self.backward_temporaries - self.backward_temporaries // 3
 
 
 class _SavedBytes:
@@ -87,6 +96,21 @@ class _SavedBytes:
 
 def _storage_id(tensor: torch.Tensor) -> int:
     return tensor.untyped_storage()._cdata
+
+
+class MetaBranches(TorchFunctionMode):
+    """``bool()`` of a meta tensor taken as True, so a model's data-dependent checks pass on meta.
+
+    Some models branch on their inputs' values before the work (Hugging Face's mask code asks whether
+    a mask is all ones, whether positions are packed): a meta tensor has no value, and such a branch
+    would end the measurement. True is the case of a training batch without padding or packing, the
+    one these measurements are of; ``.item()`` of a number stays an error (a size is never guessed).
+    """
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.__bool__ and args and args[0].is_meta:
+            return True
+        return func(*args, **(kwargs or {}))
 
 
 class _FusedAttention(TorchFunctionMode):
@@ -133,7 +157,7 @@ def measure_activations(module: nn.Module, layouts: list[UnitLayout], compute_by
     meta_kwargs = {k: _on_meta(v) for k, v in (kwargs or {}).items()}
     try:
         with (torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t),
-              _FusedAttention(device)):
+              MetaBranches(), _FusedAttention(device)):
             output = module(*meta_inputs, **meta_kwargs)
         del output
     finally:
@@ -144,7 +168,8 @@ def measure_activations(module: nn.Module, layouts: list[UnitLayout], compute_by
     backward_temporaries = 3 * max(largest, root)
     inputs = sum(saved.inputs.values())
     return ActivationProfile(plain=root + sum(in_blocks) + backward_temporaries,
-                             checkpointed=root + inputs + largest + backward_temporaries, checkpoint_inputs=inputs)
+                             checkpointed=root + inputs + largest + backward_temporaries, checkpoint_inputs=inputs,
+                             backward_temporaries=backward_temporaries)
 
 
 def _on_meta(value: Any) -> Any:

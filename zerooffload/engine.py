@@ -31,6 +31,7 @@ import functools
 import logging
 import math
 import os
+import time
 from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -47,7 +48,7 @@ from .memory_plan import check_memory
 from .optim import build_scheduler
 from .optim.state import UnitOptimizerState
 from .precision import COMPUTE_DTYPES, LossScaler, cast_floats
-from .telemetry import MemoryReport, StepStats, WindowMeter, memory_report
+from .telemetry import MemoryReport, Prediction, StepStats, WindowMeter, memory_report
 from .tiers import DeviceCopier, LinkStats, close_tiers, make_tiers, open_swap, release_idle
 from .trace import RECORDER, ArmedTrace, forward_segments, segment
 from .zero.backward_updates import BackwardUpdates
@@ -81,7 +82,8 @@ class Engine:
     """Trains one module with ZeRO stages 0–3; see [Note: a step]."""
 
     def __init__(self, module: nn.Module, config: Config, comm: Comm, param_groups: list[dict] | None,
-                 lazy_init_fn: Any = None, activations: ActivationProfile | None = None):
+                 lazy_init_fn: Any = None, activations: ActivationProfile | None = None,
+                 prediction: Prediction | None = None):
         self.module = module
         self.config = config
         self.comm = comm
@@ -134,7 +136,7 @@ class Engine:
         self._closed = False
         self._trace: ArmedTrace | None = None
         self._meter = WindowMeter(comm.counters, self.param_scheduler.stats, lambda: self.param_scheduler.live_bytes,
-                                  self._io, self._link)
+                                  self._io, self._link, prediction)
         self._meter.start()
 
     # ------------------------------------------------------------------ forward and backward
@@ -143,9 +145,10 @@ class Engine:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.compute_dtype != torch.float32:
             args, kwargs = cast_floats(args, self.compute_dtype), cast_floats(kwargs, self.compute_dtype)
-        if self._activations is not None:
-            self._activations.begin_forward()
-        return self.module(*args, **kwargs)
+        with self._meter.phase("forward"):
+            if self._activations is not None:
+                self._activations.begin_forward()
+            return self.module(*args, **kwargs)
 
     def _on_grad(self, unit: FlatUnit, index: int, param: nn.Parameter) -> None:
         complete = unit.accumulate(index, param.grad, self.state.compute)
@@ -175,7 +178,10 @@ class Engine:
 
         With ``train.skip_nonfinite``, a loss that is inf/NaN on any rank (one flag, all-reduced here)
         marks the window skipped and runs no backward at all: its gradients would be discarded."""
-        loss = output if isinstance(output, torch.Tensor) else output.loss
+        with self._meter.phase("backward"):
+            self._backward_pass(output if isinstance(output, torch.Tensor) else output.loss)
+
+    def _backward_pass(self, loss: torch.Tensor) -> None:
         self._check_step_called()
         if self.config.train.skip_nonfinite and self._window_skipped is None:
             self._window_skipped = self._nonfinite_loss(loss)
@@ -242,6 +248,7 @@ class Engine:
                 self._trace = None
 
     def _step(self) -> bool:
+        started = time.perf_counter()
         self._stepped_at = self.micro_steps
         norm_sq = math.inf
         if self._window_skipped is None:
@@ -270,7 +277,7 @@ class Engine:
         self._stats = self._meter.stats(step=self.global_steps, updated=not overflow,
                                         skipped_steps=self.skipped_steps, norm_sq=norm_sq, loss_scale=self.scaler.scale,
                                         lr=self.optimizer.param_groups[0]["lr"], memory=self.memory_report(),
-                                        undone_updates=len(undone))
+                                        undone_updates=len(undone), step_started=started)
         self._meter.start()
         return not overflow
 

@@ -12,6 +12,7 @@ from .config import Config, dtype_bytes
 from .engine import Engine
 from .host_allocator import release_freed_memory
 from .lazy_init import is_lazy, swap_in_placeholders
+from .telemetry import Prediction
 from .threads import set_threads
 from .zero.placement import streams_state
 from .zero.sharded_state import EAGER
@@ -27,7 +28,8 @@ def _releases_freed(config: Config) -> bool:
 
 
 def initialize(model: nn.Module, config: Config | dict | str | None = None, param_groups: list[dict] | None = None,
-               init_fn: Any = None, *, example_inputs: tuple | dict | None = None) -> "Engine":
+               init_fn: Any = None, *, example_inputs: tuple | dict | None = None,
+               prediction: Prediction | None = None) -> "Engine":
     """Shard ``model``'s training state as ``config`` says and return the engine that trains it.
 
     ``param_groups`` are torch-style groups over ``model``'s parameters (lr, weight_decay, ... per
@@ -37,7 +39,8 @@ def initialize(model: nn.Module, config: Config | dict | str | None = None, para
     (``lazy_init``'s note), one unit's worth of memory at a time. ``example_inputs``: one micro-batch's
     arguments to the model (a tuple, or a dict of keyword arguments; real or meta tensors, only their
     shapes count), for a model built under ``init_context``: its activations are measured on the meta
-    device and counted in the memory check ([Note: measuring activations]).
+    device and counted in the memory check ([Note: measuring activations]). ``prediction``: what a plan
+    expects of a step (``zo.plan``), shown beside what is measured in every ``engine.stats``.
     """
     config = Config.load(config if config is not None else {})
     set_threads(config.train.threads)
@@ -55,7 +58,7 @@ def initialize(model: nn.Module, config: Config | dict | str | None = None, para
             init_fn(model)
     with failing_together(comm):
         return Engine(model, config, comm, param_groups, lazy_init_fn=init_fn if lazy else EAGER,
-                      activations=activations)
+                      activations=activations, prediction=prediction)
 
 
 def _measure(model: nn.Module, config: Config, device: torch.device, example_inputs: tuple | dict

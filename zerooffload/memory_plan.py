@@ -26,7 +26,8 @@ from .zero.placement import STAGING, Placement, activations_leave_device, place
 from .zero.reduction import MAX_BUCKETS_IN_FLIGHT, REDUCE_DTYPE
 from .zero.unit_layout import UnitLayout, find_units
 
-__all__ = ["plan_memory", "plan_for_config", "check_memory", "fitting_layout", "place_activations", "LAYOUTS_TO_TRY"]
+__all__ = ["plan_memory", "plan_for_config", "check_memory", "fitting_layout", "place_activations", "local_ranks",
+           "LAYOUTS_TO_TRY"]
 
 LAYOUTS_TO_TRY = (
     ("offload.optimizer.tier=host",),
@@ -78,10 +79,10 @@ def check_memory(module: nn.Module, layouts: list[UnitLayout], config: Config, t
     plan = plan_for_config(layouts, config, world_size)
     measured = place_activations(plan, activations, config, device)
     check_plan(plan, tiers, measured)  # memory budgets first: they are cheap to check, swap space is not
-    local_ranks = _local_ranks(world_size)
+    local = local_ranks(world_size)
     check_ram(plan, config.memory, device, activations=measured, released=_storage_bytes(module),
-              local_ranks=local_ranks, suggestion=lambda fits: fitting_layout(
-                  module, config, world_size, fits, activations, local_ranks, device))
+              local_ranks=local, suggestion=lambda fits: fitting_layout(
+                  module, config, world_size, fits, activations, local, device))
     return plan
 
 
@@ -93,7 +94,7 @@ def _storage_bytes(module: nn.Module) -> int:
     return sum(storages.values())
 
 
-def _local_ranks(world_size: int) -> int:
+def local_ranks(world_size: int) -> int:
     """Ranks sharing this machine's RAM (torchrun's LOCAL_WORLD_SIZE; all of them without it)."""
     return int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
 

@@ -1,17 +1,31 @@
-"""What the engine reports: memory per tier × kind, and the last step's numbers (frozen snapshots)."""
+"""What the engine reports: memory per tier × kind, the last step's numbers (frozen snapshots), and the
+prediction a plan made of them, handed in as data so that the two can be read side by side.
+
+[Note: phases]
+A step's wall time splits into *phases*, the engine calls that run it: ``forward`` (``engine(...)``),
+``backward`` (``engine.backward``) and ``step`` (``engine.step`` at the boundary: the norm, the
+updates, the streaming of optimizer blocks), summed over the window's micro-batches; what the user's
+loop does between the calls (the loss, the data) is the rest of ``seconds``. A plan predicts the same
+phases (``Prediction.phases``) and, under them, the seconds of *work* each resource does before
+overlap (``Prediction.work``): compute, optimizer, nvme_read, nvme_write, host_device, collectives.
+"""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import time
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 from .tiers import IOStats, Kind, LinkStats, Tier
 from .zero.scheduler import PrefetchStats
 
-__all__ = ["MemoryReport", "StepStats", "memory_report"]
+__all__ = ["PHASES", "MemoryReport", "Prediction", "StepStats", "memory_report"]
+
+PHASES = ("forward", "backward", "step")
+"""The engine calls a step's time is split into ([Note: phases])."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +61,28 @@ def memory_report(tiers: dict[str, Tier]) -> MemoryReport:
 
 
 @dataclass(frozen=True, slots=True)
+class Prediction:
+    """What a plan expects of one optimizer step of a run (``zerooffload plan``), as plain data."""
+
+    step_seconds: float
+    phases: Mapping[str, float]
+    """Seconds per phase of ``PHASES`` ([Note: phases])."""
+    work: Mapping[str, float]
+    """Seconds of work per resource before overlap ([Note: phases]); the largest is the bottleneck."""
+    peak_bytes: Mapping[str, int]
+    """Peak bytes per tier (``device``, ``host``, ``nvme``), activations on the device included."""
+    moved_bytes: Mapping[str, int] = dataclasses.field(default_factory=lambda: MappingProxyType({}))
+    """Bytes a step moves: ``nvme_read``, ``nvme_write`` (what ``StepStats.io`` counts) and ``host_device``."""
+    bottleneck: str = ""
+    """One line saying what bounds the step, e.g. ``disk-bound: 3.1 GB read per step at 2.0 GB/s``."""
+
+    def as_json(self) -> dict:
+        return {"step_seconds": self.step_seconds, "phases": dict(self.phases), "work": dict(self.work),
+                "peak_bytes": dict(self.peak_bytes), "moved_bytes": dict(self.moved_bytes),
+                "bottleneck": self.bottleneck}
+
+
+@dataclass(frozen=True, slots=True)
 class StepStats:
     """The last accumulation window: what the optimizer did and what the collectives moved."""
 
@@ -75,6 +111,10 @@ class StepStats:
     undone_updates: int = 0
     """Units whose tentative update in backward this step undid: redone clipped, or dropped by a skipped
     step (backward_updates' [Note: tentative updates]); 0 where the clip did not bind."""
+    phase_seconds: Mapping[str, float] = dataclasses.field(default_factory=lambda: MappingProxyType({}))
+    """Wall time of the window per phase of ``PHASES`` ([Note: phases])."""
+    predicted: Prediction | None = None
+    """The plan's prediction for such a step, when the engine was given one (``initialize(prediction=)``)."""
 
     @property
     def prefetch_hit_rate(self) -> float | None:
@@ -102,25 +142,42 @@ class WindowMeter:
     reset as a window starts, read into ``StepStats`` as it ends."""
 
     def __init__(self, counters: Any, prefetch: PrefetchStats, live_bytes: Callable[[], int], io: IOStats,
-                 link: LinkStats):
+                 link: LinkStats, predicted: Prediction | None = None):
         self.counters, self.prefetch, self.live_bytes, self.io, self.link = counters, prefetch, live_bytes, io, link
+        self.predicted = predicted
         self.started = time.perf_counter()
+        self.phases = dict.fromkeys(PHASES, 0.0)
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """Add the block's wall time to phase ``name``'s in this window."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.phases[name] += time.perf_counter() - start
 
     def start(self) -> None:
         self.counters.reset()
         self.prefetch.reset(self.live_bytes())
         self.io.reset()
         self.link.reset()
+        self.phases = dict.fromkeys(PHASES, 0.0)
         self.started = time.perf_counter()
 
     def stats(self, *, step: int, updated: bool, skipped_steps: int, norm_sq: float, loss_scale: float, lr: float,
-              memory: MemoryReport, undone_updates: int = 0) -> StepStats:
-        """The window's ``StepStats`` (``norm_sq``: the unscaled squared global gradient norm)."""
-        counters = self.counters
+              memory: MemoryReport, undone_updates: int = 0, step_started: float | None = None) -> StepStats:
+        """The window's ``StepStats`` (``norm_sq``: the unscaled squared global gradient norm;
+        ``step_started``: when the running ``step`` phase began, counted up to now)."""
+        counters, now = self.counters, time.perf_counter()
+        phases = dict(self.phases)
+        if step_started is not None:
+            phases["step"] += now - step_started
         return StepStats(
             step=step, updated=updated, skipped_steps=skipped_steps,
             grad_norm=math.sqrt(norm_sq) if math.isfinite(norm_sq) else float("inf"), loss_scale=loss_scale, lr=lr,
             data_elements=counters.data_elements, data_bytes=counters.data_bytes,
             control_elements=counters.control_elements, memory=memory, prefetch=dataclasses.replace(self.prefetch),
             io=dataclasses.replace(self.io), link=dataclasses.replace(self.link),
-            seconds=time.perf_counter() - self.started, undone_updates=undone_updates)
+            seconds=now - self.started, undone_updates=undone_updates, phase_seconds=MappingProxyType(phases),
+            predicted=self.predicted)

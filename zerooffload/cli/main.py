@@ -184,6 +184,35 @@ def _add_tune(commands) -> None:
     io.set_defaults(run=_cmd_tune_io)
 
 
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from .plan import run_plan
+
+    if args.params is not None and args.layers is None:
+        args.usage_error("--params needs --layers (the model's shape: a GPT that deep, as wide as the count gives)")
+    return run_plan(args, _load_config(args))
+
+
+def _add_plan(commands) -> None:
+    plan = commands.add_parser("plan", help="rank the layouts of a model that fit this machine by predicted step "
+                                            "time; write the best as a config")
+    plan.add_argument("--model", default="nano",
+                      help="a preset, a Hugging Face config.json, a Python module:factory, or a name with --params")
+    plan.add_argument("--params", type=_params, help="parameter count of a GPT to plan for (with --layers)")
+    plan.add_argument("--layers", type=_number(int, 1, "a whole number of layers >= 1"), help="its blocks")
+    plan.add_argument("--world", type=_number(int, 1, "a whole number of ranks >= 1"), default=1,
+                      help="ranks the run will have (default 1)")
+    plan.add_argument("--batch", type=_number(int, 1, "a whole number of sequences >= 1"),
+                      help="sequences per optimizer step over all ranks (default: the config's)")
+    plan.add_argument("--seq", type=_number(int, 1, "a whole number of tokens >= 1"),
+                      help="sequence length (default: the model's)")
+    plan.add_argument("--top", type=_number(int, 1, "a whole number >= 1"), default=8, help="layouts shown (default 8)")
+    plan.add_argument("--out", metavar="FILE", help="write the best layout as a complete TOML config")
+    plan.add_argument("--refresh", action="store_true", help="measure the machine again instead of the cached probe")
+    plan.add_argument("--json", action="store_true", help="print the ranked layouts as JSON")
+    _add_config_arguments(plan)
+    plan.set_defaults(run=_cmd_plan, usage_error=plan.error)
+
+
 def _cmd_consolidate(args: argparse.Namespace) -> int:
     from ..checkpoint import consolidate
     from ..precision import COMPUTE_DTYPES
@@ -222,6 +251,10 @@ def _add_train(commands) -> None:
     train.add_argument("--resume", action="store_true",
                        help="continue from OUT/checkpoints/latest (or the newest step tag that verifies)")
     train.add_argument("--tag", metavar="NAME", help="with --resume: continue from this tag instead")
+    train.add_argument("--plan", metavar="auto|FILE",
+                       help="auto: the layout zerooffload plan ranks best, within what --config and overrides pin; "
+                            "FILE: train a plan written by zerooffload plan --out; either way the plan's predicted "
+                            "step is printed beside the measured one")
     train.add_argument("--trace", metavar="FILE", help="write a Chrome/Perfetto trace of steps 2.. (see --trace-steps)")
     train.add_argument("--trace-steps", type=_number(int, 1, "a whole number of steps >= 1"), default=2, metavar="N",
                        help="with --trace: how many steps it records after the first (default 2)")
@@ -254,6 +287,7 @@ def _parser() -> argparse.ArgumentParser:
     _add_estimate(commands)
     _add_bench(commands)
     _add_tune(commands)
+    _add_plan(commands)
     return parser
 
 

@@ -40,6 +40,7 @@ import argparse
 import json
 import os
 import re
+import resource
 import shutil
 import signal
 import statistics
@@ -49,6 +50,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import psutil
 import torch
 from tqdm import tqdm
 
@@ -60,6 +62,7 @@ from ..data import ByteCorpus
 from ..initialization import initialize
 from ..lazy_init import init_context
 from ..models import GPT, PRESETS
+from ..telemetry import PHASES, Prediction
 
 __all__ = ["TRAIN_DEFAULTS", "load_train_config", "run_training"]
 
@@ -87,14 +90,15 @@ def run_training(args: argparse.Namespace) -> int:
 
     Returns the exit status: 0, or 128 + the signal that stopped the run early (see the note).
     """
-    config = load_train_config(args.config, args.overrides, args.steps)
+    config, prediction = _planned_config(args)
     Path(args.out).mkdir(parents=True, exist_ok=True)  # an --out that cannot be written fails now, not at the end
     torch.manual_seed(config.train.seed)
     model_config = PRESETS[args.model]
     with init_context(config):  # nothing is allocated before the engine checks that the run fits
         model = GPT(model_config)
     batch = torch.zeros(config.train.micro_batch_size, model_config.block_size, dtype=torch.long, device="meta")
-    engine = initialize(model, config, init_fn=model.init_fn(), example_inputs=(batch, batch))
+    rss_at_start = psutil.Process().memory_info().rss
+    engine = initialize(model, config, init_fn=model.init_fn(), example_inputs=(batch, batch), prediction=prediction)
     with _StopOnSignal(engine.comm.rank) as stop:
         checkpoints = Path(args.out) / "checkpoints"
         first_step, losses = _resume(engine, checkpoints, args.tag) if args.resume else (0, [])
@@ -105,9 +109,12 @@ def run_training(args: argparse.Namespace) -> int:
             return 0
         run = _train(args, engine, config, model_config.block_size, (first_step, losses), checkpoints, stop)
         summary = _summary(args, engine, run, model_config)
+        summary.update(_predicted_and_measured(engine, run, rss_at_start))
         engine.close()
         if engine.comm.rank == 0:  # before the handlers go back: torchrun may SIGTERM a rank that is finishing
             _print_summary(summary)
+            if "predicted" in summary:
+                print(_format_prediction(summary))
             (Path(args.out) / "summary.json").write_text(json.dumps(summary, indent=2))
             for line in (_all_skipped_line(engine, config), run.stopped_by and _stop_line(run)):
                 if line:
@@ -128,6 +135,10 @@ class _Run:
     """Rank 0's loss of every step from step 0 (the resumed ones from the checkpoint: see [Note: resuming])."""
     seconds: float = 0.0
     """Wall time of this process's steps."""
+    step_seconds: list[float] = field(default_factory=list)
+    """Wall time of each of this process's steps."""
+    phases: list[dict[str, float]] = field(default_factory=list)
+    """``engine.stats.phase_seconds`` of each of this process's steps."""
     stopped_by: signal.Signals | None = None
     saved: Path | None = None
     """The last checkpoint this loop wrote: after a signal, the one holding the steps done."""
@@ -159,6 +170,8 @@ def _train(args, engine, config: Config, seq: int, resumed: tuple[int, list[floa
         run.losses.append(window_loss)
         run.last_step = step + 1
         elapsed = time.perf_counter() - step_start
+        run.step_seconds.append(elapsed)
+        run.phases.append(dict(engine.stats.phase_seconds))
         progress.update(run.last_step, {"loss": f"{window_loss:.3f}", "tok_s": f"{run.tokens_per_step / elapsed:,.0f}",
                                         "step_s": f"{elapsed:.3f}", **_engine_postfix(engine.stats)})
         run.stopped_by = stop.agreed(engine.comm)
@@ -363,6 +376,82 @@ def _summary(args, engine, run: _Run, model_config) -> dict:
             "tokens_per_second": round(run.tokens_per_step * (run.last_step - run.first_step) / run.seconds),
             "first_loss_mean": first, "last_loss_mean": last, "loss_ratio": last / first, "window": window,
             "skipped_steps": engine.skipped_steps, "peak_bytes": dict(report.peaks), "losses": losses}
+
+
+# ------------------------------------------------------------------------------ plan: predicted vs measured
+def _planned_config(args: argparse.Namespace) -> tuple[Config, Prediction | None]:
+    """The run's config and the plan's prediction of its step: ``--plan auto`` searches the layouts the
+    user left free (``--config`` and overrides pin the rest), ``--plan FILE`` runs a written plan, and a
+    plain run is predicted only when the machine's probe is cached (it never measures the disk)."""
+    from ..plan import cached_probe, pinned_keys, plan, predict_config, probe_machine
+    from ..plan.model_spec import named_gpt
+
+    if args.plan not in (None, "auto") and args.config:
+        args.usage_error("--plan FILE is the run's config: leave --config out (or use --plan auto with it)")
+    config = load_train_config(args.plan if args.plan not in (None, "auto") else args.config, args.overrides,
+                               args.steps)
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    model = named_gpt(args.model, PRESETS[args.model])
+    if args.plan == "auto":
+        chosen = _on_rank_zero(world, lambda: _best_layout(plan(
+            model, config, pinned=pinned_keys(load_train_config(args.config, [], args.steps) if args.config
+                                              else Config.load({}), args.overrides),
+            world_size=world, progress=lambda text: print(f"plan: {text}", file=sys.stderr))))
+        config = Config.load(config, overrides=chosen[0])
+        return config, chosen[1]
+    probe = probe_machine(config) if args.plan else cached_probe(config)
+    if probe is None:
+        return config, None
+    return config, _on_rank_zero(world, lambda: predict_config(model, config, probe, world))
+
+
+def _best_layout(result) -> tuple[list[str], Prediction]:
+    """The plan's best layout as overrides, with its prediction; one line about it."""
+    best = result.best
+    print(f"plan: {best.describe()} (of {len(result.fitting)} that fit): predicted {best.prediction.step_seconds:.2f} "
+          f"s/step; {best.prediction.bottleneck}", file=sys.stderr)
+    return [f"{key}={json.dumps(value)}" for key, value in best.overrides.items()], best.prediction
+
+
+def _on_rank_zero(world: int, decide):
+    """``decide()`` on rank 0, its result on every rank: a plan times the machine, and ranks that timed
+    it apart could choose apart."""
+    if world == 1:
+        return decide()
+    from ..comm import all_gather_object, init_comm
+
+    comm = init_comm()  # the group the engine then uses as it is
+    return all_gather_object(comm, decide() if comm.rank == 0 else None)[0]
+
+
+def _predicted_and_measured(engine, run: _Run, rss_at_start: int) -> dict:
+    """summary.json's ``predicted`` (the plan's) and ``measured`` (the median of this process's steps
+    after the first; the engine's peak bytes per tier, and the process's peak RSS above its RSS before
+    the engine was built: the independent figure for the device and host tiers on a CPU device)."""
+    steps = run.step_seconds[1:] or run.step_seconds
+    phases = run.phases[1:] or run.phases
+    peaks = engine.memory_report().peaks
+    rss_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    measured = {"step_seconds": statistics.median(steps) if steps else None,
+                "phases": {k: statistics.median(p[k] for p in phases) for k in PHASES} if phases else {},
+                "peak_bytes": {tier: peaks.get(tier, 0) for tier in ("device", "host", "nvme")},
+                "rss_peak_above_start_bytes": rss_peak - rss_at_start}
+    predicted = engine.stats.predicted if engine.stats else None
+    return {"measured": measured, **({"predicted": predicted.as_json()} if predicted else {})}
+
+
+def _format_prediction(s: dict) -> str:
+    """The plan's step split next to the one measured, and the peak bytes per tier."""
+    p, m = s["predicted"], s["measured"]
+    lines = [f"{'predicted vs measured':<24}{'plan':>10}{'measured':>10}"]
+    for phase in PHASES:
+        lines.append(f"{phase + ' s':<24}{p['phases'][phase]:>10.3f}{m['phases'].get(phase, 0.0):>10.3f}")
+    ratio = m["step_seconds"] / p["step_seconds"] if p["step_seconds"] else float("nan")
+    lines.append(f"{'step s (wall)':<24}{p['step_seconds']:>10.3f}{m['step_seconds']:>10.3f}  (x{ratio:.2f})")
+    for tier in ("device", "host", "nvme"):
+        lines.append(f"{tier + ' peak MB':<24}{p['peak_bytes'][tier] / 1e6:>10.1f}{m['peak_bytes'][tier] / 1e6:>10.1f}")
+    lines.append(f"{'RSS above start MB':<24}{'':>10}{m['rss_peak_above_start_bytes'] / 1e6:>10.1f}")
+    return "\n".join(lines + [f"plan: {p['bottleneck']}"])
 
 
 def _print_summary(s: dict) -> None:

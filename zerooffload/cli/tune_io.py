@@ -21,7 +21,6 @@ import argparse
 import dataclasses
 import json
 import math
-import os
 import statistics
 import sys
 import time
@@ -32,6 +31,7 @@ from typing import Callable
 from tqdm import tqdm
 
 from ..config import AioConfig, Config, format_size
+from ..plan.probe import record_disk
 from .bench import (QUEUE_BACKENDS, SWEEP_BLOCK_SIZES, BenchError, Unavailable, exit_status, parse_total,
                     preflight, scratch_disk, sweep_grid)
 
@@ -183,7 +183,7 @@ def _tune_io(args: argparse.Namespace, config: Config) -> int:
     if args.out:
         Path(args.out).write_text(aio_toml(aio, directory, result))
         print(f"wrote {args.out} (use it with --config {args.out}, or copy its [aio] section)")
-    _cache(directory, aio, result)
+    record_disk(directory, _tuned_keys(aio), result.write_gbps, result.read_gbps, source="tune io")
     return 0
 
 
@@ -198,25 +198,6 @@ def _tuned_keys(aio: AioConfig) -> dict:
     """The ``[aio]`` keys ``tune io`` sets, as the config and the probe cache both hold them."""
     return {"backend": aio.backend, "block_size": aio.block_size, "queue_depth": aio.queue_depth,
             "threads": aio.threads}
-
-
-def cache_path() -> Path:
-    """The machine probe's cache (``$XDG_CACHE_HOME/zerooffload/probe.json``), which ``plan`` reads."""
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "zerooffload" / "probe.json"
-
-
-def _cache(directory: str, aio: AioConfig, result: TuneResult) -> None:
-    """Record the disk's tuned settings and bandwidths under its real path in the probe cache."""
-    path = cache_path()
-    try:
-        probe = json.loads(path.read_text()) if path.exists() else {}
-    except (OSError, ValueError):
-        probe = {}
-    probe.setdefault("io", {})[os.path.realpath(directory)] = {
-        "aio": _tuned_keys(aio),
-        "write_gbps": result.write_gbps, "read_gbps": result.read_gbps, "measured_at": time.time()}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(probe, indent=1))
 
 
 def _compare(measure: Callable[[Point], tuple[float, float]], result: TuneResult, pairs: int = 5) -> str:

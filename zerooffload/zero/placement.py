@@ -38,7 +38,11 @@ COMPUTE = "device"
 """The tier the compute runs in."""
 STAGING = "host"
 """The tier whose memory stages blocks that are not addressable (NVMe) and runs their updates."""
-_NOT_ADDRESSABLE = ("nvme",)
+SWAP = "nvme"
+"""The tier of swap files: not addressable, its blocks stream through the staging memory."""
+TIER_NAMES = (COMPUTE, STAGING, SWAP)
+"""Every tier a placement may name, nearest the compute first (what a plan enumerates)."""
+_NOT_ADDRESSABLE = (SWAP,)
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,0 +1,198 @@
+"""``zo.plan`` / ``zerooffload plan`` / ``train --plan``: checked against the engine itself, never
+against the plan's own arithmetic.
+
+- The bytes a prediction says a step moves (NVMe reads and writes, host<->device) equal what the
+  engine's telemetry counts over a grid of layouts that exercises every rule of the step model.
+- A layout the plan refuses is refused by ``zo.initialize``, and one it keeps starts.
+- Pinned keys constrain the search; the written plan is a config that trains, and its run records
+  the prediction beside the measurement in summary.json.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import zerooffload as zo
+from zerooffload.config import Config
+from zerooffload.models import GPT, PRESETS
+from zerooffload.plan import PlanResult, cached_probe, pinned_keys, plan, predict_config, probe_machine
+from zerooffload.plan.model_spec import gpt_of_size, load_model, named_gpt
+from zerooffload.plan.search import Candidate, Evaluator
+from zerooffload.tiers import BudgetError
+
+MICRO = 2
+LAYOUTS = [
+    ("zero.stage=2", "offload.optimizer.tier=nvme"),
+    ("zero.stage=3", "offload.optimizer.tier=nvme", "offload.param.tier=nvme"),
+    ("zero.stage=3", "offload.optimizer.tier=nvme", "offload.param.tier=nvme", "zero.max_live_size=1MiB",
+     "zero.prefetch_size=512KiB"),
+    ("zero.stage=3", "offload.optimizer.tier=host", "offload.param.tier=host", "train.grad_accum_steps=2"),
+    ("zero.stage=1", "offload.optimizer.tier=host", "train.grad_accum_steps=2", "train.precision=bf16"),
+    ("zero.stage=3", "offload.optimizer.tier=nvme", "offload.optimizer.fraction=0.5", "offload.param.tier=host",
+     "train.precision=bf16"),
+    ("zero.stage=3", "offload.optimizer.tier=host", "offload.optimizer.fraction=0.5", "offload.param.tier=nvme"),
+]
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    """A probe cache of its own, measured once for the module (and a swap directory)."""
+    root = tmp_path_factory.mktemp("plan")
+    old = os.environ.get("XDG_CACHE_HOME")
+    os.environ["XDG_CACHE_HOME"] = str(root / "cache")
+    (root / "nvme").mkdir()
+    yield root
+    if old is None:
+        os.environ.pop("XDG_CACHE_HOME")
+    else:
+        os.environ["XDG_CACHE_HOME"] = old
+
+
+def _config(root: Path, overrides=()) -> Config:
+    return Config.load({"nvme": {"path": str(root / "nvme")}, "train": {"micro_batch_size": MICRO}},
+                       overrides=list(overrides))
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda layout: " ".join(o.split("=")[1] for o in layout))
+def test_predicted_bytes_moved_equal_the_engines_telemetry(cache, make_engine, layout):
+    config = _config(cache, layout)
+    prediction = predict_config(named_gpt("nano", PRESETS["nano"]), config, probe_machine(config))
+    with zo.init_context():
+        model = GPT(PRESETS["nano"])
+    engine = make_engine(model, config, init_fn=model.init_fn(), prediction=prediction)
+    tokens = torch.zeros(MICRO, PRESETS["nano"].block_size, dtype=torch.long)
+    for _ in range(2 * config.train.grad_accum_steps):  # the second step: the prefetch trace is in use
+        engine.backward(engine(tokens, tokens))
+        engine.step()
+    io, link = engine.stats.io, engine.stats.link
+    moved = prediction.moved_bytes
+    assert (moved["nvme_read"], moved["nvme_write"]) == pytest.approx((io.read_bytes, io.write_bytes), rel=0.06)
+    assert moved["host_device"] == pytest.approx(link.host_to_device_bytes + link.device_to_host_bytes, rel=0.1)
+    assert engine.stats.predicted is prediction
+    assert set(engine.stats.phase_seconds) == {"forward", "backward", "step"}
+    assert sum(engine.stats.phase_seconds.values()) <= engine.stats.seconds
+
+
+def test_a_refused_layout_is_refused_by_the_engine_and_a_kept_one_starts(cache, make_engine):
+    base = _config(cache, ["memory.device_budget=16MB", "memory.host_budget=64MB"])
+    result = plan("nano", base, batch_size=MICRO)
+    assert result.fitting and result.refused
+    for candidate, fits in ((result.refused[0], False), (result.fitting[0], True)):
+        with zo.init_context():
+            model = GPT(PRESETS["nano"])
+        tokens = torch.zeros(candidate.config.train.micro_batch_size, PRESETS["nano"].block_size, dtype=torch.long,
+                             device="meta")
+        start = lambda: make_engine(model, candidate.config, init_fn=model.init_fn(),  # noqa: E731
+                                    example_inputs=(tokens, tokens))
+        if fits:
+            start()
+        else:
+            with pytest.raises(BudgetError):
+                start()
+
+
+def test_pinned_keys_hold_in_every_candidate(cache):
+    base = _config(cache, ["zero.stage=3", "offload.optimizer.tier=nvme"])
+    pinned = pinned_keys(base)
+    assert {"zero.stage", "offload.optimizer.tier", "train.micro_batch_size"} <= pinned
+    result = plan("nano", base, batch_size=4)
+    assert result.fitting
+    for candidate in result.fitting + result.refused:
+        config = candidate.config
+        assert (config.zero.stage, config.offload.optimizer.tier, config.train.micro_batch_size) == (3, "nvme", MICRO)
+        assert config.train.micro_batch_size * config.train.grad_accum_steps == 4
+
+
+def test_a_machine_with_no_room_gets_an_error_naming_the_budgets(cache):
+    result = plan("nano", _config(cache, ["memory.device_budget=1MB", "memory.host_budget=1MB",
+                                          "offload.optimizer.tier=device"]), batch_size=MICRO)
+    with pytest.raises(zo.ConfigError, match="no layout of nano fits"):
+        result.best
+
+
+def test_models_by_every_name(cache, tmp_path):
+    assert load_model("nano").num_params == PRESETS["nano"].num_params
+    shaped = gpt_of_size(50e6, 8, 256)
+    assert abs(shaped.num_params - 50e6) / 50e6 < 0.15 and shaped.n_layer == 8
+    (tmp_path / "mymodels.py").write_text(
+        "import torch\n"
+        "def build():\n"
+        "    return torch.nn.Sequential(torch.nn.Embedding(64, 32), torch.nn.Sequential(\n"
+        "        torch.nn.Linear(32, 32), torch.nn.Linear(32, 32)), torch.nn.Linear(32, 64))\n")
+    sys.path.insert(0, str(tmp_path))
+    try:
+        factory = load_model("mymodels:build", seq_len=16)
+        result = plan(factory, _config(cache), batch_size=MICRO)
+        assert result.best.prediction.step_seconds > 0
+    finally:
+        sys.path.remove(str(tmp_path))
+    with pytest.raises(ValueError, match="preset"):
+        load_model("no-such-model")
+
+
+def test_a_hugging_face_config_is_planned(cache, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    config.save_pretrained(tmp_path)
+    spec = load_model(str(tmp_path / "config.json"), seq_len=32)
+    assert spec.num_params == sum(p.numel() for p in transformers.AutoModelForCausalLM.from_config(config).parameters())
+    result = plan(spec, _config(cache), batch_size=MICRO)
+    assert isinstance(result, PlanResult) and result.best.prediction.peak_bytes["device"] > 0
+
+
+def _cli(args, cache_dir, cwd):
+    env = {**os.environ, "XDG_CACHE_HOME": str(cache_dir)}
+    return subprocess.run([sys.executable, "-m", "zerooffload", *args], capture_output=True, text=True, env=env,
+                          cwd=cwd, timeout=300)
+
+
+def test_plan_writes_a_config_that_train_runs_and_reports_against(cache, tmp_path):
+    nvme = f"nvme.path={cache / 'nvme'}"
+    done = _cli(["plan", "--model", "nano", "--batch", "4", "--out", "plan.toml", nvme], cache / "cache", tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "best:" in done.stdout and "step s" in done.stdout
+    written = Config.load(tmp_path / "plan.toml")
+    assert written.train.micro_batch_size * written.train.grad_accum_steps == 4
+    done = _cli(["train", "--steps", "3", "--plan", "plan.toml", "--out", "run"], cache / "cache", tmp_path)
+    assert done.returncode == 0, done.stderr
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["stage"] == written.zero.stage
+    assert summary["predicted"]["step_seconds"] > 0
+    assert set(summary["predicted"]["peak_bytes"]) == set(summary["measured"]["peak_bytes"]) == {
+        "device", "host", "nvme"}
+    assert summary["measured"]["step_seconds"] > 0 and summary["measured"]["rss_peak_above_start_bytes"] > 0
+    assert "predicted vs measured" in done.stdout
+
+
+def test_a_plain_train_never_probes(tmp_path):
+    done = _cli(["train", "--steps", "2", "--out", "run"], tmp_path / "cache", tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert not (tmp_path / "cache").exists()
+    assert "predicted" not in json.loads((tmp_path / "run" / "summary.json").read_text())
+
+
+def test_the_cached_probe_alone_never_measures(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    assert cached_probe(Config.load({"nvme": {"path": str(tmp_path)}})) is None
+    assert not (tmp_path / "cache").exists()
+
+
+def test_plan_usage_errors_are_one_line(tmp_path):
+    done = _cli(["plan", "--params", "1B"], tmp_path / "cache", tmp_path)
+    assert done.returncode == 2 and "--params needs --layers" in done.stderr
+    done = _cli(["plan", "--model", "missing.json"], tmp_path / "cache", tmp_path)
+    assert done.returncode != 0 and "Traceback" not in done.stderr and "missing.json" in done.stderr
+
+
+def test_evaluator_keeps_the_given_config(cache):
+    config = _config(cache, ["zero.stage=2"])
+    candidate = Evaluator(named_gpt("nano", PRESETS["nano"]), probe_machine(config), 1, print).evaluate(
+        Candidate({}, config))
+    assert candidate.config is config and candidate.refusal is None

@@ -1,0 +1,103 @@
+"""``zo.plan``: the layout of a run chosen for this machine, by measuring it and predicting every layout.
+
+The parts: ``probe`` measures the machine (cached), ``model_spec`` builds the model on the meta device
+and times one of its blocks, ``search`` enumerates the layouts that fit, ``predict`` models each one's
+step ([Note: the step model]). The chosen layout is a complete config (``PlanResult.to_toml``) and its
+``Prediction``, which ``zo.initialize(prediction=)`` takes as data and ``engine.stats`` reports
+beside what it measures.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+from ..config import Config, ConfigError
+from .model_spec import ModelSpec, gpt_of_size, load_model, named_gpt
+from .predict import predict
+from .probe import Probe, cached_probe, probe_machine
+from .search import SEARCHED, Candidate, Evaluator, candidates, rank
+
+__all__ = ["PlanResult", "Probe", "SEARCHED", "cached_probe", "pinned_keys", "plan", "predict", "predict_config"]
+
+
+@dataclass
+class PlanResult:
+    """The ranked layouts that fit (best first), those refused, and what they were predicted from."""
+
+    model: ModelSpec
+    probe: Probe
+    fitting: list[Candidate]
+    refused: list[Candidate]
+    batch_size: int
+    world_size: int
+
+    @property
+    def best(self) -> Candidate:
+        if not self.fitting:
+            reasons = sorted({c.refusal for c in self.refused})[:3]
+            raise ConfigError(f"no layout of {self.model.name} fits this machine ({len(self.refused)} tried): "
+                              + "; ".join(reasons))
+        return self.fitting[0]
+
+    def to_toml(self) -> str:
+        """The best layout as a complete config, its prediction in the header."""
+        best = self.best
+        p = best.prediction
+        header = [f"# zerooffload plan: {self.model.name}, batch {self.batch_size}, world size {self.world_size}",
+                  f"# layout: {best.describe()}",
+                  f"# predicted step {p.step_seconds:.2f} s; " + ", ".join(
+                      f"{tier} {n / 1e9:.2f} GB" for tier, n in p.peak_bytes.items()),
+                  f"# {p.bottleneck}"]
+        return "\n".join(header) + "\n" + best.config.to_toml()
+
+
+def pinned_keys(config: Config, overrides: Iterable[str] = ()) -> set[str]:
+    """The searched keys a user fixed: set in ``overrides``, or given a value other than the library's
+    default in ``config``."""
+    default, mine = _flat(Config.load({}).to_dict()), _flat(config.to_dict())
+    fixed = {key.partition("=")[0].strip() for key in overrides}
+    return {key for key in SEARCHED if key in fixed or mine.get(key) != default.get(key)}
+
+
+def _flat(data: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, value in data.items():
+        if isinstance(value, dict):
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def plan(model: str | ModelSpec, config: Config | dict | str | None = None, *, pinned: Iterable[str] | None = None,
+         world_size: int = 1, batch_size: int | None = None, seq_len: int | None = None,
+         params: float | None = None, layers: int | None = None, refresh: bool = False,
+         progress: Callable[[str], None] | None = None) -> PlanResult:
+    """Probe the machine (cached), enumerate the layouts of ``model`` that fit and rank them by predicted
+    step time (search's [Note: the search]).
+
+    ``model``: a preset, a Hugging Face ``config.json``, a ``module:factory``, or with ``params`` and
+    ``layers`` a name for a GPT of that size. ``config``: the rest of the run (budgets, paths, optimizer,
+    precision); its ``pinned`` keys stay as set (default: ``pinned_keys(config)``). ``batch_size``:
+    sequences per optimizer step over all ranks (default: the config's micro × accumulation × world).
+    """
+    config = Config.load(config if config is not None else {})
+    progress = progress or (lambda text: None)
+    spec = model if isinstance(model, ModelSpec) else (
+        named_gpt(model, gpt_of_size(params, layers, seq_len or 1024)) if params else load_model(model, seq_len))
+    batch = batch_size or config.train.micro_batch_size * config.train.grad_accum_steps * world_size
+    if batch % world_size:
+        raise ConfigError(f"batch size {batch} is not a multiple of the world size {world_size}")
+    probe = probe_machine(config, refresh=refresh, progress=progress)
+    pool = candidates(config, pinned_keys(config) if pinned is None else pinned, batch, world_size)
+    progress(f"predicting {len(pool)} layouts")
+    fitting, refused = rank(Evaluator(spec, probe, world_size, progress), pool)
+    return PlanResult(spec, probe, fitting, refused, batch, world_size)
+
+
+def predict_config(model: ModelSpec, config: Config, probe: Probe, world_size: int = 1):
+    """The ``Prediction`` of ``config`` as it is (``train`` with a cached probe or ``--plan FILE``)."""
+    return Evaluator(model, probe, world_size, lambda text: None).evaluate(Candidate({}, config)).prediction
+
+
+

@@ -1,0 +1,232 @@
+"""A run's step time and peak memory per tier, predicted from its placement, its model and the probe.
+
+[Note: the step model]
+Memory is the engine's own plan (``memory_plan.plan_for_config``: exact steady-state bytes, bounded
+temporaries) plus the activations measured on the meta device, with one unit's worth of backward
+temporaries where the memory check counts three (a peak to expect, not a bound to refuse by).
+Time follows the engine's schedule, phase by phase ([Note: phases] in telemetry), per rank and optimizer step:
+- *forward*, per micro-batch: the measured compute ([Note: measured compute]); stage 3's partitioned
+  shards read from NVMe (fp32 from the masters where they live there) and copied in from off the device
+  (a CPU device uses them in place); backward gathers again only what ``zero.max_live_size`` could not
+  keep from forward;
+- *backward*, per micro-batch: compute (and the recompute under activation checkpointing), the
+  gradients added into their flat buffers, the shards gathered again, reduced gradients leaving the
+  device (written to NVMe where they are kept there), and the updates that run in backward with
+  their optimizer blocks streamed;
+- *step*: the norm over the gradients, the updates left for the step (the fused CPU pass, or on a
+  CUDA device a pass bound by its memory bandwidth), their blocks streamed in and out, new weights
+  published to the device (where the weights live there). A tentative update that a binding
+  ``train.grad_clip`` undoes is redone in the step: its block read and written again, which the
+  prediction does not count (``StepStats.undone_updates`` says how often it happened).
+Within a phase the engine overlaps what runs on different resources: a CPU device's compute, the
+optimizer and copies share the same cores (their seconds add), a CUDA device computes while the CPU
+updates and copies run; NVMe reads and writes share one disk (their seconds add) and run beside the
+rest, ahead of need, so a phase takes its busiest resource's seconds plus the transfer nothing
+overlaps (the first unit read before forward, the first block read and the last written in a
+streamed step; everything, with ``zero.prefetch_size = 0``). Collectives (world size > 1) run on the
+CPU over gloo and beside the compute over NCCL.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from types import MappingProxyType
+
+import torch
+
+from ..activations import ActivationProfile
+from ..config import Config, dtype_bytes
+from ..memory_plan import place_activations, plan_for_config
+from ..optim.optimizer import moment_names
+from ..telemetry import Prediction
+from ..zero.placement import COMPUTE, SWAP, TIER_NAMES, Placement, place
+from ..zero.reduction import REDUCE_DTYPE
+from ..zero.unit_layout import UnitLayout
+from .model_spec import BlockTimes
+from .probe import Probe
+
+__all__ = ["predict", "WORK"]
+
+WORK = ("compute", "optimizer", "nvme_read", "nvme_write", "host_device", "collectives")
+"""The resources whose seconds ``Prediction.work`` holds, before overlap."""
+_GB = 1e9
+
+
+@dataclass
+class _Phase:
+    """The work of one phase: seconds per resource, bytes per transfer direction."""
+
+    device: float = 0.0
+    """Seconds of measured compute."""
+    copy: float = 0.0
+    """Bytes copied within the device's memory."""
+    optimizer_elements: int = 0
+    device_updates: int = 0
+    """Of ``optimizer_elements``: those a CUDA device updates itself."""
+    read: float = 0.0
+    write: float = 0.0
+    link: float = 0.0
+    """Bytes copied between host memory and the device."""
+    gathered: float = 0.0
+    """Bytes of off-device shards brought to the device for a gather (a CPU device uses them in place)."""
+    collective: float = 0.0
+    exposed: float = 0.0
+    """Transfer seconds nothing overlaps (see the note)."""
+    work: dict[str, float] = field(default_factory=lambda: dict.fromkeys(WORK, 0.0))
+
+
+def predict(config: Config, layouts: list[UnitLayout], probe: Probe, times: BlockTimes,
+            activations: ActivationProfile | None, world_size: int) -> Prediction:
+    """The ``Prediction`` of one optimizer step of ``config`` (see [Note: the step model])."""
+    placement = place(layouts, config)
+    phases = _phases(config, layouts, placement, probe, times, world_size)
+    seconds = {name: _seconds(phase, probe, config) for name, phase in phases.items()}
+    work = {k: sum(p.work[k] for p in phases.values()) for k in WORK}
+    peaks = _peaks(config, layouts, activations, world_size, probe)
+    moved = {"nvme_read": sum(p.read for p in phases.values()), "nvme_write": sum(p.write for p in phases.values()),
+             "host_device": sum(p.link + p.gathered for p in phases.values())}
+    return Prediction(step_seconds=sum(seconds.values()), phases=MappingProxyType(seconds),
+                      work=MappingProxyType(work), peak_bytes=MappingProxyType(peaks),
+                      moved_bytes=MappingProxyType({k: int(v) for k, v in moved.items()}),
+                      bottleneck=_bottleneck(phases, work, probe, config))
+
+
+def _peaks(config: Config, layouts: list[UnitLayout], activations: ActivationProfile | None, world_size: int,
+           probe: Probe) -> dict[str, int]:
+    plan = plan_for_config(layouts, config, world_size)
+    on_device = place_activations(plan, activations, config, torch.device(probe.device))
+    if activations:  # the expected peak, not the check's bound (ActivationProfile.bound_excess)
+        on_device -= activations.bound_excess
+    peaks = {name: sum(kinds.values()) for name, kinds in plan.items()}
+    peaks[COMPUTE] = peaks.get(COMPUTE, 0) + on_device
+    return {tier: peaks.get(tier, 0) for tier in TIER_NAMES}
+
+
+def _phases(config: Config, layouts: list[UnitLayout], placement: Placement, probe: Probe, times: BlockTimes,
+            world_size: int) -> dict[str, _Phase]:
+    """Each phase's work for one optimizer step (``grad_accum_steps`` forwards and backwards)."""
+    cb = dtype_bytes(config.train.precision)
+    moments = len(moment_names(config.optimizer))
+    accum = config.train.grad_accum_steps
+    forward, backward, step = _Phase(), _Phase(), _Phase()
+    forward.device, backward.device = times.forward * accum, times.backward * accum
+    if config.train.activation_checkpointing:
+        backward.device += times.recompute * accum
+    trainable = sum(u.trainable_numel for u in layouts)
+    backward.copy = trainable * cb * accum  # gradients added into their flat buffers
+    partitioned_full = sum(u.padded_numel for u, p in zip(layouts, placement.units) if p.partitioned) * cb
+    regathered = max(0.0, 1.0 - config.zero.max_live_size / partitioned_full) if partitioned_full else 0.0
+    for layout, p in zip(layouts, placement.units):
+        shard = layout.shard_numel
+        block = shard * 4 * (moments + (0 if p.master_is_param else 1))
+        if p.partitioned and p.param_home != COMPUTE:  # gathered for forward, again in backward past max_live
+            streamed = p.param_home == SWAP
+            for phase, share in ((forward, 1.0), (backward, regathered)):
+                phase.gathered += shard * cb * accum * share
+                if streamed:
+                    phase.read += shard * (4 if p.params_in_masters else cb) * accum * share
+        if not p.trainable:
+            continue
+        if p.grad_leaves:
+            backward.link += shard * cb * accum
+            if p.grads_kept and p.streamed:
+                backward.write += shard * cb * accum
+                step.read += shard * cb
+        update = backward if p.updates_in_backward else step
+        update.optimizer_elements += layout.trainable_in_shard(0)
+        if p.updated_on_device and probe.device != "cpu":
+            update.device_updates += layout.trainable_in_shard(0)
+        if p.streamed:
+            update.read += block
+            update.write += block
+        if p.partitioned and p.param_home == SWAP and not p.params_in_masters:
+            update.write += shard * cb  # the new weights' shard, written where they are read from
+        if p.updated_on_device != (p.param_home == COMPUTE):
+            update.link += shard * cb  # the new weights, from where the update ran to where they live
+    _collectives(config, layouts, placement, world_size, forward, backward, step)
+    step.copy = sum(u.shard_numel for u in layouts) * cb  # the norm reads every gradient once
+    _fills(config, layouts, placement, cb, moments, probe, forward, step)
+    return {"forward": forward, "backward": backward, "step": step}
+
+
+def _collectives(config: Config, layouts: list[UnitLayout], placement: Placement, world_size: int,
+                 forward: _Phase, backward: _Phase, step: _Phase) -> None:
+    """DESIGN §3's elements per rank: all-gathers of stage 3 (forward and backward) and of stages 1–2
+    (after the step), reduce-scatters or all-reduces (twice the elements) of the gradients."""
+    if world_size == 1:
+        return
+    cb = dtype_bytes(config.train.precision)
+    accum = config.train.grad_accum_steps
+    full = sum(u.padded_numel for u in layouts)
+    partitioned = sum(u.padded_numel for u, p in zip(layouts, placement.units) if p.partitioned)
+    stage = config.zero.stage
+    reduce = full * REDUCE_DTYPE.itemsize * (2 if stage == 0 else 1) * (accum if stage >= 2 else 1)
+    backward.collective += reduce + partitioned * cb * accum
+    forward.collective += partitioned * cb * accum
+    if stage in (1, 2):
+        step.collective += full * cb
+
+
+def _fills(config: Config, layouts: list[UnitLayout], placement: Placement, cb: int, moments: int, probe: Probe,
+           forward: _Phase, step: _Phase) -> None:
+    """The transfers nothing overlaps (see the note)."""
+    read, write = _disk_rates(probe, config)
+    streamed_params = [u.shard_numel * cb for u, p in zip(layouts, placement.units)
+                       if p.partitioned and p.param_home == SWAP]
+    if streamed_params:
+        forward.exposed += max(streamed_params) / read
+    blocks = [u.shard_numel * 4 * (moments + 1) for u, p in zip(layouts, placement.units)
+              if p.streamed and p.trainable and not p.updates_in_backward]
+    if blocks:
+        step.exposed += max(blocks) / read + max(blocks) / write
+
+
+def _disk_rates(probe: Probe, config: Config) -> tuple[float, float]:
+    """Bytes per second of reads and of writes over the swap directories (striped: their sum)."""
+    disks = [probe.disk(path) for path in config.nvme.paths]
+    return sum(d.read_gbps for d in disks) * _GB, sum(d.write_gbps for d in disks) * _GB
+
+
+def _seconds(phase: _Phase, probe: Probe, config: Config) -> float:
+    """The phase's wall time (see the note), its work per resource filled into ``phase.work``."""
+    read_bw, write_bw = _disk_rates(probe, config) if (phase.read or phase.write) else (1.0, 1.0)
+    precision = config.train.precision
+    optimizer = (phase.optimizer_elements - phase.device_updates) / probe.adam_elements_per_s[precision]
+    optimizer += phase.device_updates * 32 / (probe.device_copy_gbps * _GB)  # a CUDA device's: memory-bound
+    copies = phase.copy / (probe.device_copy_gbps * _GB)
+    link = (phase.link + (phase.gathered if probe.device != "cpu" else 0.0)) / (probe.link_gbps * _GB)
+    collective = phase.collective / ((probe.collective_gbps or probe.link_gbps / 2) * _GB)
+    disk = phase.read / read_bw + phase.write / write_bw
+    phase.work.update(compute=phase.device + copies, optimizer=optimizer, nvme_read=phase.read / read_bw,
+                      nvme_write=phase.write / write_bw, host_device=link, collectives=collective)
+    if probe.device == "cpu":  # one set of cores computes, updates, copies and runs gloo
+        busy = phase.device + copies + optimizer + link + collective
+    else:
+        busy = max(phase.device + copies, optimizer, link, collective)
+    if config.zero.prefetch_size == 0:
+        return busy + disk + phase.exposed
+    return max(busy, disk) + phase.exposed
+
+
+def _bottleneck(phases: dict[str, _Phase], work: dict[str, float], probe: Probe, config: Config) -> str:
+    """One line naming the resource with the most seconds, with its bytes or elements and rate."""
+    reads = sum(p.read for p in phases.values())
+    writes = sum(p.write for p in phases.values())
+    disk = work["nvme_read"] + work["nvme_write"]
+    candidates = {"compute": work["compute"], "optimizer": work["optimizer"], "disk": disk,
+                  "host_device": work["host_device"], "collectives": work["collectives"]}
+    name = max(candidates, key=candidates.get)
+    if name == "disk":
+        read_bw, write_bw = _disk_rates(probe, config)
+        return (f"disk-bound: {reads / _GB:.2f} GB read at {read_bw / _GB:.2f} GB/s and {writes / _GB:.2f} GB "
+                f"written at {write_bw / _GB:.2f} GB/s per step ({disk:.2f} s)")
+    if name == "optimizer":
+        elements = sum(p.optimizer_elements for p in phases.values())
+        return (f"optimizer-bound: {elements / 1e6:.1f}M elements at "
+                f"{probe.adam_elements_per_s[config.train.precision] / 1e9:.2f} G/s ({work['optimizer']:.2f} s)")
+    if name == "host_device":
+        moved = sum(p.link + p.gathered for p in phases.values())
+        return f"link-bound: {moved / _GB:.2f} GB host<->device at {probe.link_gbps:.1f} GB/s ({work[name]:.2f} s)"
+    if name == "collectives":
+        return f"collective-bound: {work[name]:.2f} s of collectives per step"
+    return f"compute-bound: {work['compute']:.2f} s of forward and backward per step"
+

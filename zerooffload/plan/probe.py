@@ -1,0 +1,220 @@
+"""The machine, measured once: what ``zerooffload plan`` needs to predict a run, cached as JSON.
+
+[Note: the probe]
+The cache (``$XDG_CACHE_HOME/zerooffload/probe.json``, else ``~/.cache/...``) holds rates, which do
+not change between runs: the device's copy bandwidth, the host↔device link, the compute rate of a
+matmul in each compute dtype, the fused CPU optimizer's elements per second for each low-precision
+copy, and per swap directory (by its real path) the read and write bandwidth with the ``[aio]``
+settings that reached them (``tune io``'s search, else one run at the config's settings). Amounts
+that do change (RAM available, device memory free, free disk space) are read fresh every time and
+never cached. Each rate is measured when first needed and kept; ``refresh`` measures again. A plain
+``zerooffload train`` only reads the cache (``cached_probe``): it never measures the disk.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..config import Config
+from ..precision import COMPUTE_DTYPES
+from ..tiers import available_ram
+
+__all__ = ["DiskRates", "Probe", "cache_path", "cached_probe", "probe_machine", "record_disk"]
+
+DISK_PROBE_BYTES = 256 << 20
+"""The file one disk measurement writes and reads back (O_DIRECT): big enough to pass the disk's cache."""
+_MATMUL_N = 1024
+_ADAM_ELEMENTS = 8 << 20
+
+
+def cache_path() -> Path:
+    """The probe cache (see [Note: the probe]); ``tune io`` writes its disks into it too."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "zerooffload" / "probe.json"
+
+
+@dataclass(frozen=True, slots=True)
+class DiskRates:
+    """One swap directory's measured bandwidths and the ``[aio]`` keys that reached them."""
+
+    read_gbps: float
+    write_gbps: float
+    aio: dict
+    source: str
+    """``tune io`` (a search) or ``plan`` (one run at the config's settings)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Probe:
+    """The machine's rates (cached) and amounts (read now); see [Note: the probe]."""
+
+    device: str
+    """``cpu`` or ``cuda``: the compute device."""
+    device_free_bytes: int
+    """Memory the device has free now; on a CPU device, the RAM available (shared with the host tier)."""
+    ram_available_bytes: int
+    device_copy_gbps: float
+    """A large copy within the device's memory: what gradient accumulation and publication cost."""
+    link_gbps: float
+    """Host memory → device (pinned on CUDA); on a CPU device, a copy within RAM."""
+    matmul_flops: dict[str, float]
+    """Per compute dtype (``fp32``, ``bf16``, ``fp16``): a square matmul's floating-point operations per second."""
+    adam_elements_per_s: dict[str, float]
+    """Per compute dtype: the fused CPU AdamW pass (with its low-precision copy) over fp32 state."""
+    disks: dict[str, DiskRates]
+    """Per swap directory (real path)."""
+    collective_gbps: float | None = None
+    """Bus bandwidth of an all-reduce over the job's ranks; None at world size 1 or when not measured."""
+
+    def disk(self, path: str) -> DiskRates:
+        return self.disks[os.path.realpath(path)]
+
+    @staticmethod
+    def free_space(path: str) -> int:
+        return shutil.disk_usage(path).free
+
+
+def _read_cache() -> dict:
+    path = cache_path()
+    try:
+        return json.loads(path.read_text()) if path.exists() else {}
+    except (OSError, ValueError):
+        return {}  # a damaged cache is measured again, never trusted
+
+
+def _write_cache(data: dict) -> None:
+    path = cache_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=1))
+    os.replace(tmp, path)
+
+
+def record_disk(directory: str, aio: dict, write_gbps: float, read_gbps: float, source: str) -> None:
+    """Keep one swap directory's bandwidths in the cache (``tune io``'s result wins over plan's own run)."""
+    data = _read_cache()
+    data.setdefault("io", {})[os.path.realpath(directory)] = {
+        "aio": aio, "write_gbps": write_gbps, "read_gbps": read_gbps, "source": source, "measured_at": time.time()}
+    _write_cache(data)
+
+
+def cached_probe(config: Config) -> Probe | None:
+    """The probe from the cache alone, or None when it lacks a rate ``config`` needs (nothing is measured)."""
+    try:
+        return _probe(config, _read_cache(), measure=False)
+    except LookupError:
+        return None
+
+
+def probe_machine(config: Config, refresh: bool = False, progress: Any = None) -> Probe:
+    """The probe for ``config`` (its compute dtype, its swap directories), measuring what the cache lacks
+    (everything with ``refresh``) and keeping it. ``progress(text)`` hears each measurement."""
+    data = {} if refresh else _read_cache()
+    if refresh:  # tune io's disks are a search's result: a refresh of the rest keeps them
+        data["io"] = {k: v for k, v in _read_cache().get("io", {}).items() if v.get("source") == "tune io"}
+    probe = _probe(config, data, measure=True, progress=progress or (lambda text: None))
+    _write_cache(data)
+    return probe
+
+
+def _probe(config: Config, data: dict, *, measure: bool, progress: Any = None) -> Probe:
+    """The probe from ``data`` (the cache's dict), filled in place where ``measure`` allows."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    machine = data.setdefault("machine", {})
+    if machine.get("compute_device", device) != device:
+        machine.clear()  # rates of another device say nothing about this one
+    machine["compute_device"] = device
+    precision = config.train.precision
+
+    def rate(section: str, key: str, measure_it) -> float:
+        table = machine.setdefault(section, {})
+        if key not in table:
+            if not measure:
+                raise LookupError(f"{section}.{key}")
+            progress(f"measuring {section} {key}")
+            table[key] = measure_it()
+        return table[key]
+
+    copy = rate("copy_gbps", "within_device", lambda: _copy_gbps(device, pinned_source=False))
+    link = copy if device == "cpu" else rate("copy_gbps", "link", lambda: _copy_gbps(device, pinned_source=True))
+    rate("matmul_flops", precision, lambda: _matmul_flops(device, COMPUTE_DTYPES[precision]))
+    rate("adam_elements_per_s", precision, lambda: _adam_rate(COMPUTE_DTYPES[precision]))
+    disks = data.setdefault("io", {})
+    for path in config.nvme.paths:
+        real = os.path.realpath(path)
+        if real not in disks:
+            if not measure:
+                raise LookupError(f"io.{real}")
+            progress(f"measuring the disk at {path}")
+            disks[real] = _disk_entry(path, config)
+    return Probe(device=device, device_free_bytes=_device_free(device), ram_available_bytes=available_ram(),
+                 device_copy_gbps=copy, link_gbps=link, matmul_flops=dict(machine["matmul_flops"]),
+                 adam_elements_per_s=dict(machine["adam_elements_per_s"]),
+                 disks={p: DiskRates(d["read_gbps"], d["write_gbps"], d["aio"], d.get("source", "plan"))
+                        for p, d in disks.items()})
+
+
+def _device_free(device: str) -> int:
+    if device == "cuda":
+        return torch.cuda.mem_get_info()[0]
+    return available_ram()
+
+
+def _best_seconds(run, repeats: int = 3) -> float:
+    """The fastest of ``repeats`` timed runs after one warm-up: the rate the hardware gives when nothing
+    else gets in the way (a plan's prediction should not inherit one noisy moment)."""
+    run()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def _copy_gbps(device: str, pinned_source: bool, nbytes: int = 256 << 20) -> float:
+    source = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned_source and device == "cuda")
+    source = source if pinned_source else source.to(device)
+    target = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    return nbytes / _best_seconds(lambda: target.copy_(source, non_blocking=False)) / 1e9
+
+
+def _matmul_flops(device: str, dtype: torch.dtype) -> float:
+    a = torch.randn(_MATMUL_N, _MATMUL_N, device=device).to(dtype)
+    b = torch.randn(_MATMUL_N, _MATMUL_N, device=device).to(dtype)
+    return 2 * _MATMUL_N ** 3 / _best_seconds(lambda: a @ b)
+
+
+def _adam_rate(dtype: torch.dtype) -> float:
+    """Elements per second of the fused pass the engine runs (``optim.cpu_adam``), its copy in ``dtype``."""
+    from ..optim.cpu_adam import fused_adam_step
+
+    param, grad = torch.randn(_ADAM_ELEMENTS), torch.randn(_ADAM_ELEMENTS) * 1e-3
+    moments = torch.zeros(_ADAM_ELEMENTS), torch.zeros(_ADAM_ELEMENTS)
+    out = None if dtype == torch.float32 else torch.empty(_ADAM_ELEMENTS, dtype=dtype)
+    step = iter(range(1, 1 << 30))
+    return _ADAM_ELEMENTS / _best_seconds(lambda: fused_adam_step(
+        param, grad, *moments, out, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, step=next(step)))
+
+
+def _disk_entry(path: str, config: Config) -> dict:
+    """One write and read of ``DISK_PROBE_BYTES`` through ``bench io`` at the config's ``[aio]`` settings."""
+    from ..cli.bench import preflight, scratch_disk
+
+    preflight(path, DISK_PROBE_BYTES)
+    with scratch_disk(path, DISK_PROBE_BYTES) as disk:
+        disk.run(config.aio)  # the first pass allocates the file's extents: not what a swap rewrite costs
+        write, read = disk.run(config.aio)
+    aio = {"backend": config.aio.backend, "block_size": config.aio.block_size,
+           "queue_depth": config.aio.queue_depth, "threads": config.aio.threads}
+    return {"aio": aio, "write_gbps": write.gbps, "read_gbps": read.gbps, "source": "plan",
+            "measured_at": time.time()}
+

@@ -1,0 +1,195 @@
+"""The layouts a plan weighs: every choice of the searched keys the user left free, those that fit, ranked.
+
+[Note: the search]
+The searched keys (``SEARCHED``): ``zero.stage``; ``offload.optimizer.tier`` and its ``fraction``;
+``offload.param.tier`` (stage 3); ``train.activation_checkpointing``; ``train.micro_batch_size``
+(powers of two dividing the batch per rank, ``train.grad_accum_steps`` making up the rest); and
+``zero.prefetch_size`` (stage 3: none, or the config's window). A key the user *pins* (set in their
+config or as an override) is a constraint: every candidate keeps its value. A candidate *fits* when
+the memory checks the engine itself runs at start accept it (``check_plan`` against the budgets,
+``check_ram`` against the RAM there is, swap space against the free disk); the fitting ones are
+ranked by predicted step time, and within ``TIE`` of each other by the bytes they put on disk, then in
+memory (the simpler layout, and the safer). Nothing is allocated: models are on the meta device,
+plans are arithmetic, and only one block per micro-batch size is ever materialized to time it.
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+import torch
+
+from ..activations import ActivationProfile
+from ..config import Config, ConfigError
+from ..memory_plan import local_ranks, place_activations, plan_for_config
+from ..telemetry import Prediction
+from ..tiers import BudgetError, check_plan, check_ram, make_tiers, swap_bytes, swap_free_bytes
+from ..zero.placement import COMPUTE, SWAP, TIER_NAMES
+from ..zero.unit_layout import UnitLayout, find_units
+from .model_spec import BlockTimes, ModelSpec, measure_compute
+from .predict import predict
+from .probe import Probe
+
+__all__ = ["SEARCHED", "Candidate", "Evaluator", "candidates", "rank", "refusal"]
+
+SEARCHED = ("zero.stage", "offload.optimizer.tier", "offload.optimizer.fraction", "offload.param.tier",
+            "train.activation_checkpointing", "train.micro_batch_size", "zero.prefetch_size")
+FRACTIONS = (1.0, 0.5)
+MICRO_BATCHES = 4
+"""At most this many micro-batch sizes (the largest that divide the batch): beyond, the per-token cost
+is flat and only memory changes."""
+TIE = 0.03
+
+
+@dataclass
+class Candidate:
+    """One layout: the values it gives the searched keys, and what the plan found of it."""
+
+    overrides: dict[str, object]
+    config: Config
+    prediction: Prediction | None = None
+    refusal: str | None = None
+    """Why it does not fit (the engine's own refusal), or None."""
+
+    def describe(self) -> str:
+        c = self.config
+        parts = [f"stage {c.zero.stage}"]
+        optimizer = c.offload.optimizer
+        if optimizer.tier != COMPUTE:
+            share = "" if optimizer.fraction == 1.0 else f" {optimizer.fraction:.0%}"
+            parts.append(f"optimizer {optimizer.tier}{share}")
+        if c.zero.stage == 3 and c.offload.param.tier != COMPUTE:
+            parts.append(f"params {c.offload.param.tier}")
+        if c.train.activation_checkpointing:
+            parts.append("checkpointing")
+        parts.append(f"micro {c.train.micro_batch_size}x{c.train.grad_accum_steps}")
+        if c.zero.stage == 3 and c.zero.prefetch_size == 0:
+            parts.append("no prefetch")
+        return ", ".join(parts)
+
+    def in_memory_bytes(self) -> int:
+        peaks = self.prediction.peak_bytes
+        return sum(n for tier, n in peaks.items() if tier != SWAP)
+
+
+def candidates(base: Config, pinned: Iterable[str], batch: int, world_size: int) -> list[Candidate]:
+    """Every layout of the searched keys left free (see the note), as configs over ``base``."""
+    pinned = set(pinned)
+    per_rank = batch // world_size
+    micros = [m for m in (1 << i for i in range(16)) if m <= per_rank and per_rank % m == 0][-MICRO_BATCHES:]
+    choices = {
+        "zero.stage": (1, 2, 3), "offload.optimizer.tier": TIER_NAMES, "offload.optimizer.fraction": FRACTIONS,
+        "offload.param.tier": TIER_NAMES, "train.activation_checkpointing": (False, True),
+        "train.micro_batch_size": tuple(reversed(micros)), "zero.prefetch_size": (base.zero.prefetch_size, 0)}
+    free = [key for key in SEARCHED if key not in pinned]
+    out, seen = [], set()
+    for values in itertools.product(*(choices[key] for key in free)):
+        overrides = dict(zip(free, values))
+        if not _meaningful(overrides, base):
+            continue
+        micro = overrides.get("train.micro_batch_size", base.train.micro_batch_size)
+        if "train.grad_accum_steps" not in pinned:
+            overrides["train.grad_accum_steps"] = max(1, per_rank // micro)
+        try:
+            config = Config.load(base, overrides=[f"{k}={_toml(v)}" for k, v in overrides.items()])
+        except ConfigError:
+            continue  # a combination the config itself refuses
+        key = config.to_toml()
+        if key not in seen:
+            seen.add(key)
+            out.append(Candidate(overrides, config))
+    return out
+
+
+def _meaningful(overrides: dict, base: Config) -> bool:
+    """Leave out combinations that only rename another: a fraction of a device-tier optimizer, parameter
+    tiers and prefetch windows below stage 3."""
+    get = lambda key, default: overrides.get(key, default)  # noqa: E731
+    stage = get("zero.stage", base.zero.stage)
+    if get("offload.optimizer.tier", base.offload.optimizer.tier) == COMPUTE and \
+            get("offload.optimizer.fraction", base.offload.optimizer.fraction) != FRACTIONS[0] and \
+            "offload.optimizer.fraction" in overrides:
+        return False
+    if stage < 3 and (overrides.get("offload.param.tier", COMPUTE) != COMPUTE
+                      or overrides.get("zero.prefetch_size", base.zero.prefetch_size) != base.zero.prefetch_size):
+        return False
+    return True
+
+
+def _toml(value: object) -> str:
+    return ("true" if value else "false") if isinstance(value, bool) else str(value)
+
+
+class Evaluator:
+    """Predictions of candidates for one model: layouts, activations and compute measured once each."""
+
+    def __init__(self, model: ModelSpec, probe: Probe, world_size: int, progress: Callable[[str], None]):
+        self.model, self.probe, self.world_size, self.progress = model, probe, world_size, progress
+        self.device = torch.device(probe.device)
+        self._layouts: dict[tuple, list[UnitLayout]] = {}
+        self._activations: dict[tuple, ActivationProfile] = {}
+        self._times: dict[tuple, BlockTimes] = {}
+
+    def layouts(self, config: Config) -> list[UnitLayout]:
+        shards = self.world_size if config.zero.stage >= 1 else 1
+        key = (shards, tuple(config.zero.unit_modules))
+        if key not in self._layouts:
+            self._layouts[key] = find_units(self.model.module, config.zero.unit_modules, shards)
+        return self._layouts[key]
+
+    def activations(self, config: Config) -> ActivationProfile:
+        key = (config.train.micro_batch_size, config.train.precision)
+        if key not in self._activations:
+            layouts = find_units(self.model.module, config.zero.unit_modules, 1)
+            self._activations[key] = self.model.activations(layouts, *key, self.device)
+        return self._activations[key]
+
+    def times(self, config: Config) -> BlockTimes:
+        key = (config.train.micro_batch_size, config.train.precision)
+        if key not in self._times:
+            self.progress(f"timing a block at micro-batch {key[0]}")
+            layouts = find_units(self.model.module, config.zero.unit_modules, 1)
+            self._times[key] = measure_compute(self.model, layouts, *key, self.probe.matmul_flops[key[1]],
+                                               self.device)
+        return self._times[key]
+
+    def evaluate(self, candidate: Candidate) -> Candidate:
+        """Fill in ``candidate``'s refusal, or else its prediction."""
+        config = candidate.config
+        layouts, activations = self.layouts(config), self.activations(config)
+        candidate.refusal = refusal(config, layouts, activations, self.world_size, self.device)
+        if candidate.refusal is None:
+            candidate.prediction = predict(config, layouts, self.probe, self.times(config), activations,
+                                           self.world_size)
+        return candidate
+
+
+def rank(evaluator: Evaluator, pool: list[Candidate]) -> tuple[list[Candidate], list[Candidate]]:
+    """The fitting candidates ranked (see the note), and the refused ones."""
+    for candidate in pool:
+        evaluator.evaluate(candidate)
+    fitting = sorted((c for c in pool if c.refusal is None), key=lambda c: c.prediction.step_seconds)
+    if fitting:  # within TIE of the fastest, the simplest first: the least on disk, then in memory
+        fastest = fitting[0].prediction.step_seconds
+        tied = [c for c in fitting if c.prediction.step_seconds <= fastest * (1 + TIE)]
+        tied.sort(key=lambda c: (c.prediction.peak_bytes[SWAP], c.in_memory_bytes()))
+        fitting = tied + [c for c in fitting if c not in tied]
+    return fitting, [c for c in pool if c.refusal is not None]
+
+
+def refusal(config: Config, layouts: list[UnitLayout], activations: ActivationProfile | None, world_size: int,
+            device: torch.device) -> str | None:
+    """Why the engine would refuse ``config`` at start (its own checks, in its order), or None."""
+    plan = plan_for_config(layouts, config, world_size)
+    on_device = place_activations(plan, activations, config, device)
+    local = local_ranks(world_size)
+    try:
+        check_plan(plan, make_tiers(config.memory, device), on_device)
+        check_ram(plan, config.memory, device, activations=on_device, local_ranks=local)
+    except BudgetError as exc:
+        return str(exc).split(";")[0]
+    swap = swap_bytes(plan) * local
+    if swap and swap > swap_free_bytes(config):
+        return f"the swap files need {swap:,} bytes but {config.nvme.paths} has {swap_free_bytes(config):,} free"
+    return None
