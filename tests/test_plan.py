@@ -6,6 +6,8 @@ against the plan's own arithmetic.
 - A layout the plan refuses is refused by ``zo.initialize``, and one it keeps starts.
 - Pinned keys constrain the search; the written plan is a config that trains, and its run records
   the prediction beside the measurement in summary.json.
+In CI: the fp32 byte checks (one shared ``Evaluator``: the nano block timed once), the pinned keys and
+the plain train that never probes; the command-line paths, bf16 and the model kinds are ``slow``.
 """
 from __future__ import annotations
 
@@ -21,21 +23,23 @@ import torch
 import zerooffload as zo
 from zerooffload.config import Config
 from zerooffload.models import GPT, PRESETS
-from zerooffload.plan import PlanResult, cached_probe, pinned_keys, plan, predict_config, probe_machine
-from zerooffload.plan.model_spec import gpt_of_size, load_model, named_gpt
-from zerooffload.plan.search import Candidate, Evaluator
+from zerooffload.planning import PlanResult, cached_probe, pinned_keys, plan, probe_machine
+from zerooffload.planning.model_spec import gpt_of_size, load_model, named_gpt
+from zerooffload.planning.search import Candidate, Evaluator
 from zerooffload.tiers import BudgetError
 
 MICRO = 2
+SLOW = pytest.mark.slow
 LAYOUTS = [
     ("zero.stage=2", "offload.optimizer.tier=nvme"),
     ("zero.stage=3", "offload.optimizer.tier=nvme", "offload.param.tier=nvme"),
     ("zero.stage=3", "offload.optimizer.tier=nvme", "offload.param.tier=nvme", "zero.max_live_size=1MiB",
      "zero.prefetch_size=512KiB"),
     ("zero.stage=3", "offload.optimizer.tier=host", "offload.param.tier=host", "train.grad_accum_steps=2"),
-    ("zero.stage=1", "offload.optimizer.tier=host", "train.grad_accum_steps=2", "train.precision=bf16"),
-    ("zero.stage=3", "offload.optimizer.tier=nvme", "offload.optimizer.fraction=0.5", "offload.param.tier=host",
-     "train.precision=bf16"),
+    pytest.param(("zero.stage=1", "offload.optimizer.tier=host", "train.grad_accum_steps=2", "train.precision=bf16"),
+                 marks=SLOW),
+    pytest.param(("zero.stage=3", "offload.optimizer.tier=nvme", "offload.optimizer.fraction=0.5",
+                  "offload.param.tier=host", "train.precision=bf16"), marks=SLOW),
     ("zero.stage=3", "offload.optimizer.tier=host", "offload.optimizer.fraction=0.5", "offload.param.tier=nvme"),
 ]
 
@@ -54,15 +58,22 @@ def cache(tmp_path_factory):
         os.environ["XDG_CACHE_HOME"] = old
 
 
+@pytest.fixture(scope="module")
+def evaluator(cache):
+    """One evaluator of the nano GPT for the module: its block is timed once per micro-batch and dtype."""
+    return Evaluator(named_gpt("nano", PRESETS["nano"]), probe_machine(_config(cache)), 1, lambda text: None)
+
+
 def _config(root: Path, overrides=()) -> Config:
     return Config.load({"nvme": {"path": str(root / "nvme")}, "train": {"micro_batch_size": MICRO}},
                        overrides=list(overrides))
 
 
-@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda layout: " ".join(o.split("=")[1] for o in layout))
-def test_predicted_bytes_moved_equal_the_engines_telemetry(cache, make_engine, layout):
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda layout: " ".join(o.split("=")[1] for o in layout)
+                         if isinstance(layout, tuple) else None)
+def test_predicted_bytes_moved_equal_the_engines_telemetry(cache, evaluator, make_engine, layout):
     config = _config(cache, layout)
-    prediction = predict_config(named_gpt("nano", PRESETS["nano"]), config, probe_machine(config))
+    prediction = evaluator.evaluate(Candidate({}, config)).prediction
     with zo.init_context():
         model = GPT(PRESETS["nano"])
     engine = make_engine(model, config, init_fn=model.init_fn(), prediction=prediction)
@@ -79,6 +90,7 @@ def test_predicted_bytes_moved_equal_the_engines_telemetry(cache, make_engine, l
     assert sum(engine.stats.phase_seconds.values()) <= engine.stats.seconds
 
 
+@SLOW
 def test_a_refused_layout_is_refused_by_the_engine_and_a_kept_one_starts(cache, make_engine):
     base = _config(cache, ["memory.device_budget=16MB", "memory.host_budget=64MB"])
     result = plan("nano", base, batch_size=MICRO)
@@ -109,6 +121,7 @@ def test_pinned_keys_hold_in_every_candidate(cache):
         assert config.train.micro_batch_size * config.train.grad_accum_steps == 4
 
 
+@SLOW
 def test_a_machine_with_no_room_gets_an_error_naming_the_budgets(cache):
     result = plan("nano", _config(cache, ["memory.device_budget=1MB", "memory.host_budget=1MB",
                                           "offload.optimizer.tier=device"]), batch_size=MICRO)
@@ -116,6 +129,7 @@ def test_a_machine_with_no_room_gets_an_error_naming_the_budgets(cache):
         result.best
 
 
+@SLOW
 def test_models_by_every_name(cache, tmp_path):
     assert load_model("nano").num_params == PRESETS["nano"].num_params
     shaped = gpt_of_size(50e6, 8, 256)
@@ -136,6 +150,7 @@ def test_models_by_every_name(cache, tmp_path):
         load_model("no-such-model")
 
 
+@SLOW
 def test_a_hugging_face_config_is_planned(cache, tmp_path):
     transformers = pytest.importorskip("transformers")
     config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -153,6 +168,7 @@ def _cli(args, cache_dir, cwd):
                           cwd=cwd, timeout=300)
 
 
+@SLOW
 def test_plan_writes_a_config_that_train_runs_and_reports_against(cache, tmp_path):
     nvme = f"nvme.path={cache / 'nvme'}"
     done = _cli(["plan", "--model", "nano", "--batch", "4", "--out", "plan.toml", nvme], cache / "cache", tmp_path)
@@ -184,6 +200,7 @@ def test_the_cached_probe_alone_never_measures(tmp_path, monkeypatch):
     assert not (tmp_path / "cache").exists()
 
 
+@SLOW
 def test_plan_usage_errors_are_one_line(tmp_path):
     done = _cli(["plan", "--params", "1B"], tmp_path / "cache", tmp_path)
     assert done.returncode == 2 and "--params needs --layers" in done.stderr
@@ -191,8 +208,19 @@ def test_plan_usage_errors_are_one_line(tmp_path):
     assert done.returncode != 0 and "Traceback" not in done.stderr and "missing.json" in done.stderr
 
 
-def test_evaluator_keeps_the_given_config(cache):
+def test_evaluator_keeps_the_given_config(cache, evaluator):
     config = _config(cache, ["zero.stage=2"])
-    candidate = Evaluator(named_gpt("nano", PRESETS["nano"]), probe_machine(config), 1, print).evaluate(
-        Candidate({}, config))
+    candidate = evaluator.evaluate(Candidate({}, config))
     assert candidate.config is config and candidate.refusal is None
+
+
+@SLOW
+def test_a_refused_train_names_the_plans_layout(cache, tmp_path):
+    budgets = ["memory.device_budget=16MB", "memory.host_budget=64MB", f"nvme.path={cache / 'nvme'}",
+               "train.micro_batch_size=2"]
+    done = _cli(["train", "--steps", "1", "--out", "run", *budgets], cache / "cache", tmp_path)
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert "zerooffload plan's best here: " in done.stderr and "--plan auto" in done.stderr
+    done = _cli(["train", "--steps", "1", "--out", "run", *budgets], tmp_path / "empty", tmp_path)
+    assert done.returncode == 2 and "let zerooffload choose: train --plan auto" in done.stderr
+    assert not (tmp_path / "empty").exists()

@@ -289,6 +289,8 @@ class Engine:
         gather = (lambda events: all_gather_object(self.comm, events)) if self.comm.world_size > 1 else (
             lambda events: [events])
         self._trace = ArmedTrace(path, steps, gather, writes=self.comm.rank == 0)
+        for name, tier in self.tiers.items():  # each counter starts at what its tier holds, not at its next change
+            RECORDER.counter(name, tier.used)
 
     # ------------------------------------------------------------------ inspection and whole values
     @property

@@ -13,8 +13,8 @@ import sys
 from pathlib import Path
 
 from ..config import Config
-from ..plan import PlanResult, plan
-from ..plan.search import Candidate
+from ..planning import PlanResult, plan
+from ..planning.search import Candidate
 
 __all__ = ["format_plan", "run_plan"]
 
@@ -37,7 +37,7 @@ def run_plan(args: argparse.Namespace, config: Config) -> int:
 
 def _pinned(args: argparse.Namespace) -> set[str]:
     """The searched keys the user fixed: in ``--config`` (as ``pinned_keys`` reads it) and as overrides."""
-    from ..plan import pinned_keys
+    from ..planning import pinned_keys
 
     return pinned_keys(Config.load(args.config or {}), args.overrides)
 
@@ -49,12 +49,12 @@ def format_plan(result: PlanResult, top: int) -> str:
     lines = [f"{result.model.name}: {result.model.num_params / 1e6:.1f}M parameters, batch {result.batch_size} x "
              f"{result.model.seq_len} tokens, world size {result.world_size}; {len(result.fitting)} layouts fit, "
              f"{len(result.refused)} do not",
-             f"{'#':>2}  {'layout':<52}{'step s':>8}{'fwd':>7}{'bwd':>7}{'step':>7}"
+             f"{'#':>2}  {'layout':<70}{'step s':>8}{'fwd':>7}{'bwd':>7}{'step':>7}"
              f"{'device GB':>10}{'host GB':>9}{'nvme GB':>9}  why"]
     for i, candidate in enumerate(result.fitting[:top], 1):
         p = candidate.prediction
         why = p.bottleneck.split(":")[0] if i == 1 else _why_slower(candidate, best, fastest)
-        lines.append(f"{i:>2}  {candidate.describe():<52}{p.step_seconds:>8.2f}" + "".join(
+        lines.append(f"{i:>2}  {candidate.describe():<70}{p.step_seconds:>8.2f}" + "".join(
             f"{p.phases[k]:>7.2f}" for k in ("forward", "backward", "step")) + "".join(
             f"{p.peak_bytes[t] / _GB:>{w}.2f}" for t, w in (("device", 10), ("host", 9), ("nvme", 9))) + f"  {why}")
     for candidate in _refusals(result.refused):

@@ -57,12 +57,13 @@ from tqdm import tqdm
 from ..checkpoint import read_manifest
 from ..checkpoint_files import LATEST, PARTIAL, CheckpointError
 from ..comm import Comm, control_all_reduce
-from ..config import Config, apply_override
+from ..config import Config, ConfigError, apply_override
 from ..data import ByteCorpus
 from ..initialization import initialize
 from ..lazy_init import init_context
 from ..models import GPT, PRESETS
 from ..telemetry import PHASES, Prediction
+from ..tiers import BudgetError
 
 __all__ = ["TRAIN_DEFAULTS", "load_train_config", "run_training"]
 
@@ -98,7 +99,11 @@ def run_training(args: argparse.Namespace) -> int:
         model = GPT(model_config)
     batch = torch.zeros(config.train.micro_batch_size, model_config.block_size, dtype=torch.long, device="meta")
     rss_at_start = psutil.Process().memory_info().rss
-    engine = initialize(model, config, init_fn=model.init_fn(), example_inputs=(batch, batch), prediction=prediction)
+    try:
+        engine = initialize(model, config, init_fn=model.init_fn(), example_inputs=(batch, batch),
+                            prediction=prediction)
+    except BudgetError as error:
+        raise BudgetError(f"{error}; {_planned_layout(args, config)}") from error
     with _StopOnSignal(engine.comm.rank) as stop:
         checkpoints = Path(args.out) / "checkpoints"
         first_step, losses = _resume(engine, checkpoints, args.tag) if args.resume else (0, [])
@@ -383,8 +388,8 @@ def _planned_config(args: argparse.Namespace) -> tuple[Config, Prediction | None
     """The run's config and the plan's prediction of its step: ``--plan auto`` searches the layouts the
     user left free (``--config`` and overrides pin the rest), ``--plan FILE`` runs a written plan, and a
     plain run is predicted only when the machine's probe is cached (it never measures the disk)."""
-    from ..plan import cached_probe, pinned_keys, plan, predict_config, probe_machine
-    from ..plan.model_spec import named_gpt
+    from ..planning import cached_probe, pinned_keys, plan, predict_config, probe_machine
+    from ..planning.model_spec import named_gpt
 
     if args.plan not in (None, "auto") and args.config:
         args.usage_error("--plan FILE is the run's config: leave --config out (or use --plan auto with it)")
@@ -403,6 +408,26 @@ def _planned_config(args: argparse.Namespace) -> tuple[Config, Prediction | None
     if probe is None:
         return config, None
     return config, _on_rank_zero(world, lambda: predict_config(model, config, probe, world))
+
+
+def _planned_layout(args: argparse.Namespace, config: Config) -> str:
+    """What the plan would train instead of a refused config, from the cached probe (a refusal never
+    measures the disk); without one, how to have it chosen."""
+    from ..planning import cached_probe, pinned_keys, plan
+    from ..planning.model_spec import named_gpt
+
+    probe = cached_probe(config)
+    if probe is None or int(os.environ.get("WORLD_SIZE", 1)) > 1:
+        return "or let zerooffload choose: train --plan auto (zerooffload plan lists the layouts that fit)"
+    user = load_train_config(args.config, [], args.steps) if args.config else Config.load({})
+    try:
+        best = plan(named_gpt(args.model, PRESETS[args.model]), config, pinned=pinned_keys(user, args.overrides),
+                    probe=probe).best
+    except ConfigError as error:
+        return f"zerooffload plan finds none either ({error})"
+    overrides = " ".join(f"{k}={json.dumps(v)}" for k, v in best.overrides.items())
+    return (f"zerooffload plan's best here: {overrides} (predicted {best.prediction.step_seconds:.2f} s/step); "
+            "train it with --plan auto")
 
 
 def _best_layout(result) -> tuple[list[str], Prediction]:

@@ -31,7 +31,7 @@ from typing import Callable
 from tqdm import tqdm
 
 from ..config import AioConfig, Config, format_size
-from ..plan.probe import record_disk
+from ..planning.probe import record_disk
 from .bench import (QUEUE_BACKENDS, SWEEP_BLOCK_SIZES, BenchError, Unavailable, exit_status, parse_total,
                     preflight, scratch_disk, sweep_grid)
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import copy
 import importlib
 import math
+import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -204,16 +205,22 @@ def _time_block(meta_block: nn.Module, meta_inputs: tuple[tuple, dict], dtype: t
     return _best(forward), _best(forward_backward)
 
 
-def _best(run: Callable[[], None], repeats: int = 3) -> float:
+def _best(run: Callable[[], None], seconds: float = 1.2, repeats: int = 7) -> float:
+    """The median time of ``run`` over at least ``repeats`` runs and ``seconds`` of them, after a
+    warm-up of a third as long (a fresh process's first runs are slower): a shared machine's noise
+    swings a single short run by ±30%, a median of many does not."""
+    warm_until = time.perf_counter() + seconds / 3
     run()
-    best = math.inf
-    for _ in range(repeats):
+    while time.perf_counter() < warm_until:
+        run()
+    times: list[float] = []
+    while len(times) < repeats or sum(times) < seconds:
         start = time.perf_counter()
         run()
         if torch.cuda.is_available():
             torch.cuda.synchronize()
-        best = min(best, time.perf_counter() - start)
-    return best
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
 
 
 def _real(value: Any, dtype: torch.dtype, device: torch.device) -> Any:

@@ -18,12 +18,18 @@ Time follows the engine's schedule, phase by phase ([Note: phases] in telemetry)
   published to the device (where the weights live there). A tentative update that a binding
   ``train.grad_clip`` undoes is redone in the step: its block read and written again, which the
   prediction does not count (``StepStats.undone_updates`` says how often it happened).
-Within a phase the engine overlaps what runs on different resources: a CPU device's compute, the
-optimizer and copies share the same cores (their seconds add), a CUDA device computes while the CPU
-updates and copies run; NVMe reads and writes share one disk (their seconds add) and run beside the
-rest, ahead of need, so a phase takes its busiest resource's seconds plus the transfer nothing
-overlaps (the first unit read before forward, the first block read and the last written in a
-streamed step; everything, with ``zero.prefetch_size = 0``). Collectives (world size > 1) run on the
+On a CPU device, host memory mapped afresh costs its page faults (the probe's first-touch rate):
+stage 3's gathered buffers each micro-batch, and with ``memory.release_freed`` (every large buffer its
+own mapping) the activations and the host buffers stage 3's shards are read into from NVMe as well
+(an O_DIRECT read into fresh pages faults them in first: such a read measured the disk's time plus
+the first-touch time). Within a phase the engine overlaps what runs on different resources: on a
+CUDA device the device computes while the CPU updates and copies run, and NVMe transfers (reads and
+writes share one disk: their seconds add) run beside the rest, ahead of need, so a phase takes its
+busiest resource's seconds plus what nothing overlaps (the first unit read before forward, the first
+block read and the last written in a streamed step; with ``zero.prefetch_size = 0``, every transfer).
+On a CPU device every second adds: the same cores compute, update, copy, run gloo and submit,
+complete and copy the transfers, and on this project's 2-core machine a stage 3 NVMe step measured
+close to the sum, far from the overlap (``bench/plan_check.py``). Collectives (world size > 1) run on the
 CPU over gloo and beside the compute over NCCL.
 """
 from __future__ import annotations
@@ -38,7 +44,7 @@ from ..config import Config, dtype_bytes
 from ..memory_plan import place_activations, plan_for_config
 from ..optim.optimizer import moment_names
 from ..telemetry import Prediction
-from ..zero.placement import COMPUTE, SWAP, TIER_NAMES, Placement, place
+from ..zero.placement import COMPUTE, SWAP, TIER_NAMES, Placement, place, streams_state
 from ..zero.reduction import REDUCE_DTYPE
 from ..zero.unit_layout import UnitLayout
 from .model_spec import BlockTimes
@@ -46,7 +52,7 @@ from .probe import Probe
 
 __all__ = ["predict", "WORK"]
 
-WORK = ("compute", "optimizer", "nvme_read", "nvme_write", "host_device", "collectives")
+WORK = ("compute", "fresh_memory", "optimizer", "nvme_read", "nvme_write", "host_device", "collectives")
 """The resources whose seconds ``Prediction.work`` holds, before overlap."""
 _GB = 1e9
 
@@ -59,6 +65,10 @@ class _Phase:
     """Seconds of measured compute."""
     copy: float = 0.0
     """Bytes copied within the device's memory."""
+    fresh: float = 0.0
+    """Bytes written into host memory just mapped (see the note)."""
+    shard_reads: float = 0.0
+    """Of ``read``: stage 3 parameter shards, each read into a host buffer of its own."""
     optimizer_elements: int = 0
     device_updates: int = 0
     """Of ``optimizer_elements``: those a CUDA device updates itself."""
@@ -79,6 +89,8 @@ def predict(config: Config, layouts: list[UnitLayout], probe: Probe, times: Bloc
     """The ``Prediction`` of one optimizer step of ``config`` (see [Note: the step model])."""
     placement = place(layouts, config)
     phases = _phases(config, layouts, placement, probe, times, world_size)
+    if probe.device == "cpu":
+        _fresh_memory(config, layouts, placement, activations, phases)
     seconds = {name: _seconds(phase, probe, config) for name, phase in phases.items()}
     work = {k: sum(p.work[k] for p in phases.values()) for k in WORK}
     peaks = _peaks(config, layouts, activations, world_size, probe)
@@ -123,7 +135,9 @@ def _phases(config: Config, layouts: list[UnitLayout], placement: Placement, pro
             for phase, share in ((forward, 1.0), (backward, regathered)):
                 phase.gathered += shard * cb * accum * share
                 if streamed:
-                    phase.read += shard * (4 if p.params_in_masters else cb) * accum * share
+                    nbytes = shard * (4 if p.params_in_masters else cb) * accum * share
+                    phase.read += nbytes
+                    phase.shard_reads += nbytes
         if not p.trainable:
             continue
         if p.grad_leaves:
@@ -146,6 +160,27 @@ def _phases(config: Config, layouts: list[UnitLayout], placement: Placement, pro
     step.copy = sum(u.shard_numel for u in layouts) * cb  # the norm reads every gradient once
     _fills(config, layouts, placement, cb, moments, probe, forward, step)
     return {"forward": forward, "backward": backward, "step": step}
+
+
+def _fresh_memory(config: Config, layouts: list[UnitLayout], placement: Placement,
+                  activations: ActivationProfile | None, phases: dict[str, _Phase]) -> None:
+    """Host memory a CPU device's micro-batch maps afresh (see the note): stage 3's gathered units,
+    whose buffers go back at the end of each backward; and where ``memory.release_freed`` makes every
+    large buffer its own mapping, the activations too."""
+    cb, accum = dtype_bytes(config.train.precision), config.train.grad_accum_steps
+    gathered = sum(u.padded_numel for u, p in zip(layouts, placement.units) if p.partitioned) * cb * accum
+    regathered = max(0.0, 1.0 - config.zero.max_live_size / gathered * accum) if gathered else 0.0
+    phases["forward"].fresh += gathered  # every gather: forward's, and backward's past max_live_size
+    phases["backward"].fresh += gathered * regathered
+    release = config.memory.release_freed
+    if not (release == "on" or (release == "auto" and streams_state(config))):
+        return
+    if activations:
+        saved = activations.bytes(config.train.activation_checkpointing) - activations.backward_temporaries
+        phases["forward"].fresh += saved * accum
+        phases["backward"].fresh += (activations.backward_temporaries - activations.bound_excess) * accum
+    for phase in (phases["forward"], phases["backward"]):  # the host buffers NVMe shards are read into
+        phase.fresh += phase.shard_reads
 
 
 def _collectives(config: Config, layouts: list[UnitLayout], placement: Placement, world_size: int,
@@ -193,15 +228,16 @@ def _seconds(phase: _Phase, probe: Probe, config: Config) -> float:
     optimizer = (phase.optimizer_elements - phase.device_updates) / probe.adam_elements_per_s[precision]
     optimizer += phase.device_updates * 32 / (probe.device_copy_gbps * _GB)  # a CUDA device's: memory-bound
     copies = phase.copy / (probe.device_copy_gbps * _GB)
+    fresh = phase.fresh / (probe.first_touch_gbps * _GB)
     link = (phase.link + (phase.gathered if probe.device != "cpu" else 0.0)) / (probe.link_gbps * _GB)
     collective = phase.collective / ((probe.collective_gbps or probe.link_gbps / 2) * _GB)
     disk = phase.read / read_bw + phase.write / write_bw
-    phase.work.update(compute=phase.device + copies, optimizer=optimizer, nvme_read=phase.read / read_bw,
-                      nvme_write=phase.write / write_bw, host_device=link, collectives=collective)
-    if probe.device == "cpu":  # one set of cores computes, updates, copies and runs gloo
-        busy = phase.device + copies + optimizer + link + collective
-    else:
-        busy = max(phase.device + copies, optimizer, link, collective)
+    phase.work.update(compute=phase.device + copies, fresh_memory=fresh, optimizer=optimizer,
+                      nvme_read=phase.read / read_bw, nvme_write=phase.write / write_bw, host_device=link,
+                      collectives=collective)
+    if probe.device == "cpu":  # one set of cores computes, updates, copies, runs gloo and serves the disk
+        return phase.device + copies + fresh + optimizer + link + collective + disk + phase.exposed
+    busy = max(phase.device + copies, optimizer, link, collective)
     if config.zero.prefetch_size == 0:
         return busy + disk + phase.exposed
     return max(busy, disk) + phase.exposed

@@ -30,6 +30,12 @@ class PlanResult:
     refused: list[Candidate]
     batch_size: int
     world_size: int
+    evaluator: Evaluator
+
+    def predict(self, config: Config | dict | str) -> Candidate:
+        """Any other layout of the same model, judged as the ranked ones were (same probe, same timed
+        block): its refusal, or its prediction."""
+        return self.evaluator.evaluate(Candidate({}, Config.load(config)))
 
     @property
     def best(self) -> Candidate:
@@ -72,7 +78,7 @@ def _flat(data: dict, prefix: str = "") -> dict:
 def plan(model: str | ModelSpec, config: Config | dict | str | None = None, *, pinned: Iterable[str] | None = None,
          world_size: int = 1, batch_size: int | None = None, seq_len: int | None = None,
          params: float | None = None, layers: int | None = None, refresh: bool = False,
-         progress: Callable[[str], None] | None = None) -> PlanResult:
+         progress: Callable[[str], None] | None = None, probe: Probe | None = None) -> PlanResult:
     """Probe the machine (cached), enumerate the layouts of ``model`` that fit and rank them by predicted
     step time (search's [Note: the search]).
 
@@ -80,6 +86,7 @@ def plan(model: str | ModelSpec, config: Config | dict | str | None = None, *, p
     ``layers`` a name for a GPT of that size. ``config``: the rest of the run (budgets, paths, optimizer,
     precision); its ``pinned`` keys stay as set (default: ``pinned_keys(config)``). ``batch_size``:
     sequences per optimizer step over all ranks (default: the config's micro × accumulation × world).
+    ``probe``: the machine's, when the caller has one (nothing is then measured but one block).
     """
     config = Config.load(config if config is not None else {})
     progress = progress or (lambda text: None)
@@ -88,11 +95,24 @@ def plan(model: str | ModelSpec, config: Config | dict | str | None = None, *, p
     batch = batch_size or config.train.micro_batch_size * config.train.grad_accum_steps * world_size
     if batch % world_size:
         raise ConfigError(f"batch size {batch} is not a multiple of the world size {world_size}")
-    probe = probe_machine(config, refresh=refresh, progress=progress)
-    pool = candidates(config, pinned_keys(config) if pinned is None else pinned, batch, world_size)
+    probe = probe or probe_machine(config, refresh=refresh, progress=progress)
+    pool = candidates(config, pinned_keys(config) if pinned is None else pinned, batch, world_size,
+                      _unit_bytes(spec, config, world_size))
     progress(f"predicting {len(pool)} layouts")
-    fitting, refused = rank(Evaluator(spec, probe, world_size, progress), pool)
-    return PlanResult(spec, probe, fitting, refused, batch, world_size)
+    evaluator = Evaluator(spec, probe, world_size, progress)
+    fitting, refused = rank(evaluator, pool)
+    return PlanResult(spec, probe, fitting, refused, batch, world_size, evaluator)
+
+
+def _unit_bytes(spec: ModelSpec, config: Config, world_size: int) -> tuple[int, int]:
+    """The root unit's and the largest other unit's gathered bytes in the compute dtype (stage 3's windows)."""
+    from ..config import dtype_bytes
+    from ..zero.unit_layout import find_units
+
+    layouts = find_units(spec.module, config.zero.unit_modules, world_size)
+    cb = dtype_bytes(config.train.precision)
+    root = sum(u.padded_numel for u in layouts if not u.name) * cb
+    return root, max((u.padded_numel for u in layouts if u.name), default=0) * cb
 
 
 def predict_config(model: ModelSpec, config: Config, probe: Probe, world_size: int = 1):

@@ -4,7 +4,9 @@
 The searched keys (``SEARCHED``): ``zero.stage``; ``offload.optimizer.tier`` and its ``fraction``;
 ``offload.param.tier`` (stage 3); ``train.activation_checkpointing``; ``train.micro_batch_size``
 (powers of two dividing the batch per rank, ``train.grad_accum_steps`` making up the rest); and
-``zero.prefetch_size`` (stage 3: none, or the config's window). A key the user *pins* (set in their
+the stage-3 window, ``zero.prefetch_size`` with ``zero.max_live_size``: the config's, one unit ahead
+within the root and two units gathered, or none ahead within the root and one unit (the tight ones
+for a device that cannot hold the model gathered). A key the user *pins* (set in their
 config or as an override) is a constraint: every candidate keeps its value. A candidate *fits* when
 the memory checks the engine itself runs at start accept it (``check_plan`` against the budgets,
 ``check_ram`` against the RAM there is, swap space against the free disk); the fitting ones are
@@ -21,7 +23,7 @@ from typing import Callable, Iterable
 import torch
 
 from ..activations import ActivationProfile
-from ..config import Config, ConfigError
+from ..config import Config, ConfigError, format_size
 from ..memory_plan import local_ranks, place_activations, plan_for_config
 from ..telemetry import Prediction
 from ..tiers import BudgetError, check_plan, check_ram, make_tiers, swap_bytes, swap_free_bytes
@@ -34,7 +36,7 @@ from .probe import Probe
 __all__ = ["SEARCHED", "Candidate", "Evaluator", "candidates", "rank", "refusal"]
 
 SEARCHED = ("zero.stage", "offload.optimizer.tier", "offload.optimizer.fraction", "offload.param.tier",
-            "train.activation_checkpointing", "train.micro_batch_size", "zero.prefetch_size")
+            "train.activation_checkpointing", "train.micro_batch_size", "zero.prefetch_size", "zero.max_live_size")
 FRACTIONS = (1.0, 0.5)
 MICRO_BATCHES = 4
 """At most this many micro-batch sizes (the largest that divide the batch): beyond, the per-token cost
@@ -66,6 +68,8 @@ class Candidate:
         parts.append(f"micro {c.train.micro_batch_size}x{c.train.grad_accum_steps}")
         if c.zero.stage == 3 and c.zero.prefetch_size == 0:
             parts.append("no prefetch")
+        if c.zero.stage == 3:
+            parts.append(f"live {format_size(c.zero.max_live_size)}")
         return ", ".join(parts)
 
     def in_memory_bytes(self) -> int:
@@ -73,19 +77,27 @@ class Candidate:
         return sum(n for tier, n in peaks.items() if tier != SWAP)
 
 
-def candidates(base: Config, pinned: Iterable[str], batch: int, world_size: int) -> list[Candidate]:
-    """Every layout of the searched keys left free (see the note), as configs over ``base``."""
+def candidates(base: Config, pinned: Iterable[str], batch: int, world_size: int,
+               unit_bytes: tuple[int, int] = (0, 0)) -> list[Candidate]:
+    """Every layout of the searched keys left free (see the note), as configs over ``base``;
+    ``unit_bytes``: the root unit's and the largest other unit's gathered bytes (for the windows)."""
     pinned = set(pinned)
     per_rank = batch // world_size
     micros = [m for m in (1 << i for i in range(16)) if m <= per_rank and per_rank % m == 0][-MICRO_BATCHES:]
+    root, largest = unit_bytes
+    windows = [(base.zero.prefetch_size, base.zero.max_live_size), (largest, root + 2 * largest), (0, root + largest)]
     choices = {
         "zero.stage": (1, 2, 3), "offload.optimizer.tier": TIER_NAMES, "offload.optimizer.fraction": FRACTIONS,
         "offload.param.tier": TIER_NAMES, "train.activation_checkpointing": (False, True),
-        "train.micro_batch_size": tuple(reversed(micros)), "zero.prefetch_size": (base.zero.prefetch_size, 0)}
-    free = [key for key in SEARCHED if key not in pinned]
+        "train.micro_batch_size": tuple(reversed(micros)), "window": windows}
+    window_free = not {"zero.prefetch_size", "zero.max_live_size"} & pinned
+    free = [key for key in SEARCHED if key not in pinned and key not in ("zero.prefetch_size", "zero.max_live_size")]
+    free += ["window"] if window_free and largest else []
     out, seen = [], set()
     for values in itertools.product(*(choices[key] for key in free)):
         overrides = dict(zip(free, values))
+        if "window" in overrides:
+            overrides["zero.prefetch_size"], overrides["zero.max_live_size"] = overrides.pop("window")
         if not _meaningful(overrides, base):
             continue
         micro = overrides.get("train.micro_batch_size", base.train.micro_batch_size)
@@ -111,8 +123,10 @@ def _meaningful(overrides: dict, base: Config) -> bool:
             get("offload.optimizer.fraction", base.offload.optimizer.fraction) != FRACTIONS[0] and \
             "offload.optimizer.fraction" in overrides:
         return False
+    window = (base.zero.prefetch_size, base.zero.max_live_size)
     if stage < 3 and (overrides.get("offload.param.tier", COMPUTE) != COMPUTE
-                      or overrides.get("zero.prefetch_size", base.zero.prefetch_size) != base.zero.prefetch_size):
+                      or (overrides.get("zero.prefetch_size", window[0]),
+                          overrides.get("zero.max_live_size", window[1])) != window):
         return False
     return True
 

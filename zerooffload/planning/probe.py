@@ -61,6 +61,9 @@ class Probe:
     ram_available_bytes: int
     device_copy_gbps: float
     """A large copy within the device's memory: what gradient accumulation and publication cost."""
+    first_touch_gbps: float
+    """A copy into memory just mapped (its pages faulted in as they are written): what a host buffer
+    that is its own mapping costs each time it is allocated again (``host_allocator``'s note)."""
     link_gbps: float
     """Host memory → device (pinned on CUDA); on a CPU device, a copy within RAM."""
     matmul_flops: dict[str, float]
@@ -142,6 +145,7 @@ def _probe(config: Config, data: dict, *, measure: bool, progress: Any = None) -
         return table[key]
 
     copy = rate("copy_gbps", "within_device", lambda: _copy_gbps(device, pinned_source=False))
+    fresh = rate("copy_gbps", "into_fresh_pages", _first_touch_gbps)
     link = copy if device == "cpu" else rate("copy_gbps", "link", lambda: _copy_gbps(device, pinned_source=True))
     rate("matmul_flops", precision, lambda: _matmul_flops(device, COMPUTE_DTYPES[precision]))
     rate("adam_elements_per_s", precision, lambda: _adam_rate(COMPUTE_DTYPES[precision]))
@@ -154,7 +158,8 @@ def _probe(config: Config, data: dict, *, measure: bool, progress: Any = None) -
             progress(f"measuring the disk at {path}")
             disks[real] = _disk_entry(path, config)
     return Probe(device=device, device_free_bytes=_device_free(device), ram_available_bytes=available_ram(),
-                 device_copy_gbps=copy, link_gbps=link, matmul_flops=dict(machine["matmul_flops"]),
+                 device_copy_gbps=copy, first_touch_gbps=fresh, link_gbps=link,
+                 matmul_flops=dict(machine["matmul_flops"]),
                  adam_elements_per_s=dict(machine["adam_elements_per_s"]),
                  disks={p: DiskRates(d["read_gbps"], d["write_gbps"], d["aio"], d.get("source", "plan"))
                         for p, d in disks.items()})
@@ -185,6 +190,13 @@ def _copy_gbps(device: str, pinned_source: bool, nbytes: int = 256 << 20) -> flo
     source = source if pinned_source else source.to(device)
     target = torch.empty(nbytes, dtype=torch.uint8, device=device)
     return nbytes / _best_seconds(lambda: target.copy_(source, non_blocking=False)) / 1e9
+
+
+def _first_touch_gbps(nbytes: int = 64 << 20) -> float:
+    """Each run allocates anew: ``nbytes`` is above glibc's largest mmap threshold, so every buffer is a
+    fresh mapping whose pages fault in as the copy writes them."""
+    source = torch.empty(nbytes, dtype=torch.uint8).fill_(1)
+    return nbytes / _best_seconds(lambda: torch.empty(nbytes, dtype=torch.uint8).copy_(source)) / 1e9
 
 
 def _matmul_flops(device: str, dtype: torch.dtype) -> float:
