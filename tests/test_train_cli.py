@@ -18,9 +18,9 @@ from zerooffload.checkpoint import read_manifest
 from zerooffload.models import GPT, PRESETS
 
 
-def _completed(args: list[str], out: Path, timeout: int = 300) -> subprocess.CompletedProcess:
+def _completed(args: list[str], out: Path, timeout: int = 300, env: dict | None = None) -> subprocess.CompletedProcess:
     run = subprocess.run([*args, "--out", str(out)], capture_output=True, text=True, timeout=timeout,
-                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+                         env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
     return run
 
@@ -36,14 +36,17 @@ _PROGRESS_LINE = re.compile(r"^step (\d+)/(\d+) loss=\d+\.\d{3} tok_s=[\d,]+ ste
 
 def test_train_smoke_30_steps(tmp_path):
     """The default run; off a terminal its progress is plain lines: the first step, every tenth, the last.
-    With --trace it writes a trace of steps 2-3 too (trace's note; tests/test_trace.py checks traces whole)."""
+    With --trace it writes a trace of steps 2-3 too (trace's note; tests/test_trace.py checks traces whole).
+    A plain run never probes the machine: no probe cache is made, and nothing is predicted."""
     trace = tmp_path / "trace.json"
     run = _completed([sys.executable, "-m", "zerooffload", "train", "--steps", "30", "--trace", str(trace)],
-                     tmp_path / "out")
+                     tmp_path / "out", env={"XDG_CACHE_HOME": str(tmp_path / "cache")})
+    assert not (tmp_path / "cache" / "zerooffload").exists()  # (matplotlib may keep its own cache there)
     main = [e for e in json.loads(trace.read_text())["traceEvents"] if e["ph"] == "X" and e["tid"] == 0]
     assert sum(e["name"] == "step" for e in main) >= 2 and any(e["name"].startswith("forward h.") for e in main)
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert summary["steps"] == 30 and summary["stage"] == 2 and summary["world_size"] == 1
+    assert "predicted" not in summary and summary["measured"]["step_seconds"] > 0
     assert summary["loss_ratio"] < 0.9  # the loss falls even in 30 steps
     assert all(0 < loss < 6 for loss in summary["losses"])
     steps = [int(step) for step, _ in _PROGRESS_LINE.findall(run.stderr)]

@@ -162,6 +162,9 @@ class Evaluator:
     def times(self, config: Config) -> BlockTimes:
         key = (config.train.micro_batch_size, config.train.precision)
         if key not in self._times:
+            if key[1] not in self.probe.matmul_flops:
+                raise ConfigError(f"train.precision = {key[1]!r}: the machine's probe has no {key[1]} rates yet; "
+                                  f"plan with train.precision={key[1]} once to measure them")
             self.progress(f"timing a block at micro-batch {key[0]}")
             layouts = find_units(self.model.module, config.zero.unit_modules, 1)
             self._times[key] = measure_compute(self.model, layouts, *key, self.probe.matmul_flops[key[1]],
