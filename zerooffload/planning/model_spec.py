@@ -21,8 +21,6 @@ from __future__ import annotations
 import copy
 import importlib
 import math
-import statistics
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -37,6 +35,7 @@ from ..lazy_init import init_context
 from ..models import PRESETS, GPTConfig
 from ..precision import COMPUTE_DTYPES
 from ..zero.unit_layout import UnitLayout
+from .probe import median_seconds
 
 __all__ = ["BlockTimes", "ModelSpec", "gpt_of_size", "load_model"]
 
@@ -202,25 +201,7 @@ def _time_block(meta_block: nn.Module, meta_inputs: tuple[tuple, dict], dtype: t
     def forward_backward() -> None:
         out = block(*args, **kwargs)
         _first_tensor(out).float().sum().backward()
-    return _best(forward), _best(forward_backward)
-
-
-def _best(run: Callable[[], None], seconds: float = 1.2, repeats: int = 7) -> float:
-    """The median time of ``run`` over at least ``repeats`` runs and ``seconds`` of them, after a
-    warm-up of a third as long (a fresh process's first runs are slower): a shared machine's noise
-    swings a single short run by ±30%, a median of many does not."""
-    warm_until = time.perf_counter() + seconds / 3
-    run()
-    while time.perf_counter() < warm_until:
-        run()
-    times: list[float] = []
-    while len(times) < repeats or sum(times) < seconds:
-        start = time.perf_counter()
-        run()
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return median_seconds(forward), median_seconds(forward_backward)
 
 
 def _real(value: Any, dtype: torch.dtype, device: torch.device) -> Any:

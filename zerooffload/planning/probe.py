@@ -15,10 +15,11 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -26,7 +27,7 @@ from ..config import Config
 from ..precision import COMPUTE_DTYPES
 from ..tiers import available_ram
 
-__all__ = ["DiskRates", "Probe", "cache_path", "cached_probe", "probe_machine", "record_disk"]
+__all__ = ["DiskRates", "Probe", "cache_path", "cached_probe", "median_seconds", "probe_machine", "record_disk"]
 
 DISK_PROBE_BYTES = 256 << 20
 """The file one disk measurement writes and reads back (O_DIRECT): big enough to pass the disk's cache."""
@@ -171,38 +172,42 @@ def _device_free(device: str) -> int:
     return available_ram()
 
 
-def _best_seconds(run, repeats: int = 3) -> float:
-    """The fastest of ``repeats`` timed runs after one warm-up: the rate the hardware gives when nothing
-    else gets in the way (a plan's prediction should not inherit one noisy moment)."""
+def median_seconds(run: Callable[[], None], seconds: float = 1.2, repeats: int = 7) -> float:
+    """The median time of ``run`` over at least ``repeats`` runs and ``seconds`` of them, after a
+    warm-up of a third as long (a fresh process's first runs are slower): a shared machine's noise
+    swings a single short run by ±30%, a median of many does not."""
+    warm_until = time.perf_counter() + seconds / 3
     run()
-    best = float("inf")
-    for _ in range(repeats):
+    while time.perf_counter() < warm_until:
+        run()
+    times: list[float] = []
+    while len(times) < repeats or sum(times) < seconds:
         start = time.perf_counter()
         run()
         if torch.cuda.is_available():
             torch.cuda.synchronize()
-        best = min(best, time.perf_counter() - start)
-    return best
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
 
 
 def _copy_gbps(device: str, pinned_source: bool, nbytes: int = 256 << 20) -> float:
     source = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned_source and device == "cuda")
     source = source if pinned_source else source.to(device)
     target = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    return nbytes / _best_seconds(lambda: target.copy_(source, non_blocking=False)) / 1e9
+    return nbytes / median_seconds(lambda: target.copy_(source, non_blocking=False)) / 1e9
 
 
 def _first_touch_gbps(nbytes: int = 64 << 20) -> float:
     """Each run allocates anew: ``nbytes`` is above glibc's largest mmap threshold, so every buffer is a
     fresh mapping whose pages fault in as the copy writes them."""
     source = torch.empty(nbytes, dtype=torch.uint8).fill_(1)
-    return nbytes / _best_seconds(lambda: torch.empty(nbytes, dtype=torch.uint8).copy_(source)) / 1e9
+    return nbytes / median_seconds(lambda: torch.empty(nbytes, dtype=torch.uint8).copy_(source)) / 1e9
 
 
 def _matmul_flops(device: str, dtype: torch.dtype) -> float:
     a = torch.randn(_MATMUL_N, _MATMUL_N, device=device).to(dtype)
     b = torch.randn(_MATMUL_N, _MATMUL_N, device=device).to(dtype)
-    return 2 * _MATMUL_N ** 3 / _best_seconds(lambda: a @ b)
+    return 2 * _MATMUL_N ** 3 / median_seconds(lambda: a @ b)
 
 
 def _adam_rate(dtype: torch.dtype) -> float:
@@ -213,7 +218,7 @@ def _adam_rate(dtype: torch.dtype) -> float:
     moments = torch.zeros(_ADAM_ELEMENTS), torch.zeros(_ADAM_ELEMENTS)
     out = None if dtype == torch.float32 else torch.empty(_ADAM_ELEMENTS, dtype=dtype)
     step = iter(range(1, 1 << 30))
-    return _ADAM_ELEMENTS / _best_seconds(lambda: fused_adam_step(
+    return _ADAM_ELEMENTS / median_seconds(lambda: fused_adam_step(
         param, grad, *moments, out, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, step=next(step)))
 
 
