@@ -59,11 +59,23 @@ def cache(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def evaluator(cache):
-    """One evaluator of the nano GPT for the module: its block is timed once per micro-batch and dtype
-    (the probe holds the rates of both dtypes the layouts use)."""
-    probe_machine(_config(cache, ["train.precision=bf16"]))
-    return Evaluator(named_gpt("nano", PRESETS["nano"]), probe_machine(_config(cache)), 1, lambda text: None)
+def evaluators(cache):
+    """One evaluator of the nano GPT per compute dtype for the module: its block is timed once per
+    micro-batch (bf16's rates, slow on a CPU without bf16 units, are probed only when a test asks)."""
+    made: dict[str, Evaluator] = {}
+
+    def get(config: Config) -> Evaluator:
+        precision = config.train.precision
+        if precision not in made:
+            made[precision] = Evaluator(named_gpt("nano", PRESETS["nano"]), probe_machine(config), 1,
+                                        lambda text: None)
+        return made[precision]
+    return get
+
+
+@pytest.fixture(scope="module")
+def evaluator(cache, evaluators):
+    return evaluators(_config(cache))
 
 
 def _config(root: Path, overrides=()) -> Config:
@@ -73,9 +85,9 @@ def _config(root: Path, overrides=()) -> Config:
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda layout: " ".join(o.split("=")[1] for o in layout)
                          if isinstance(layout, tuple) else None)
-def test_predicted_bytes_moved_equal_the_engines_telemetry(cache, evaluator, make_engine, layout):
+def test_predicted_bytes_moved_equal_the_engines_telemetry(cache, evaluators, make_engine, layout):
     config = _config(cache, layout)
-    prediction = evaluator.evaluate(Candidate({}, config)).prediction
+    prediction = evaluators(config).evaluate(Candidate({}, config)).prediction
     with zo.init_context():
         model = GPT(PRESETS["nano"])
     engine = make_engine(model, config, init_fn=model.init_fn(), prediction=prediction)

@@ -27,7 +27,6 @@ from typing import Any, Callable
 
 import torch
 from torch import nn
-from torch.utils.flop_counter import FlopCounterMode
 
 from ..activations import ActivationProfile, MetaBranches, measure_activations
 from ..config import ConfigError
@@ -152,6 +151,8 @@ def _factory(spec: str, seq_len: int | None) -> ModelSpec:
 def measure_compute(model: ModelSpec, layouts: list[UnitLayout], micro_batch: int, precision: str,
                     matmul_flops: float, device: torch.device) -> BlockTimes:
     """One micro-batch's forward, backward and recompute seconds ([Note: measured compute])."""
+    from torch.utils.flop_counter import FlopCounterMode  # here: it costs every command importing this 0.5 s
+
     blocks = [layout for layout in layouts if layout.name]
     args, kwargs = model.inputs(micro_batch)
     captured: dict[str, Any] = {}

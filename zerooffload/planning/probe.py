@@ -31,8 +31,10 @@ __all__ = ["DiskRates", "Probe", "cache_path", "cached_probe", "median_seconds",
 
 DISK_PROBE_BYTES = 256 << 20
 """The file one disk measurement writes and reads back (O_DIRECT): big enough to pass the disk's cache."""
-_MATMUL_N = 1024
+_MATMUL_N = 512
 _ADAM_ELEMENTS = 8 << 20
+_RATE_SECONDS = 0.3
+"""How long each machine rate is timed: large steady operations, a few runs each suffice."""
 
 
 def cache_path() -> Path:
@@ -194,20 +196,21 @@ def _copy_gbps(device: str, pinned_source: bool, nbytes: int = 256 << 20) -> flo
     source = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned_source and device == "cuda")
     source = source if pinned_source else source.to(device)
     target = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    return nbytes / median_seconds(lambda: target.copy_(source, non_blocking=False)) / 1e9
+    return nbytes / median_seconds(lambda: target.copy_(source, non_blocking=False), seconds=_RATE_SECONDS) / 1e9
 
 
 def _first_touch_gbps(nbytes: int = 64 << 20) -> float:
     """Each run allocates anew: ``nbytes`` is above glibc's largest mmap threshold, so every buffer is a
     fresh mapping whose pages fault in as the copy writes them."""
     source = torch.empty(nbytes, dtype=torch.uint8).fill_(1)
-    return nbytes / median_seconds(lambda: torch.empty(nbytes, dtype=torch.uint8).copy_(source)) / 1e9
+    return nbytes / median_seconds(lambda: torch.empty(nbytes, dtype=torch.uint8).copy_(source),
+                                   seconds=_RATE_SECONDS) / 1e9
 
 
 def _matmul_flops(device: str, dtype: torch.dtype) -> float:
     a = torch.randn(_MATMUL_N, _MATMUL_N, device=device).to(dtype)
     b = torch.randn(_MATMUL_N, _MATMUL_N, device=device).to(dtype)
-    return 2 * _MATMUL_N ** 3 / median_seconds(lambda: a @ b)
+    return 2 * _MATMUL_N ** 3 / median_seconds(lambda: a @ b, seconds=_RATE_SECONDS)
 
 
 def _adam_rate(dtype: torch.dtype) -> float:
@@ -219,7 +222,8 @@ def _adam_rate(dtype: torch.dtype) -> float:
     out = None if dtype == torch.float32 else torch.empty(_ADAM_ELEMENTS, dtype=dtype)
     step = iter(range(1, 1 << 30))
     return _ADAM_ELEMENTS / median_seconds(lambda: fused_adam_step(
-        param, grad, *moments, out, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, step=next(step)))
+        param, grad, *moments, out, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, step=next(step)),
+        seconds=_RATE_SECONDS)
 
 
 def _disk_entry(path: str, config: Config) -> dict:
