@@ -155,6 +155,7 @@ def test_a_swap_path_under_a_file(tmp_path):
     assert line.startswith("zerooffload: ") and f"{blocker}/swap" in line and "nvme.path" in line
 
 
+@pytest.mark.slow  # the CI suite keeps the other start-up refusals (6 min budget)
 def test_an_out_directory_that_cannot_be_made_fails_before_training(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")

@@ -6,8 +6,9 @@ against the plan's own arithmetic.
 - A layout the plan refuses is refused by ``zo.initialize``, and one it keeps starts.
 - Pinned keys constrain the search; the written plan is a config that trains, and its run records
   the prediction beside the measurement in summary.json.
-In CI: the fp32 byte checks (one shared ``Evaluator``: the nano block timed once), the pinned keys and
-the plain train that never probes; the command-line paths, bf16 and the model kinds are ``slow``.
+In CI: the fp32 byte checks (one shared ``Evaluator``: the nano block timed once) and the cached probe
+that never measures (a plain train never probing is in test_train_cli's smoke test); the command-line
+paths, pinned keys, bf16 and the model kinds are ``slow``.
 """
 from __future__ import annotations
 
@@ -123,6 +124,7 @@ def test_a_refused_layout_is_refused_by_the_engine_and_a_kept_one_starts(cache, 
                 start()
 
 
+@SLOW
 def test_pinned_keys_hold_in_every_candidate(cache):
     base = _config(cache, ["zero.stage=3", "offload.optimizer.tier=nvme"])
     pinned = pinned_keys(base)

@@ -164,6 +164,7 @@ _TWIN = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # two spawned processes; the in-process ownership tests stay in CI
 def test_same_host_job_and_pid_in_two_processes_get_their_own_files(tmp_path):
     twins, lines = [], []
     try:

@@ -165,6 +165,7 @@ def test_sigterm_saves_the_steps_done_and_resume_matches_an_uninterrupted_run(tm
     assert resumed["steps"] == 16 and resumed["first_step"] == done and resumed["losses"] == reference
 
 
+@pytest.mark.slow  # CI keeps SIGTERM with a save and under torchrun
 def test_sigint_without_save_every_stops_cleanly_with_130(tmp_path, start):
     """Ctrl-C after the first step: status 130, one line saying nothing was saved, no KeyboardInterrupt."""
     run = start([*_TRAIN, "--steps", "1000"], tmp_path / "out")
