@@ -388,7 +388,7 @@ def _planned_config(args: argparse.Namespace) -> tuple[Config, Prediction | None
     """The run's config and the plan's prediction of its step: ``--plan auto`` searches the layouts the
     user left free (``--config`` and overrides pin the rest), ``--plan FILE`` runs a written plan, and a
     plain run is predicted only when the machine's probe is cached (it never measures the disk)."""
-    from ..planning import cached_probe, pinned_keys, plan, predict_config, probe_machine
+    from ..planning import cached_probe, plan, predict_config, probe_machine
     from ..planning.model_spec import named_gpt
 
     if args.plan not in (None, "auto") and args.config:
@@ -399,8 +399,7 @@ def _planned_config(args: argparse.Namespace) -> tuple[Config, Prediction | None
     model = named_gpt(args.model, PRESETS[args.model])
     if args.plan == "auto":
         chosen = _on_rank_zero(world, lambda: _best_layout(plan(
-            model, config, pinned=pinned_keys(load_train_config(args.config, [], args.steps) if args.config
-                                              else Config.load({}), args.overrides),
+            model, config, pinned=_pinned(args),
             world_size=world, progress=lambda text: print(f"plan: {text}", file=sys.stderr))))
         config = Config.load(config, overrides=chosen[0])
         return config, chosen[1]
@@ -413,21 +412,27 @@ def _planned_config(args: argparse.Namespace) -> tuple[Config, Prediction | None
 def _planned_layout(args: argparse.Namespace, config: Config) -> str:
     """What the plan would train instead of a refused config, from the cached probe (a refusal never
     measures the disk); without one, how to have it chosen."""
-    from ..planning import cached_probe, pinned_keys, plan
+    from ..planning import cached_probe, plan
     from ..planning.model_spec import named_gpt
 
     probe = cached_probe(config)
     if probe is None or int(os.environ.get("WORLD_SIZE", 1)) > 1:
         return "or let zerooffload choose: train --plan auto (zerooffload plan lists the layouts that fit)"
-    user = load_train_config(args.config, [], args.steps) if args.config else Config.load({})
     try:
-        best = plan(named_gpt(args.model, PRESETS[args.model]), config, pinned=pinned_keys(user, args.overrides),
-                    probe=probe).best
+        best = plan(named_gpt(args.model, PRESETS[args.model]), config, pinned=_pinned(args), probe=probe).best
     except ConfigError as error:
         return f"zerooffload plan finds none either ({error})"
     overrides = " ".join(f"{k}={json.dumps(v)}" for k, v in best.overrides.items())
     return (f"zerooffload plan's best here: {overrides} (predicted {best.prediction.step_seconds:.2f} s/step); "
             "train it with --plan auto")
+
+
+def _pinned(args: argparse.Namespace) -> set[str]:
+    """The searched keys the user set: in ``--config`` or as overrides (never TRAIN_DEFAULTS' choices)."""
+    from ..planning import pinned_keys
+
+    user = load_train_config(args.config, [], args.steps) if args.config else Config.load({})
+    return pinned_keys(user, args.overrides)
 
 
 def _best_layout(result) -> tuple[list[str], Prediction]:

@@ -125,8 +125,7 @@ def _phases(config: Config, layouts: list[UnitLayout], placement: Placement, pro
         backward.device += times.recompute * accum
     trainable = sum(u.trainable_numel for u in layouts)
     backward.copy = trainable * cb * accum  # gradients added into their flat buffers
-    partitioned_full = sum(u.padded_numel for u, p in zip(layouts, placement.units) if p.partitioned) * cb
-    regathered = max(0.0, 1.0 - config.zero.max_live_size / partitioned_full) if partitioned_full else 0.0
+    regathered = _regathered_share(config, layouts, placement)
     for layout, p in zip(layouts, placement.units):
         shard = layout.shard_numel
         block = shard * 4 * (moments + (0 if p.master_is_param else 1))
@@ -162,16 +161,28 @@ def _phases(config: Config, layouts: list[UnitLayout], placement: Placement, pro
     return {"forward": forward, "backward": backward, "step": step}
 
 
+def _partitioned_bytes(config: Config, layouts: list[UnitLayout], placement: Placement) -> int:
+    """Stage 3's partitioned units, gathered whole in the compute dtype."""
+    partitioned = sum(u.padded_numel for u, p in zip(layouts, placement.units) if p.partitioned)
+    return partitioned * dtype_bytes(config.train.precision)
+
+
+def _regathered_share(config: Config, layouts: list[UnitLayout], placement: Placement) -> float:
+    """The share of the partitioned units backward gathers again: what ``zero.max_live_size`` could not
+    keep from forward."""
+    full = _partitioned_bytes(config, layouts, placement)
+    return max(0.0, 1.0 - config.zero.max_live_size / full) if full else 0.0
+
+
 def _fresh_memory(config: Config, layouts: list[UnitLayout], placement: Placement,
                   activations: ActivationProfile | None, phases: dict[str, _Phase]) -> None:
     """Host memory a CPU device's micro-batch maps afresh (see the note): stage 3's gathered units,
     whose buffers go back at the end of each backward; and where ``memory.release_freed`` makes every
     large buffer its own mapping, the activations too."""
-    cb, accum = dtype_bytes(config.train.precision), config.train.grad_accum_steps
-    gathered = sum(u.padded_numel for u, p in zip(layouts, placement.units) if p.partitioned) * cb * accum
-    regathered = max(0.0, 1.0 - config.zero.max_live_size / gathered * accum) if gathered else 0.0
+    accum = config.train.grad_accum_steps
+    gathered = _partitioned_bytes(config, layouts, placement) * accum
     phases["forward"].fresh += gathered  # every gather: forward's, and backward's past max_live_size
-    phases["backward"].fresh += gathered * regathered
+    phases["backward"].fresh += gathered * _regathered_share(config, layouts, placement)
     release = config.memory.release_freed
     if not (release == "on" or (release == "auto" and streams_state(config))):
         return

@@ -6,15 +6,15 @@ not change between runs: the device's copy bandwidth, the host↔device link, th
 matmul in each compute dtype, the fused CPU optimizer's elements per second for each low-precision
 copy, and per swap directory (by its real path) the read and write bandwidth with the ``[aio]``
 settings that reached them (``tune io``'s search, else one run at the config's settings). Amounts
-that do change (RAM available, device memory free, free disk space) are read fresh every time and
-never cached. Each rate is measured when first needed and kept; ``refresh`` measures again. A plain
-``zerooffload train`` only reads the cache (``cached_probe``): it never measures the disk.
+that do change (RAM available, device memory free, free disk space) are never cached: the fit checks
+(``search.refusal``, the engine's own) read them when they run. Each rate is measured when first
+needed and kept; ``refresh`` measures again. A plain ``zerooffload train`` only reads the cache
+(``cached_probe``): it never measures the disk.
 """
 from __future__ import annotations
 
 import json
 import os
-import shutil
 import statistics
 import time
 from dataclasses import dataclass
@@ -25,7 +25,6 @@ import torch
 
 from ..config import Config
 from ..precision import COMPUTE_DTYPES
-from ..tiers import available_ram
 
 __all__ = ["DiskRates", "Probe", "cache_path", "cached_probe", "median_seconds", "probe_machine", "record_disk"]
 
@@ -59,9 +58,6 @@ class Probe:
 
     device: str
     """``cpu`` or ``cuda``: the compute device."""
-    device_free_bytes: int
-    """Memory the device has free now; on a CPU device, the RAM available (shared with the host tier)."""
-    ram_available_bytes: int
     device_copy_gbps: float
     """A large copy within the device's memory: what gradient accumulation and publication cost."""
     first_touch_gbps: float
@@ -80,10 +76,6 @@ class Probe:
 
     def disk(self, path: str) -> DiskRates:
         return self.disks[os.path.realpath(path)]
-
-    @staticmethod
-    def free_space(path: str) -> int:
-        return shutil.disk_usage(path).free
 
 
 def _read_cache() -> dict:
@@ -160,18 +152,11 @@ def _probe(config: Config, data: dict, *, measure: bool, progress: Any = None) -
                 raise LookupError(f"io.{real}")
             progress(f"measuring the disk at {path}")
             disks[real] = _disk_entry(path, config)
-    return Probe(device=device, device_free_bytes=_device_free(device), ram_available_bytes=available_ram(),
-                 device_copy_gbps=copy, first_touch_gbps=fresh, link_gbps=link,
+    return Probe(device=device, device_copy_gbps=copy, first_touch_gbps=fresh, link_gbps=link,
                  matmul_flops=dict(machine["matmul_flops"]),
                  adam_elements_per_s=dict(machine["adam_elements_per_s"]),
                  disks={p: DiskRates(d["read_gbps"], d["write_gbps"], d["aio"], d.get("source", "plan"))
                         for p, d in disks.items()})
-
-
-def _device_free(device: str) -> int:
-    if device == "cuda":
-        return torch.cuda.mem_get_info()[0]
-    return available_ram()
 
 
 def median_seconds(run: Callable[[], None], seconds: float = 1.2, repeats: int = 7) -> float:
