@@ -1,6 +1,9 @@
 """init_context: a model built on the meta device gets an eager build's exact values, unit by unit."""
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -70,3 +73,13 @@ def test_a_module_without_reset_parameters_needs_init_fn(make_engine):
         model = nn.Sequential(nn.Linear(3, 3), RawParameter())
     engine = make_engine(model, init_fn=lambda m: [nn.init.constant_(p, 0.5) for p in m.parameters(recurse=False)])
     assert all(bool((v == 0.5).all()) for v in engine.full_state_dict().values())
+
+
+def test_building_under_init_context_imports_no_dynamo():
+    """nn.Embedding's normal_ on meta runs a decomposition that imports torch._dynamo (2.3 s and ~100 MiB
+    in a process that never compiles); init_context leaves random fills of meta tensors undone."""
+    code = ("import sys, torch, zerooffload as zo\nfrom zerooffload.models import GPT, PRESETS\n"
+            "with zo.init_context():\n    model = GPT(PRESETS['nano'])\n    filled = torch.empty(3).normal_()\n"
+            "print(all(p.is_meta for p in model.parameters()), filled.is_meta, 'torch._dynamo' in sys.modules)")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert run.stdout.split() == ["True", "True", "False"], run.stdout + run.stderr

@@ -22,10 +22,28 @@ from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from .zero.partition import FlatUnit
 
 __all__ = ["init_context", "is_lazy", "swap_in_placeholders", "initial_values"]
+
+
+_RANDOM_FILLS = frozenset({"normal_", "exponential_", "log_normal_", "cauchy_", "geometric_"})
+"""By name: ``nn.init.normal_`` reaches the mode as itself, ``Tensor.normal_`` as the method."""
+
+
+class _MetaRandomFills(TorchFunctionMode):
+    """A random fill of a meta tensor is the no-op it is: torch runs these fills on meta through
+    decompositions that import ``torch._dynamo`` on first use (measured: 2.3 s and ~100 MiB of modules
+    in a process that never compiles), and ``nn.Embedding``'s initializer is one."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        target = args[0] if args else kwargs.get("tensor")  # nn.init passes its tensor by keyword
+        if getattr(func, "__name__", None) in _RANDOM_FILLS and isinstance(target, torch.Tensor) and target.is_meta:
+            return target
+        return func(*args, **kwargs)
 
 
 @contextlib.contextmanager
@@ -33,7 +51,7 @@ def init_context(config: Any = None) -> Iterator[None]:
     """Modules built inside have meta parameters; ``zo.initialize`` materializes them unit by unit.
 
     ``config`` is accepted for symmetry with ``initialize`` (the layout is decided there)."""
-    with torch.device("meta"):
+    with torch.device("meta"), _MetaRandomFills():
         yield
 
 
