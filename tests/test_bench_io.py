@@ -12,6 +12,7 @@ import sys
 import pytest
 import torch
 
+from cli_helpers import run_in_process
 from zerooffload.cli import bench
 
 KEYS = {"backend", "op", "block_size", "queue_depth", "threads", "bytes", "seconds", "gbps"}
@@ -69,7 +70,7 @@ def test_flags_sweep_and_plot(tmp_path):
     (["--block-size", "1000"], "--block-size 1000"),
 ])
 def test_refusals_are_clear(tmp_path, args, message):
-    done = run_cli("--path", str(tmp_path), *args)
+    done = run_in_process("bench", "io", "--path", str(tmp_path), *args)
     assert done.returncode == 2
     assert message in done.stderr and "Traceback" not in done.stderr
     assert leftovers(tmp_path) == []

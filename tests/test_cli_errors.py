@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from cli_helpers import run_in_process
+
 _TRAIN = ["train", "train.micro_batch_size=4", "scheduler.type=constant"]
 _ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
@@ -56,12 +58,12 @@ def test_usage_errors_are_one_line_with_status_2(args, line):
 def test_a_toml_syntax_error_names_the_file_and_line(tmp_path):
     config = tmp_path / "train.toml"
     config.write_text("[zero]\nstage = = 3\n")
-    line = _one_line(_cli(*_TRAIN, "--config", str(config)), 2)
+    line = _one_line(run_in_process(*_TRAIN, "--config", str(config)), 2)
     assert line.startswith(f"zerooffload: config error: config file {config} ") and "line 2" in line
 
 
 def test_a_bad_override_value_is_a_config_error():
-    line = _one_line(_cli(*_TRAIN, "zero.stage=5"), 2)
+    line = _one_line(run_in_process(*_TRAIN, "zero.stage=5"), 2)
     assert line.startswith("zerooffload: config error: zero.stage = 5: must be <= 3")
 
 

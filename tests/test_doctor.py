@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from aio_helpers import run_python
+from cli_helpers import run_in_process
 from zerooffload.cli import doctor
 from zerooffload.io.backends import BACKENDS
 from zerooffload.io.probe import native_aio
@@ -62,7 +63,7 @@ def _make(root: Path, state: str) -> Path:
 def test_doctor_leaves_the_tree_as_it_found_it(tmp_path, state):
     nvme = _make(tmp_path, state)
     before = _tree(tmp_path)
-    run = _doctor(f"nvme.path={nvme}")
+    run = run_in_process("doctor", f"nvme.path={nvme}")
     assert _tree(tmp_path) == before, run.stdout
     line = _swap_line(run.stdout, nvme)
     if state == "missing":
@@ -77,7 +78,7 @@ def test_doctor_leaves_the_tree_as_it_found_it(tmp_path, state):
 
 
 def test_doctor_names_the_offload_key_of_a_missing_directory(tmp_path):
-    run = _doctor(f"nvme.path={tmp_path}", f"offload.optimizer.path={tmp_path}/gone")
+    run = run_in_process("doctor", f"nvme.path={tmp_path}", f"offload.optimizer.path={tmp_path}/gone")
     assert run.returncode == 1 and not (tmp_path / "gone").exists()
     assert "or set offload.optimizer.path to an existing one" in _swap_line(run.stdout, f"{tmp_path}/gone")
 

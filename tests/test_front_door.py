@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import zerooffload as zo
+from cli_helpers import run_in_process
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -88,7 +89,7 @@ def test_doctor_passes_on_a_usable_swap_path(tmp_path):
     under the swap path, io_uring (ok only with the native extension, which the uring backend needs)."""
     direct = _o_direct_works(tmp_path)
     uring = _io_uring_works() and importlib.util.find_spec("zerooffload._aio") is not None
-    run = _cli("doctor", f"nvme.path={tmp_path}")
+    run = run_in_process("doctor", f"nvme.path={tmp_path}")
     assert run.returncode == (0 if direct else 1), run.stdout + run.stderr
     swap = re.escape(f"swap path {tmp_path}")
     if direct:
@@ -105,7 +106,7 @@ def test_doctor_passes_on_a_usable_swap_path(tmp_path):
 def test_doctor_fails_with_a_line_per_problem(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")
-    run = _cli("doctor", f"nvme.path=['{blocker}', '{blocker}/swap']")
+    run = run_in_process("doctor", f"nvme.path=['{blocker}', '{blocker}/swap']")
     assert run.returncode == 1
     assert re.search(rf"FAIL\s+swap path {blocker}\s+is not a directory: set nvme.path to a directory", run.stdout)
     assert re.search(rf"FAIL\s+swap path {blocker}/swap\s+does not exist: .* or set nvme.path", run.stdout)
@@ -114,7 +115,7 @@ def test_doctor_fails_with_a_line_per_problem(tmp_path):
 def test_config_errors_exit_2_naming_the_key(tmp_path):
     config = tmp_path / "train.toml"
     config.write_text("[zero]\nstgae = 3\n")
-    run = _cli("doctor", "--config", str(config))
+    run = run_in_process("doctor", "--config", str(config))
     assert run.returncode == 2
     assert "unknown key 'zero.stgae'; did you mean 'zero.stage'?" in run.stderr
 

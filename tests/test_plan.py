@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -182,6 +184,30 @@ def _cli(args, cache_dir, cwd):
     env = {**os.environ, "XDG_CACHE_HOME": str(cache_dir)}
     return subprocess.run([sys.executable, "-m", "zerooffload", *args], capture_output=True, text=True, env=env,
                           cwd=cwd, timeout=300)
+
+
+def test_a_prediction_reaches_the_other_ranks_as_it_was(evaluator, cache):
+    """Rank 0 plans and sends its choice to every rank (``all_gather_object``): the prediction pickles."""
+    prediction = evaluator.evaluate(Candidate({}, _config(cache))).prediction
+    copy = pickle.loads(pickle.dumps(prediction))
+    assert copy == prediction and copy.as_json() == prediction.as_json()
+
+
+@SLOW
+def test_plan_auto_under_torchrun_measures_the_collectives_and_trains(cache, tmp_path):
+    """World size 2: rank 0 probes gloo's collectives with ranks of its own, plans, and both ranks train
+    its choice; the prediction is checked against the run's own step time."""
+    torchrun = shutil.which("torchrun") or pytest.skip("torchrun not on PATH")
+    done = subprocess.run([torchrun, "--standalone", "--nproc-per-node", "2", "-m", "zerooffload", "train", "--model",
+                           "nano", "--steps", "6", "--plan", "auto", "--out", "run", f"nvme.path={cache / 'nvme'}"],
+                          capture_output=True, text=True, env={**os.environ, "XDG_CACHE_HOME": str(cache / "cache")},
+                          cwd=tmp_path, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    probe = json.loads((cache / "cache" / "zerooffload" / "probe.json").read_text())
+    assert probe["machine"]["collective_gbps"]["gloo:2"] > 0
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["predicted"]["work"]["collectives"] > 0
+    assert 0.5 < summary["measured"]["step_seconds"] / summary["predicted"]["step_seconds"] < 2.0
 
 
 @SLOW

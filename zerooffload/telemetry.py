@@ -81,6 +81,15 @@ class Prediction:
                 "peak_bytes": dict(self.peak_bytes), "moved_bytes": dict(self.moved_bytes),
                 "bottleneck": self.bottleneck}
 
+    @classmethod
+    def from_json(cls, data: dict) -> Prediction:
+        mappings = ("phases", "work", "peak_bytes", "moved_bytes")
+        return cls(**{k: MappingProxyType(dict(v)) if k in mappings else v for k, v in data.items()})
+
+    def __reduce__(self):
+        """Pickled as its JSON (a mapping proxy does not pickle): rank 0's plan reaches every rank."""
+        return Prediction.from_json, (self.as_json(),)
+
 
 @dataclass(frozen=True, slots=True)
 class StepStats:

@@ -106,10 +106,10 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
+    if args.tag and not args.resume:  # before train's imports (torch): a usage error is answered at once
+        args.usage_error("--tag NAME needs --resume (it names the checkpoint to continue from)")
     from .train import run_training
 
-    if args.tag and not args.resume:
-        args.usage_error("--tag NAME needs --resume (it names the checkpoint to continue from)")
     return run_training(args)
 
 

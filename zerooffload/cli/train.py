@@ -93,6 +93,8 @@ def run_training(args: argparse.Namespace) -> int:
     """
     config, prediction = _planned_config(args)
     Path(args.out).mkdir(parents=True, exist_ok=True)  # an --out that cannot be written fails now, not at the end
+    checkpoints = Path(args.out) / "checkpoints"
+    tag = _resume_tag(checkpoints, args.tag) if args.resume else None  # nothing to resume from fails now too
     torch.manual_seed(config.train.seed)
     model_config = PRESETS[args.model]
     with init_context(config):  # nothing is allocated before the engine checks that the run fits
@@ -105,8 +107,7 @@ def run_training(args: argparse.Namespace) -> int:
     except BudgetError as error:
         raise BudgetError(f"{error}; {_planned_layout(args, config)}") from error
     with _StopOnSignal(engine.comm.rank) as stop:
-        checkpoints = Path(args.out) / "checkpoints"
-        first_step, losses = _resume(engine, checkpoints, args.tag) if args.resume else (0, [])
+        first_step, losses = _resume(engine, checkpoints, tag, verify=args.tag is not None) if tag else (0, [])
         if first_step >= args.steps:
             engine.close()
             if engine.comm.rank == 0:
@@ -198,16 +199,30 @@ _STEP_TAG = re.compile(r"step\d{8}")
 """The tags train saves (``checkpoint.default_tag``): the only ones it falls back to or prunes."""
 
 
-def _resume(engine, checkpoints: Path, tag: str | None) -> tuple[int, list[float]]:
-    """Load the checkpoint ``--resume`` continues from (see [Note: resuming]); the step it ends at and
-    the losses of the steps before it."""
-    verified = tag is None  # _loadable_tag has read every file of the tag it picks: no second pass
-    tag = tag or _loadable_tag(checkpoints, engine.comm.rank)
+def _resume_tag(checkpoints: Path, tag: str | None) -> str:
+    """The tag ``--resume`` continues from, found before the engine is built: ``--tag``'s when its
+    manifest reads (its files are verified as they load), else ``_loadable_tag``'s."""
+    if tag is None:
+        return _loadable_tag(checkpoints, int(os.environ.get("RANK", 0)))
     try:
-        client = engine.load_checkpoint(checkpoints, tag, verify=not verified)
+        read_manifest(checkpoints, tag, verify=False)
     except CheckpointError as error:
-        raise CheckpointError(f"{error}; resume from another tag with --tag NAME, or start again without "
-                              "--resume") from error
+        raise _resume_error(error) from error
+    return tag
+
+
+def _resume_error(error: CheckpointError) -> CheckpointError:
+    return CheckpointError(f"{error}; resume from another tag with --tag NAME, or start again without --resume")
+
+
+def _resume(engine, checkpoints: Path, tag: str, verify: bool) -> tuple[int, list[float]]:
+    """Load the checkpoint ``--resume`` continues from (see [Note: resuming]); the step it ends at and
+    the losses of the steps before it. ``verify`` is off for a tag ``_loadable_tag`` chose: it has
+    read every file of it already."""
+    try:
+        client = engine.load_checkpoint(checkpoints, tag, verify=verify)
+    except CheckpointError as error:
+        raise _resume_error(error) from error
     if not isinstance(client, dict) or not isinstance(client.get("next_step"), int):
         raise CheckpointError(f"{checkpoints / tag}: its client state has no 'next_step' (not saved by zerooffload "
                               "train); resume from one of train's stepNNNNNNNN tags")
@@ -396,17 +411,20 @@ def _planned_config(args: argparse.Namespace) -> tuple[Config, Prediction | None
     config = load_train_config(args.plan if args.plan not in (None, "auto") else args.config, args.overrides,
                                args.steps)
     world = int(os.environ.get("WORLD_SIZE", 1))
-    model = named_gpt(args.model, PRESETS[args.model])
     if args.plan == "auto":
         chosen = _on_rank_zero(world, lambda: _best_layout(plan(
-            model, config, pinned=_pinned(args),
+            named_gpt(args.model, PRESETS[args.model]), config, pinned=_pinned(args),
             world_size=world, progress=lambda text: print(f"plan: {text}", file=sys.stderr))))
         config = Config.load(config, overrides=chosen[0])
         return config, chosen[1]
-    probe = probe_machine(config) if args.plan else cached_probe(config)
-    if probe is None:
-        return config, None
-    return config, _on_rank_zero(world, lambda: predict_config(model, config, probe, world))
+    if args.plan is None and cached_probe(config, world) is None:
+        return config, None  # a plain run without a cached probe: nothing to predict, nothing measured
+
+    def predicted() -> Prediction | None:
+        probe = probe_machine(config, world_size=world) if args.plan else cached_probe(config, world)
+        return None if probe is None else predict_config(named_gpt(args.model, PRESETS[args.model]), config,
+                                                         probe, world)
+    return config, _on_rank_zero(world, predicted)
 
 
 def _planned_layout(args: argparse.Namespace, config: Config) -> str:

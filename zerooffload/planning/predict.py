@@ -29,8 +29,9 @@ busiest resource's seconds plus what nothing overlaps (the first unit read befor
 block read and the last written in a streamed step; with ``zero.prefetch_size = 0``, every transfer).
 On a CPU device every second adds: the same cores compute, update, copy, run gloo and submit,
 complete and copy the transfers, and on this project's 2-core machine a stage 3 NVMe step measured
-close to the sum, far from the overlap (``bench/plan_check.py``). Collectives (world size > 1) run on the
-CPU over gloo and beside the compute over NCCL.
+close to the sum, far from the overlap (``bench/plan_check.py``). Collectives (world size > 1) take
+their bytes (as ``comm`` counts them) at the probe's rate for the engine's own reduce-scatter and
+all-gather on this machine's ranks; they run on the CPU over gloo and beside the compute over NCCL.
 """
 from __future__ import annotations
 
@@ -241,7 +242,7 @@ def _seconds(phase: _Phase, probe: Probe, config: Config) -> float:
     copies = phase.copy / (probe.device_copy_gbps * _GB)
     fresh = phase.fresh / (probe.first_touch_gbps * _GB)
     link = (phase.link + (phase.gathered if probe.device != "cpu" else 0.0)) / (probe.link_gbps * _GB)
-    collective = phase.collective / ((probe.collective_gbps or probe.link_gbps / 2) * _GB)
+    collective = phase.collective / (probe.collective_gbps * _GB) if phase.collective else 0.0
     disk = phase.read / read_bw + phase.write / write_bw
     phase.work.update(compute=phase.device + copies, fresh_memory=fresh, optimizer=optimizer,
                       nvme_read=phase.read / read_bw, nvme_write=phase.write / write_bw, host_device=link,

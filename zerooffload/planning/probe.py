@@ -1,15 +1,15 @@
 """The machine, measured once: what ``zerooffload plan`` needs to predict a run, cached as JSON.
 
 [Note: the probe]
-The cache (``$XDG_CACHE_HOME/zerooffload/probe.json``, else ``~/.cache/...``) holds rates, which do
-not change between runs: the device's copy bandwidth, the host↔device link, the compute rate of a
-matmul in each compute dtype, the fused CPU optimizer's elements per second for each low-precision
-copy, and per swap directory (by its real path) the read and write bandwidth with the ``[aio]``
-settings that reached them (``tune io``'s search, else one run at the config's settings). Amounts
-that do change (RAM available, device memory free, free disk space) are never cached: the fit checks
-(``search.refusal``, the engine's own) read them when they run. Each rate is measured when first
-needed and kept; ``refresh`` measures again. A plain ``zerooffload train`` only reads the cache
-(``cached_probe``): it never measures the disk.
+The cache (``$XDG_CACHE_HOME/zerooffload/probe.json``, else ``~/.cache/...``) holds rates, which do not
+change between runs: the device's copy bandwidth, the host↔device link, the compute rate of a matmul in
+each compute dtype, the fused CPU optimizer's elements per second for each low-precision copy, the
+engine's collectives per world size (ranks of this machine, the job's backend), and per swap directory
+(by its real path) the read and write bandwidth with the ``[aio]`` settings that reached them (``tune
+io``'s search, else one run at the config's settings). Amounts that do change (RAM available, device
+memory free, free disk space) are never cached: the fit checks (``search.refusal``, the engine's own)
+read them when they run. Each rate is measured when first needed and kept; ``refresh`` measures again. A
+plain ``zerooffload train`` only reads the cache (``cached_probe``): it never measures the disk.
 """
 from __future__ import annotations
 
@@ -34,6 +34,7 @@ _MATMUL_N = 512
 _ADAM_ELEMENTS = 8 << 20
 _RATE_SECONDS = 0.3
 """How long each machine rate is timed: large steady operations, a few runs each suffice."""
+_COLLECTIVE_BYTES = 32 << 20
 
 
 def cache_path() -> Path:
@@ -72,7 +73,9 @@ class Probe:
     disks: dict[str, DiskRates]
     """Per swap directory (real path)."""
     collective_gbps: float | None = None
-    """Bus bandwidth of an all-reduce over the job's ranks; None at world size 1 or when not measured."""
+    """The engine's reduce-scatter then all-gather over the job's ranks, in bytes counted as
+    ``comm`` counts them (a reduce-scatter's input, an all-gather's output) per second; None at world
+    size 1."""
 
     def disk(self, path: str) -> DiskRates:
         return self.disks[os.path.realpath(path)]
@@ -102,26 +105,27 @@ def record_disk(directory: str, aio: dict, write_gbps: float, read_gbps: float, 
     _write_cache(data)
 
 
-def cached_probe(config: Config) -> Probe | None:
+def cached_probe(config: Config, world_size: int = 1) -> Probe | None:
     """The probe from the cache alone, or None when it lacks a rate ``config`` needs (nothing is measured)."""
     try:
-        return _probe(config, _read_cache(), measure=False)
+        return _probe(config, _read_cache(), world_size, measure=False)
     except LookupError:
         return None
 
 
-def probe_machine(config: Config, refresh: bool = False, progress: Any = None) -> Probe:
-    """The probe for ``config`` (its compute dtype, its swap directories), measuring what the cache lacks
-    (everything with ``refresh``) and keeping it. ``progress(text)`` hears each measurement."""
+def probe_machine(config: Config, refresh: bool = False, progress: Any = None, world_size: int = 1) -> Probe:
+    """The probe for ``config`` (its compute dtype, its swap directories) and ``world_size`` ranks,
+    measuring what the cache lacks (everything with ``refresh``) and keeping it. ``progress(text)``
+    hears each measurement."""
     data = {} if refresh else _read_cache()
     if refresh:  # tune io's disks are a search's result: a refresh of the rest keeps them
         data["io"] = {k: v for k, v in _read_cache().get("io", {}).items() if v.get("source") == "tune io"}
-    probe = _probe(config, data, measure=True, progress=progress or (lambda text: None))
+    probe = _probe(config, data, world_size, measure=True, progress=progress or (lambda text: None))
     _write_cache(data)
     return probe
 
 
-def _probe(config: Config, data: dict, *, measure: bool, progress: Any = None) -> Probe:
+def _probe(config: Config, data: dict, world_size: int, *, measure: bool, progress: Any = None) -> Probe:
     """The probe from ``data`` (the cache's dict), filled in place where ``measure`` allows."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     machine = data.setdefault("machine", {})
@@ -144,6 +148,11 @@ def _probe(config: Config, data: dict, *, measure: bool, progress: Any = None) -
     link = copy if device == "cpu" else rate("copy_gbps", "link", lambda: _copy_gbps(device, pinned_source=True))
     rate("matmul_flops", precision, lambda: _matmul_flops(device, COMPUTE_DTYPES[precision]))
     rate("adam_elements_per_s", precision, lambda: _adam_rate(COMPUTE_DTYPES[precision]))
+    collective = None
+    if world_size > 1:
+        backend = "nccl" if device == "cuda" else "gloo"
+        collective = rate("collective_gbps", f"{backend}:{world_size}",
+                          lambda: collective_gbps(world_size, COMPUTE_DTYPES[precision]))
     disks = data.setdefault("io", {})
     for path in config.nvme.paths:
         real = os.path.realpath(path)
@@ -156,7 +165,8 @@ def _probe(config: Config, data: dict, *, measure: bool, progress: Any = None) -
                  matmul_flops=dict(machine["matmul_flops"]),
                  adam_elements_per_s=dict(machine["adam_elements_per_s"]),
                  disks={p: DiskRates(d["read_gbps"], d["write_gbps"], d["aio"], d.get("source", "plan"))
-                        for p, d in disks.items()})
+                        for p, d in disks.items()},
+                 collective_gbps=collective)
 
 
 def median_seconds(run: Callable[[], None], seconds: float = 1.2, repeats: int = 7) -> float:
@@ -224,3 +234,53 @@ def _disk_entry(path: str, config: Config) -> dict:
     return {"aio": aio, "write_gbps": write.gbps, "read_gbps": read.gbps, "source": "plan",
             "measured_at": time.time()}
 
+
+
+def collective_gbps(world_size: int, dtype: torch.dtype) -> float:
+    """``world_size`` ranks of this machine (fresh processes on a file store, the backend the engine
+    would pick) time the engine's own ``comm.reduce_scatter`` of an fp32 gradient and ``comm.all_gather``
+    of ``dtype`` weights, as a step runs them; rank 0's rate comes back. A job over several machines
+    would see its network instead: this measures the ranks of one."""
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as scratch:
+        context = mp.get_context("spawn")
+        results = context.SimpleQueue()
+        ranks = [context.Process(target=_collective_rank, args=(rank, world_size, f"{scratch}/store", dtype, results))
+                 for rank in range(world_size)]
+        for process in ranks:
+            process.start()
+        for process in ranks:
+            process.join()
+        failed = [p.exitcode for p in ranks if p.exitcode]
+        if failed or results.empty():
+            raise RuntimeError(f"the collective probe's {world_size} ranks failed (exit codes {failed})")
+        return results.get()
+
+
+def _collective_rank(rank: int, world_size: int, store_path: str, dtype: torch.dtype, results: Any) -> None:
+    import torch.distributed as dist
+
+    from .. import comm
+
+    os.environ["LOCAL_RANK"] = str(rank)  # the engine's device choice on CUDA: one GPU per rank
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    dist.init_process_group(backend, store=dist.FileStore(store_path, world_size), rank=rank, world_size=world_size)
+    try:
+        group = comm.init_comm()
+        elements = _COLLECTIVE_BYTES // 4
+        gradient = torch.ones(elements, device=group.device)
+        shard = torch.empty(elements // world_size, device=group.device)
+        weights = torch.empty(elements, dtype=dtype, device=group.device)
+
+        def step_collectives() -> None:
+            comm.reduce_scatter(group, shard, gradient)
+            comm.all_gather(group, weights, shard.to(dtype))
+
+        seconds = median_seconds(step_collectives, seconds=1.0)
+        if rank == 0:
+            results.put((gradient.nbytes + weights.nbytes) / seconds / 1e9)
+    finally:
+        dist.destroy_process_group()

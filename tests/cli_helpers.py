@@ -1,0 +1,33 @@
+"""The ``zerooffload`` command run in this process, for tests of what it answers to bad input.
+
+``main`` is what ``python -m zerooffload`` calls, so its exit status, stdout and stderr are the
+command's; a fresh interpreter would add only its ~3 s import of torch, paid by every such test. The
+tests that need a process of their own (signals, a dropped privilege, a missing extension, a warning
+printed once per process) still start one.
+"""
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import subprocess
+
+from zerooffload.cli.main import main
+
+
+def run_in_process(*args: str) -> subprocess.CompletedProcess:
+    """``zerooffload ARGS`` as a finished process: its status and what it printed. The ``zerooffload``
+    logger is put back afterwards (its handler would keep this call's captured stderr)."""
+    logger = logging.getLogger("zerooffload")
+    handlers, level = list(logger.handlers), logger.level
+    stdout, stderr = io.StringIO(), io.StringIO()
+    try:
+        with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+            try:
+                status = main(list(args))
+            except SystemExit as exit:
+                status = exit.code if isinstance(exit.code, int) else 1
+    finally:
+        logger.handlers[:] = handlers
+        logger.setLevel(level)
+    return subprocess.CompletedProcess(["zerooffload", *args], status, stdout.getvalue(), stderr.getvalue())
