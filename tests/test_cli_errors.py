@@ -98,7 +98,7 @@ def test_resume_without_checkpoints(tmp_path):
 
 def test_resume_from_a_missing_tag(saved):
     checkpoints = saved / "checkpoints"
-    assert _one_line(_cli(*_TRAIN, "--resume", "--tag", "nope", "--out", str(saved)), 1) == (
+    assert _one_line(run_in_process(*_TRAIN, "--resume", "--tag", "nope", "--out", str(saved)), 1) == (
         f"zerooffload: checkpoint error: {checkpoints}/nope: no manifest.json: not a complete checkpoint (a save that "
         "did not finish leaves only a .partial directory); resume from another tag with --tag NAME, or start again "
         "without --resume")
@@ -106,7 +106,7 @@ def test_resume_from_a_missing_tag(saved):
 
 def test_resume_when_no_tag_verifies(saved, tmp_path):
     out = _corrupt_copy(saved, tmp_path, "manifest.json")
-    line = _one_line(_cli(*_TRAIN, "--resume", "--out", str(out)), 1)
+    line = _one_line(run_in_process(*_TRAIN, "--resume", "--out", str(out)), 1)
     assert line.startswith(f"zerooffload: checkpoint error: {out}/checkpoints/step00000002/manifest.json: SHA-256 ")
     assert line.endswith(f"the manifest is corrupt; no stepNNNNNNNN tag in {out}/checkpoints verifies either: start "
                          "without --resume")
