@@ -75,6 +75,7 @@ def worker(job: dict) -> dict:
     """One layout in this (fresh) process: its step times, RSS peak above the start and swap bytes."""
     import psutil
     import torch
+    import torch._dynamo  # noqa: F401  (see below)
 
     import zerooffload as zo
     from zerooffload.models import GPT
@@ -87,6 +88,8 @@ def worker(job: dict) -> dict:
         model = GPT(spec.module.config)
     tokens = torch.zeros(config.train.micro_batch_size, spec.seq_len, dtype=torch.long)
     process, peaks = psutil.Process(), {"rss": 0, "swap": 0}
+    # The baseline holds the code a run loads: initialize's meta forward imports torch._dynamo (torch's
+    # meta kernels of elementwise ops do: 75 MB of modules), which is no tier's bytes.
     start_rss = process.memory_info().rss
     done = threading.Event()
 
@@ -151,8 +154,17 @@ def _layouts(case: str, nvme: str):
     return result, layouts
 
 
+def _settle(seconds: float = 5.0) -> None:
+    """The previous case's swap files written back and gone before the plan times a block: the kernel's
+    writeback would share the two cores with it (a plan timed so predicted 6.4 s for a step that a plan
+    on the quiet machine put at 4.9 s, and that measured 4.6 s)."""
+    os.sync()
+    time.sleep(seconds)
+
+
 def check(case: str, rounds: int, steps: int, nvme: str) -> dict:
     print(f"\n## {case}: {CASES[case][0]}", flush=True)
+    _settle()
     result, layouts = _layouts(case, nvme)
     print(f"  plan: {len(result.fitting)} layouts fit; best {result.best.describe()}: "
           f"{result.best.prediction.bottleneck}", flush=True)

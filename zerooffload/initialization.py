@@ -10,7 +10,7 @@ from .activations import ActivationProfile, measure_activations
 from .comm import failing_together, init_comm
 from .config import Config, dtype_bytes
 from .engine import Engine
-from .host_allocator import release_freed_memory
+from .host_allocator import release_freed_memory, return_free_heap
 from .lazy_init import is_lazy, swap_in_placeholders
 from .telemetry import Prediction
 from .threads import set_threads
@@ -57,8 +57,10 @@ def initialize(model: nn.Module, config: Config | dict | str | None = None, para
         with torch.no_grad():
             init_fn(model)
     with failing_together(comm):
-        return Engine(model, config, comm, param_groups, lazy_init_fn=init_fn if lazy else EAGER,
-                      activations=activations, prediction=prediction)
+        engine = Engine(model, config, comm, param_groups, lazy_init_fn=init_fn if lazy else EAGER,
+                        activations=activations, prediction=prediction)
+    return_free_heap()  # what the meta forward and the unit-by-unit initialization freed
+    return engine
 
 
 def _measure(model: nn.Module, config: Config, device: torch.device, example_inputs: tuple | dict
