@@ -205,7 +205,8 @@ def _bandwidth_floor(times: dict[str, list[float]]) -> None:
     print("bytes each side must move, per second: " + ", ".join(f"{side} {rate:.1f} GB/s" for side, rate in
                                                                  rates.items())
           + f"; engine/torch at equal rates (the byte floor): {floor:.3f}")
-    record("bandwidth", side_gbps=rates, floor=floor)
+    record("check", title="step: the byte floor of engine/torch (both streaming at the same rate)", value=floor,
+           target="—", met=None, detail=", ".join(f"{side} {rate:.1f} GB/s" for side, rate in rates.items()))
 
 
 def bench_step(args, batch) -> None:
