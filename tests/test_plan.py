@@ -28,7 +28,7 @@ from zerooffload.config import Config
 from zerooffload.models import GPT, PRESETS
 from zerooffload.planning import PlanResult, cached_probe, pinned_keys, plan, probe_machine
 from zerooffload.planning.model_spec import gpt_of_size, load_model, named_gpt
-from zerooffload.planning.search import Candidate, Evaluator
+from zerooffload.planning.search import Candidate, Evaluator, candidates
 from zerooffload.tiers import BudgetError
 
 MICRO = 2
@@ -137,6 +137,18 @@ def test_pinned_keys_hold_in_every_candidate(cache):
         config = candidate.config
         assert (config.zero.stage, config.offload.optimizer.tier, config.train.micro_batch_size) == (3, "nvme", MICRO)
         assert config.train.micro_batch_size * config.train.grad_accum_steps == 4
+
+
+def test_activations_go_to_the_host_only_where_they_would_move():
+    """``offload.activations.tier = host`` moves checkpointed inputs off a CUDA device; on a CPU device, or
+    without checkpointing, it is the device layout again, so the search leaves it out (a pinned one stays)."""
+    found = {(c.config.offload.activations.tier, c.config.train.activation_checkpointing)
+             for c in candidates(Config.load({}), set(), 4, 1)}
+    on_gpu = torch.cuda.is_available()
+    assert found == ({("device", False), ("device", True), ("host", True)} if on_gpu else
+                     {("device", False), ("device", True)})
+    pinned = Config.load({"offload": {"activations": {"tier": "host"}}, "train": {"activation_checkpointing": True}})
+    assert {c.config.offload.activations.tier for c in candidates(pinned, pinned_keys(pinned), 4, 1)} == {"host"}
 
 
 @SLOW

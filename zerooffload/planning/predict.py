@@ -45,7 +45,7 @@ from ..config import Config, dtype_bytes
 from ..memory_plan import place_activations, plan_for_config
 from ..optim.optimizer import moment_names
 from ..telemetry import Prediction
-from ..zero.placement import COMPUTE, SWAP, TIER_NAMES, Placement, place, streams_state
+from ..zero.placement import COMPUTE, SWAP, TIER_NAMES, Placement, activations_leave_device, place, streams_state
 from ..zero.reduction import REDUCE_DTYPE
 from ..zero.unit_layout import UnitLayout
 from .model_spec import BlockTimes
@@ -92,6 +92,7 @@ def predict(config: Config, layouts: list[UnitLayout], probe: Probe, times: Bloc
     phases = _phases(config, layouts, placement, probe, times, world_size)
     if probe.device == "cpu":
         _fresh_memory(config, layouts, placement, activations, phases)
+    _activation_copies(config, activations, probe, phases)
     seconds = {name: _seconds(phase, probe, config) for name, phase in phases.items()}
     work = {k: sum(p.work[k] for p in phases.values()) for k in WORK}
     peaks = _peaks(config, layouts, activations, world_size, probe)
@@ -173,6 +174,15 @@ def _regathered_share(config: Config, layouts: list[UnitLayout], placement: Plac
     keep from forward."""
     full = _partitioned_bytes(config, layouts, placement)
     return max(0.0, 1.0 - config.zero.max_live_size / full) if full else 0.0
+
+
+def _activation_copies(config: Config, activations: ActivationProfile | None, probe: Probe,
+                       phases: dict[str, _Phase]) -> None:
+    """``offload.activations.tier = host`` on a CUDA device: each checkpointed input to the host in forward
+    and back in backward, over the link (activation_offload's note); on a CPU device nothing moves."""
+    if activations and activations_leave_device(config, torch.device(probe.device)):
+        for phase in (phases["forward"], phases["backward"]):
+            phase.link += activations.checkpoint_inputs * config.train.grad_accum_steps
 
 
 def _fresh_memory(config: Config, layouts: list[UnitLayout], placement: Placement,

@@ -2,7 +2,8 @@
 
 [Note: the search]
 The searched keys (``SEARCHED``): ``zero.stage``; ``offload.optimizer.tier`` and its ``fraction``;
-``offload.param.tier`` (stage 3); ``train.activation_checkpointing``; ``train.micro_batch_size``
+``offload.param.tier`` (stage 3); ``train.activation_checkpointing`` and, where it moves them (a CUDA
+device), ``offload.activations.tier`` for the checkpointed inputs; ``train.micro_batch_size``
 (powers of two dividing the batch per rank, ``train.grad_accum_steps`` making up the rest); and
 the stage-3 window, ``zero.prefetch_size`` with ``zero.max_live_size``: the config's, one unit ahead
 within the root and two units gathered, or none ahead within the root and one unit (the tight ones
@@ -27,7 +28,7 @@ from ..config import Config, ConfigError, format_size
 from ..memory_plan import local_ranks, place_activations, plan_for_config
 from ..telemetry import Prediction
 from ..tiers import BudgetError, check_plan, check_ram, make_tiers, swap_bytes, swap_free_bytes
-from ..zero.placement import COMPUTE, SWAP, TIER_NAMES
+from ..zero.placement import COMPUTE, STAGING, SWAP, TIER_NAMES, activations_leave_device
 from ..zero.unit_layout import UnitLayout, find_units
 from .model_spec import BlockTimes, ModelSpec, measure_compute
 from .predict import predict
@@ -36,8 +37,11 @@ from .probe import Probe
 __all__ = ["SEARCHED", "Candidate", "Evaluator", "candidates", "rank", "refusal"]
 
 SEARCHED = ("zero.stage", "offload.optimizer.tier", "offload.optimizer.fraction", "offload.param.tier",
-            "train.activation_checkpointing", "train.micro_batch_size", "zero.prefetch_size", "zero.max_live_size")
+            "train.activation_checkpointing", "offload.activations.tier", "train.micro_batch_size",
+            "zero.prefetch_size", "zero.max_live_size")
 FRACTIONS = (1.0, 0.5)
+_DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+"""The compute device the engine would pick (``comm``'s choice)."""
 MICRO_BATCHES = 4
 """At most this many micro-batch sizes (the largest that divide the batch): beyond, the per-token cost
 is flat and only memory changes."""
@@ -64,7 +68,7 @@ class Candidate:
         if c.zero.stage == 3 and c.offload.param.tier != COMPUTE:
             parts.append(f"params {c.offload.param.tier}")
         if c.train.activation_checkpointing:
-            parts.append("checkpointing")
+            parts.append("checkpointing" + (f", activations {STAGING}" if activations_leave_device(c, _DEVICE) else ""))
         parts.append(f"micro {c.train.micro_batch_size}x{c.train.grad_accum_steps}")
         if c.zero.stage == 3 and c.zero.prefetch_size == 0:
             parts.append("no prefetch")
@@ -89,6 +93,7 @@ def candidates(base: Config, pinned: Iterable[str], batch: int, world_size: int,
     choices = {
         "zero.stage": (1, 2, 3), "offload.optimizer.tier": TIER_NAMES, "offload.optimizer.fraction": FRACTIONS,
         "offload.param.tier": TIER_NAMES, "train.activation_checkpointing": (False, True),
+        "offload.activations.tier": (COMPUTE, STAGING),
         "train.micro_batch_size": tuple(reversed(micros)), "window": windows}
     window_free = not {"zero.prefetch_size", "zero.max_live_size"} & pinned
     free = [key for key in SEARCHED if key not in pinned and key not in ("zero.prefetch_size", "zero.max_live_size")]
@@ -107,6 +112,8 @@ def candidates(base: Config, pinned: Iterable[str], batch: int, world_size: int,
             config = Config.load(base, overrides=[f"{k}={_toml(v)}" for k, v in overrides.items()])
         except ConfigError:
             continue  # a combination the config itself refuses
+        if overrides.get("offload.activations.tier") == STAGING and not activations_leave_device(config, _DEVICE):
+            continue  # nothing would move (no checkpointing, or a CPU device): the device layout again
         key = config.to_toml()
         if key not in seen:
             seen.add(key)
