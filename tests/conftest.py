@@ -6,11 +6,34 @@ Functions that run on a rank pool (tests/harness.py) are outside pytest's fixtur
 engines with ``with zo.initialize(...) as engine:``, which closes them on exit, on error too."""
 from __future__ import annotations
 
+import importlib.util
+import re
+import sys
+import tomllib
+from pathlib import Path
+
 import pytest
 
 from aio_helpers import config
 from harness import RankPool
 from zerooffload.io import AsyncIO
+
+
+def _missing_requirements() -> list[str]:
+    """The packages pyproject.toml asks for (dependencies and the ``test`` extra) that this Python cannot
+    import: a Python without the project installed fails once, saying so, not once per test module."""
+    project = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]
+    wanted = project["dependencies"] + project["optional-dependencies"]["test"]
+    names = (re.match(r"[A-Za-z0-9_.-]+", requirement).group() for requirement in wanted)
+    return [name for name in names if importlib.util.find_spec(name) is None]
+
+
+def pytest_configure(config):
+    if missing := _missing_requirements():
+        raise pytest.UsageError(f"this Python ({sys.executable}) lacks {', '.join(missing)}: install the project and "
+                                'its test extra into it (pip install torch==2.13.0 && pip install -e ".[test]"), or '
+                                "run the tests from the environment that has them")
+
 
 
 @pytest.fixture(scope="session")
