@@ -202,11 +202,10 @@ def _bandwidth_floor(times: dict[str, list[float]]) -> None:
     numel = WIDTH * WIDTH * UNITS
     rates = {side: BYTES_PER_ELEMENT[side] * numel / statistics.median(t) / 1e9 for side, t in times.items()}
     floor = BYTES_PER_ELEMENT["engine"] / BYTES_PER_ELEMENT["torch"]
-    print("bytes each side must move, per second: " + ", ".join(f"{side} {rate:.1f} GB/s" for side, rate in
-                                                                 rates.items())
-          + f"; engine/torch at equal rates (the byte floor): {floor:.3f}")
+    detail = ", ".join(f"{side} {rate:.1f} GB/s" for side, rate in rates.items())
+    print(f"bytes each side must move, per second: {detail}; engine/torch at equal rates (the byte floor): {floor:.3f}")
     record("check", title="step: the byte floor of engine/torch (both streaming at the same rate)", value=floor,
-           target="—", met=None, detail=", ".join(f"{side} {rate:.1f} GB/s" for side, rate in rates.items()))
+           target="—", met=None, detail=detail)
 
 
 def bench_step(args, batch) -> None:

@@ -100,7 +100,7 @@ def worker(job: dict) -> dict:
             time.sleep(0.01)
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
-    prediction = Prediction(**job["prediction"]) if job.get("prediction") else None
+    prediction = Prediction.from_json(job["prediction"]) if job.get("prediction") else None
     engine = zo.initialize(model, config, init_fn=model.init_fn(), example_inputs=(tokens, tokens),
                            prediction=prediction)
     times = []

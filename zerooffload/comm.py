@@ -132,6 +132,11 @@ def _compute_device() -> torch.device:
     return torch.device("cpu")
 
 
+def backend_for(device: torch.device | str) -> str:
+    """The collectives' backend on ``device``: NCCL on CUDA, gloo on CPU."""
+    return "nccl" if torch.device(device).type == "cuda" else "gloo"
+
+
 def init_comm(timeout: timedelta = timedelta(minutes=10)) -> Comm:
     """Use the process group that exists, else start one from torchrun's environment, else run alone.
 
@@ -140,7 +145,7 @@ def init_comm(timeout: timedelta = timedelta(minutes=10)) -> Comm:
     """
     device = _compute_device()
     if not dist.is_initialized() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        backend = "nccl" if device.type == "cuda" else "gloo"
+        backend = backend_for(device)
         dist.init_process_group(backend, timeout=timeout)
         logger.info("started a %s process group of %d ranks", backend, dist.get_world_size())
     if dist.is_initialized() and dist.get_world_size() > 1:

@@ -61,6 +61,7 @@ from ..config import Config, ConfigError, apply_override
 from ..data import ByteCorpus
 from ..initialization import initialize
 from ..lazy_init import init_context
+from ..log import current_rank
 from ..models import GPT, PRESETS
 from ..telemetry import PHASES, Prediction
 from ..tiers import BudgetError
@@ -203,7 +204,7 @@ def _resume_tag(checkpoints: Path, tag: str | None) -> str:
     """The tag ``--resume`` continues from, found before the engine is built: ``--tag``'s when its
     manifest reads (its files are verified as they load), else ``_loadable_tag``'s."""
     if tag is None:
-        return _loadable_tag(checkpoints, int(os.environ.get("RANK", 0)))
+        return _loadable_tag(checkpoints, current_rank())
     try:
         read_manifest(checkpoints, tag, verify=False)
     except CheckpointError as error:
@@ -417,14 +418,11 @@ def _planned_config(args: argparse.Namespace) -> tuple[Config, Prediction | None
             world_size=world, progress=lambda text: print(f"plan: {text}", file=sys.stderr))))
         config = Config.load(config, overrides=chosen[0])
         return config, chosen[1]
-    if args.plan is None and cached_probe(config, world) is None:
+    cached = None if args.plan else cached_probe(config, world)
+    if args.plan is None and cached is None:
         return config, None  # a plain run without a cached probe: nothing to predict, nothing measured
-
-    def predicted() -> Prediction | None:
-        probe = probe_machine(config, world_size=world) if args.plan else cached_probe(config, world)
-        return None if probe is None else predict_config(named_gpt(args.model, PRESETS[args.model]), config,
-                                                         probe, world)
-    return config, _on_rank_zero(world, predicted)
+    return config, _on_rank_zero(world, lambda: predict_config(
+        named_gpt(args.model, PRESETS[args.model]), config, cached or probe_machine(config, world_size=world), world))
 
 
 def _planned_layout(args: argparse.Namespace, config: Config) -> str:

@@ -96,7 +96,7 @@ def plan(model: str | ModelSpec, config: Config | dict | str | None = None, *, p
     if batch % world_size:
         raise ConfigError(f"batch size {batch} is not a multiple of the world size {world_size}")
     probe = probe or probe_machine(config, refresh=refresh, progress=progress, world_size=world_size)
-    pool = candidates(config, pinned_keys(config) if pinned is None else pinned, batch, world_size,
+    pool = candidates(config, pinned_keys(config) if pinned is None else pinned, batch, world_size, probe.device,
                       _unit_bytes(spec, config, world_size))
     progress(f"predicting {len(pool)} layouts")
     evaluator = Evaluator(spec, probe, world_size, progress)

@@ -23,10 +23,12 @@ from typing import Any, Callable
 
 import torch
 
+from .. import comm
 from ..config import Config
 from ..precision import COMPUTE_DTYPES
 
-__all__ = ["DiskRates", "Probe", "cache_path", "cached_probe", "median_seconds", "probe_machine", "record_disk"]
+__all__ = ["DiskRates", "Probe", "cache_path", "cached_probe", "collective_gbps", "median_seconds", "probe_machine",
+           "record_disk"]
 
 DISK_PROBE_BYTES = 256 << 20
 """The file one disk measurement writes and reads back (O_DIRECT): big enough to pass the disk's cache."""
@@ -150,8 +152,7 @@ def _probe(config: Config, data: dict, world_size: int, *, measure: bool, progre
     rate("adam_elements_per_s", precision, lambda: _adam_rate(COMPUTE_DTYPES[precision]))
     collective = None
     if world_size > 1:
-        backend = "nccl" if device == "cuda" else "gloo"
-        collective = rate("collective_gbps", f"{backend}:{world_size}",
+        collective = rate("collective_gbps", f"{comm.backend_for(device)}:{world_size}",
                           lambda: collective_gbps(world_size, COMPUTE_DTYPES[precision]))
     disks = data.setdefault("io", {})
     for path in config.nvme.paths:
@@ -263,21 +264,21 @@ def collective_gbps(world_size: int, dtype: torch.dtype) -> float:
 def _collective_rank(rank: int, world_size: int, store_path: str, dtype: torch.dtype, results: Any) -> None:
     import torch.distributed as dist
 
-    from .. import comm
-
     os.environ["LOCAL_RANK"] = str(rank)  # the engine's device choice on CUDA: one GPU per rank
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    dist.init_process_group(backend, store=dist.FileStore(store_path, world_size), rank=rank, world_size=world_size)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dist.init_process_group(comm.backend_for(device), store=dist.FileStore(store_path, world_size), rank=rank,
+                            world_size=world_size)
     try:
         group = comm.init_comm()
         elements = _COLLECTIVE_BYTES // 4
         gradient = torch.ones(elements, device=group.device)
         shard = torch.empty(elements // world_size, device=group.device)
+        weights_shard = torch.ones(elements // world_size, dtype=dtype, device=group.device)
         weights = torch.empty(elements, dtype=dtype, device=group.device)
 
         def step_collectives() -> None:
             comm.reduce_scatter(group, shard, gradient)
-            comm.all_gather(group, weights, shard.to(dtype))
+            comm.all_gather(group, weights, weights_shard)
 
         seconds = median_seconds(step_collectives, seconds=1.0)
         if rank == 0:

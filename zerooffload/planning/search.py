@@ -40,8 +40,6 @@ SEARCHED = ("zero.stage", "offload.optimizer.tier", "offload.optimizer.fraction"
             "train.activation_checkpointing", "offload.activations.tier", "train.micro_batch_size",
             "zero.prefetch_size", "zero.max_live_size")
 FRACTIONS = (1.0, 0.5)
-_DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-"""The compute device the engine would pick (``comm``'s choice)."""
 MICRO_BATCHES = 4
 """At most this many micro-batch sizes (the largest that divide the batch): beyond, the per-token cost
 is flat and only memory changes."""
@@ -68,7 +66,8 @@ class Candidate:
         if c.zero.stage == 3 and c.offload.param.tier != COMPUTE:
             parts.append(f"params {c.offload.param.tier}")
         if c.train.activation_checkpointing:
-            parts.append("checkpointing" + (f", activations {STAGING}" if activations_leave_device(c, _DEVICE) else ""))
+            parts.append("checkpointing" + ("" if c.offload.activations.tier == COMPUTE else
+                                            f", activations {c.offload.activations.tier}"))
         parts.append(f"micro {c.train.micro_batch_size}x{c.train.grad_accum_steps}")
         if c.zero.stage == 3 and c.zero.prefetch_size == 0:
             parts.append("no prefetch")
@@ -81,10 +80,11 @@ class Candidate:
         return sum(n for tier, n in peaks.items() if tier != SWAP)
 
 
-def candidates(base: Config, pinned: Iterable[str], batch: int, world_size: int,
+def candidates(base: Config, pinned: Iterable[str], batch: int, world_size: int, device: str,
                unit_bytes: tuple[int, int] = (0, 0)) -> list[Candidate]:
-    """Every layout of the searched keys left free (see the note), as configs over ``base``;
-    ``unit_bytes``: the root unit's and the largest other unit's gathered bytes (for the windows)."""
+    """Every layout of the searched keys left free (see the note), as configs over ``base`` for a
+    ``device`` (the probe's); ``unit_bytes``: the root unit's and the largest other unit's gathered bytes
+    (for the windows)."""
     pinned = set(pinned)
     per_rank = batch // world_size
     micros = [m for m in (1 << i for i in range(16)) if m <= per_rank and per_rank % m == 0][-MICRO_BATCHES:]
@@ -112,7 +112,8 @@ def candidates(base: Config, pinned: Iterable[str], batch: int, world_size: int,
             config = Config.load(base, overrides=[f"{k}={_toml(v)}" for k, v in overrides.items()])
         except ConfigError:
             continue  # a combination the config itself refuses
-        if overrides.get("offload.activations.tier") == STAGING and not activations_leave_device(config, _DEVICE):
+        if overrides.get("offload.activations.tier") == STAGING and \
+                not activations_leave_device(config, torch.device(device)):
             continue  # nothing would move (no checkpointing, or a CPU device): the device layout again
         key = config.to_toml()
         if key not in seen:
