@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import array
 import threading
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -19,6 +20,42 @@ def test_aligned_empty(dtype, nbytes):
     assert t.dtype == dtype and t.nbytes == nbytes and t.is_contiguous()
     assert t.data_ptr() % 4096 == 0
     t.fill_(1)  # the memory is ours to write
+
+
+def _thp_mode() -> str:
+    try:
+        text = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+    except OSError:
+        return "absent"
+    return text.split("[", 1)[1].split("]", 1)[0]
+
+
+def _process_memory() -> tuple[int, int]:
+    """The process's (Rss, AnonHugePages) bytes (/proc/self/smaps_rollup)."""
+    fields = dict(line.split(":", 1) for line in Path("/proc/self/smaps_rollup").read_text().splitlines()[1:])
+    return tuple(int(fields[name].split()[0]) * 1024 for name in ("Rss", "AnonHugePages"))
+
+
+@pytest.mark.skipif(_thp_mode() != "madvise" or torch.cuda.is_available(),
+                    reason="huge pages only on advice, and unpinned host buffers, are what this checks")
+def test_large_aligned_buffers_are_huge_pages_of_their_own():
+    """[Note: huge pages for I/O buffers]: a 2 MiB-aligned buffer whose whole huge pages are huge once
+    touched, its partial last one left 4 KiB pages (so it holds its own bytes, to the page), and whose
+    memory leaves the process with the last view of it."""
+    nbytes = (24 << 20) + 12 * 4096
+    before = _process_memory()
+    buffer = aligned_empty(nbytes, torch.float32)
+    assert buffer.data_ptr() % (2 << 20) == 0 and buffer.nbytes == nbytes
+    buffer.fill_(1)
+    touched = _process_memory()
+    assert touched[1] - before[1] == 24 << 20
+    assert nbytes <= touched[0] - before[0] < nbytes + (1 << 20)
+    view = buffer[-1:]
+    del buffer
+    assert _process_memory()[1] - before[1] == 24 << 20  # a view keeps the mapping ...
+    del view
+    after = _process_memory()
+    assert after[1] == before[1] and after[0] - before[0] < 1 << 20  # ... which goes with the last of them
 
 
 def test_aligned_empty_refuses_partial_elements():

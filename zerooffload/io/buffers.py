@@ -12,10 +12,26 @@
   the rest of the machine.
 - *Span*: the address, length and owner of any host buffer a transfer reads or writes (``host_span``);
   the owner is kept alive while the transfer is in flight.
+
+[Note: huge pages for I/O buffers]
+O_DIRECT hands the disk the buffer's physical pages, and the block layer makes one request segment of
+each run of contiguous ones. Over 4 KiB pages scattered by the allocator a 1 MiB piece is hundreds of
+segments, split into several requests; over 2 MiB huge pages it is one. Measured here (virtio disk,
+64 MiB synchronous O_DIRECT transfers, fresh buffers, 6 interleaved rounds): reads 2.4-2.9 GB/s into
+huge pages against 0.58-2.3 GB/s into 4 KiB ones (fast only when the pages happened to be contiguous),
+writes 0.83-0.91 against 0.44-0.93 GB/s; the ZeRO-3 NVMe MLP's step went from 2.1-2.6 s to 1.1-1.6 s.
+So an unpinned aligned buffer of ``HUGE_PAGE`` or more is an anonymous mapping of its own, placed at
+a 2 MiB boundary, and its whole 2 MiB pages are advised ``MADV_HUGEPAGE`` (honoured where transparent
+huge pages are ``madvise`` or ``always``; elsewhere the advice changes nothing). A buffer's last partial
+huge page stays 4 KiB pages, so its resident bytes are its own to the page, and ``munmap`` returns it
+all when the tensor goes, whatever the C library's thresholds.
 """
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import functools
+import mmap
 import threading
 import time
 from dataclasses import dataclass
@@ -25,6 +41,10 @@ import torch
 
 ALIGNMENT = 4096
 """Bytes every O_DIRECT address, offset and length is a multiple of (``config.ALIGNMENT`` is the same)."""
+HUGE_PAGE = 2 << 20
+"""A transparent huge page; aligned buffers this large get them ([Note: huge pages for I/O buffers])."""
+_MADV_HUGEPAGE = 14
+"""madvise's advice number (linux/mman.h)."""
 
 __all__ = ["ALIGNMENT", "HostBufferPool", "HostSpan", "aligned_empty", "host_span", "is_aligned"]
 
@@ -52,9 +72,35 @@ def aligned_empty(nbytes: int, dtype: torch.dtype = torch.uint8) -> torch.Tensor
         pinned = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
         if is_aligned(pinned.data_ptr()):
             return pinned.view(dtype)
+    elif nbytes >= HUGE_PAGE and _madvise() is not None:
+        return _huge_page_empty(nbytes).view(dtype)
     raw = torch.empty(nbytes + ALIGNMENT, dtype=torch.uint8, pin_memory=_pin())
     shift = -raw.data_ptr() % ALIGNMENT
     return raw[shift:shift + nbytes].view(dtype)
+
+
+@functools.cache
+def _madvise():
+    """libc's madvise, or None where there is none (not Linux, not a C library ctypes can load)."""
+    try:
+        madvise = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").madvise
+    except (OSError, AttributeError):
+        return None
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return madvise
+
+
+def _huge_page_empty(nbytes: int) -> torch.Tensor:
+    """``nbytes`` uninitialized bytes at a 2 MiB boundary of a private anonymous mapping of their own,
+    their whole huge pages advised ([Note: huge pages for I/O buffers]). The tensor keeps the mapping
+    alive; it is unmapped once the tensor and its views are gone. Untouched, the spare 2 MiB that
+    places the buffer costs address space only."""
+    mapping = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS,
+                        prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    whole = torch.frombuffer(mapping, dtype=torch.uint8)
+    shift = -whole.data_ptr() % HUGE_PAGE
+    _madvise()(whole.data_ptr() + shift, nbytes // HUGE_PAGE * HUGE_PAGE, _MADV_HUGEPAGE)
+    return whole[shift:shift + nbytes]
 
 
 def _size_class(nbytes: int) -> int:
