@@ -80,8 +80,16 @@ struct pass {
     void *out;
     int grad_dtype, out_dtype;
     int sumsq;                   /* also sum the squares of the gradient as read (before grad_scale) */
+    int stream_out;              /* write out past the caches (STREAM_OUT_MIN) */
     struct consts k;
 };
+
+/* A pass this long writes its out copy with non-temporal stores where the address allows: out is
+ * written and not read, so an ordinary store first reads each of its cache lines (2 of the 30 bytes
+ * an element moves with a bf16 out), and a copy this large would not stay in the caches for the next
+ * forward anyway. Measured at 100M elements, bf16 gradient and out (AVX2, 2 threads): the pass
+ * 0.94x (0.87-1.18 over 8 interleaved rounds). Shorter passes keep their out in the caches. */
+#define STREAM_OUT_MIN ((size_t)1 << 20)
 
 /* A range function runs elements [begin, end) of its pass (struct pass, struct sumsq_pass) and
  * returns their sum of squares (0 when the pass does not ask for it). */
@@ -247,15 +255,27 @@ AVX2 static ALWAYS_INLINE __m128i avx2_bf16(__m256 p)
     return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
 }
 
+/* 16 bytes of out: past the caches when the pass streams its out and the address allows. */
+AVX2 static ALWAYS_INLINE void avx2_out_store(const struct pass *s, __m128i *to, __m128i x)
+{
+    if (s->stream_out && ((uintptr_t)to & 15) == 0)
+        _mm_stream_si128(to, x);
+    else
+        _mm_storeu_si128(to, x);
+}
+
 AVX2 static ALWAYS_INLINE void avx2_out(const struct pass *s, size_t i, __m256 p)
 {
     uint16_t *half = (uint16_t *)s->out + i;
-    if (s->out_dtype == ZO_DTYPE_FP32)
-        _mm256_storeu_ps((float *)s->out + i, p);
+    float *full = (float *)s->out + i;
+    if (s->out_dtype == ZO_DTYPE_FP32 && s->stream_out && ((uintptr_t)full & 31) == 0)
+        _mm256_stream_ps(full, p);
+    else if (s->out_dtype == ZO_DTYPE_FP32)
+        _mm256_storeu_ps(full, p);
     else if (s->out_dtype == ZO_DTYPE_BF16)
-        _mm_storeu_si128((__m128i *)half, avx2_bf16(p));
+        avx2_out_store(s, (__m128i *)half, avx2_bf16(p));
     else if (s->out_dtype == ZO_DTYPE_FP16)
-        _mm_storeu_si128((__m128i *)half, _mm256_cvtps_ph(p, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+        avx2_out_store(s, (__m128i *)half, _mm256_cvtps_ph(p, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
 }
 
 AVX2 static ALWAYS_INLINE double avx2_sum(__m256 x)
@@ -287,6 +307,7 @@ AVX2 static double avx2_run(const void *pass, size_t begin, size_t end)
         }
         sumsq += avx2_sum(acc);
     }
+    _mm_sfence();  /* the streamed stores are ordered before the tail's and the join's */
     return sumsq + scalar_range(s, i, end);
 }
 
@@ -313,15 +334,27 @@ AVX512 static ALWAYS_INLINE __m256i avx512_bf16(__m512 p)
     return _mm512_cvtepi32_epi16(r);
 }
 
+/* 32 bytes of out: past the caches when the pass streams its out and the address allows. */
+AVX512 static ALWAYS_INLINE void avx512_out_store(const struct pass *s, __m256i *to, __m256i x)
+{
+    if (s->stream_out && ((uintptr_t)to & 31) == 0)
+        _mm256_stream_si256(to, x);
+    else
+        _mm256_storeu_si256(to, x);
+}
+
 AVX512 static ALWAYS_INLINE void avx512_out(const struct pass *s, size_t i, __m512 p)
 {
     __m256i *half = (__m256i *)((uint16_t *)s->out + i);
-    if (s->out_dtype == ZO_DTYPE_FP32)
-        _mm512_storeu_ps((float *)s->out + i, p);
+    float *full = (float *)s->out + i;
+    if (s->out_dtype == ZO_DTYPE_FP32 && s->stream_out && ((uintptr_t)full & 63) == 0)
+        _mm512_stream_ps(full, p);
+    else if (s->out_dtype == ZO_DTYPE_FP32)
+        _mm512_storeu_ps(full, p);
     else if (s->out_dtype == ZO_DTYPE_BF16)
-        _mm256_storeu_si256(half, avx512_bf16(p));
+        avx512_out_store(s, half, avx512_bf16(p));
     else if (s->out_dtype == ZO_DTYPE_FP16)
-        _mm256_storeu_si256(half, _mm512_cvtps_ph(p, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+        avx512_out_store(s, half, _mm512_cvtps_ph(p, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
 }
 
 AVX512 static double avx512_run(const void *pass, size_t begin, size_t end)
@@ -347,6 +380,7 @@ AVX512 static double avx512_run(const void *pass, size_t begin, size_t end)
         sumsq += avx2_sum(_mm256_add_ps(_mm512_castps512_ps256(acc),
                                         _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc), 1))));
     }
+    _mm_sfence();
     return sumsq + scalar_range(s, i, end);
 }
 #endif /* ZO_ADAM_X86 */
@@ -577,7 +611,8 @@ int zo_adam_step(const struct zo_adam_args *args)
     struct pass pass = {
         .param = args->param, .exp_avg = args->exp_avg, .exp_avg_sq = args->exp_avg_sq,
         .grad = args->grad, .out = args->out, .grad_dtype = args->grad_dtype,
-        .out_dtype = args->out_dtype, .sumsq = args->grad_sumsq != NULL, .k = derive_consts(args),
+        .out_dtype = args->out_dtype, .sumsq = args->grad_sumsq != NULL, .stream_out = args->n >= STREAM_OUT_MIN,
+        .k = derive_consts(args),
     };
     return run_split(&pass, level_run[level], args->n, thread_count(args->threads, args->n), args->grad_sumsq);
 }
