@@ -58,6 +58,28 @@ def test_large_aligned_buffers_are_huge_pages_of_their_own():
     assert after[1] == before[1] and after[0] - before[0] < 1 << 20  # ... which goes with the last of them
 
 
+@pytest.mark.skipif(_thp_mode() != "madvise" or torch.cuda.is_available(),
+                    reason="huge pages only on advice, and unpinned host buffers, are what this checks")
+def test_the_device_tiers_fresh_and_restored_buffers_are_huge_pages():
+    """host_allocator's [Note: huge pages for engine buffers]: a device-tier buffer torch allocates, and a
+    stage-3 unit's storage brought back for a gather, are huge pages once touched (64 MiB each: mappings
+    of their own whatever glibc's threshold); a plain tensor of the same size is not."""
+    from zerooffload.tiers import DeviceTier, Kind
+
+    tier, numel = DeviceTier("device", torch.device("cpu"), None), 16 << 20
+    before = _process_memory()[1]
+    fresh = tier.empty(Kind.BUFFER, numel, torch.float32).fill_(1)
+    assert _process_memory()[1] - before >= 62 << 20
+    gathered = torch.empty(numel)
+    gathered.untyped_storage().resize_(0)
+    tier.restore_storage(Kind.GATHERED, gathered)
+    gathered.fill_(1)
+    assert _process_memory()[1] - before >= 124 << 20
+    plain = torch.ones(numel)
+    assert _process_memory()[1] - before < 130 << 20
+    del fresh, gathered, plain
+
+
 def test_aligned_empty_refuses_partial_elements():
     with pytest.raises(ValueError, match="multiple of 4"):
         aligned_empty(10, torch.float32)

@@ -16,19 +16,39 @@ mapping too, which made the nano GPT's ``zerooffload train`` ~25% slower here. S
 ``memory.release_freed = auto`` (the default) fixes it where state lives on NVMe, the runs whose RAM
 decides what fits; ``on`` and ``off`` decide for any run. On a C library other than glibc there is
 nothing to set.
+
+[Note: huge pages for engine buffers]
+The engine's CPU buffers that torch allocates (a stage-3 unit's gathered parameters, whose storage
+comes back at each use, and the tiers' fresh buffers: gradients, reduction buckets) are tens of MiB
+and, as mappings of their own, fresh at every use: 4 KiB page faults and zeroing on first touch.
+Advised huge pages (io.buffers' [Note: huge pages for I/O buffers]) take one fault per 2 MiB: a 48 MiB
+unit's storage restored and filled took 9.0 ms against 27.9 (median of 12 interleaved rounds here).
+``advise_fresh`` advises only memory that is surely a mapping of its own (``THRESHOLD`` and more once
+fixed, else glibc's largest threshold, 32 MiB), so the advice leaves with the ``munmap`` and never
+lingers on heap memory that later small allocations reuse.
 """
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
 import functools
+from typing import TYPE_CHECKING
 
-__all__ = ["THRESHOLD", "release_freed_memory", "return_free_heap"]
+from .io.buffers import HUGE_PAGE, advise_huge_pages
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["THRESHOLD", "advise_fresh", "release_freed_memory", "return_free_heap"]
 
 THRESHOLD = 1 << 20
 """Bytes from which every allocation is its own mapping (glibc's default starts at 128 KiB and floats)."""
 _M_MMAP_THRESHOLD = -3
 """mallopt's parameter number (malloc.h)."""
+_GLIBC_MAX_THRESHOLD = 32 << 20
+"""The most glibc's floating threshold reaches on 64-bit: larger requests are always mappings."""
+_own_mappings_from = _GLIBC_MAX_THRESHOLD
+"""Bytes from which a torch CPU allocation is surely a mapping of its own: ``THRESHOLD`` once fixed."""
 
 
 @functools.cache
@@ -57,4 +77,15 @@ def release_freed_memory() -> bool:
     if mallopt is None:
         return False
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
-    return bool(mallopt(_M_MMAP_THRESHOLD, THRESHOLD))
+    fixed = bool(mallopt(_M_MMAP_THRESHOLD, THRESHOLD))
+    if fixed:
+        global _own_mappings_from
+        _own_mappings_from = THRESHOLD
+    return fixed
+
+
+def advise_fresh(tensor: torch.Tensor) -> None:
+    """Huge pages for ``tensor``, memory torch has just allocated on the CPU and nothing has touched,
+    if it is surely a mapping of its own ([Note: huge pages for engine buffers])."""
+    if tensor.numel() * tensor.element_size() >= max(_own_mappings_from, 2 * HUGE_PAGE):
+        advise_huge_pages(tensor)

@@ -42,6 +42,7 @@ import torch
 
 from .buffer_arena import BufferArena
 from .config import Config, ConfigError, MemoryConfig
+from .host_allocator import advise_fresh
 from .io.aio import AsyncIO
 from .io.buffers import aligned_empty
 from .io.swapfile import SwapStore
@@ -76,6 +77,10 @@ class Tier(abc.ABC):
         self.peak = 0
         self.arena = BufferArena() if self.resident and device.type == "cpu" else None
         """Engine buffers kept for reuse in CPU memory (buffer_arena's [Note: buffer arena])."""
+        self._huge_pages = self.resident and device.type == "cpu" and not torch.cuda.is_available()
+        """Whether torch's fresh CPU buffers (the device tier's, storage restored) get huge pages
+        (host_allocator's [Note: huge pages for engine buffers]); not where CUDA is, whose host buffers are
+        pinned. The host tier's aligned buffers get them from ``aligned_empty``."""
 
     @property
     def used(self) -> int:
@@ -154,6 +159,8 @@ class Tier(abc.ABC):
         nbytes = tensor.numel() * tensor.element_size()
         self._account(kind, nbytes)
         tensor.untyped_storage().resize_(nbytes)
+        if self._huge_pages:
+            advise_fresh(tensor)
 
 
 class DeviceTier(Tier):
@@ -162,7 +169,10 @@ class DeviceTier(Tier):
     budget_key = "memory.device_budget"
 
     def _allocate(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        return torch.empty(numel, dtype=dtype, device=self.device)
+        tensor = torch.empty(numel, dtype=dtype, device=self.device)
+        if self._huge_pages:
+            advise_fresh(tensor)
+        return tensor
 
 
 class HostTier(Tier):

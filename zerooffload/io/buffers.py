@@ -46,7 +46,8 @@ HUGE_PAGE = 2 << 20
 _MADV_HUGEPAGE = 14
 """madvise's advice number (linux/mman.h)."""
 
-__all__ = ["ALIGNMENT", "HostBufferPool", "HostSpan", "aligned_empty", "host_span", "is_aligned"]
+__all__ = ["ALIGNMENT", "HUGE_PAGE", "HostBufferPool", "HostSpan", "advise_huge_pages", "aligned_empty", "host_span",
+           "is_aligned"]
 
 
 def is_aligned(*values: int) -> bool:
@@ -90,6 +91,21 @@ def _madvise():
     return madvise
 
 
+def advise_huge_pages(tensor: torch.Tensor) -> bool:
+    """Advise the whole 2 MiB pages inside ``tensor``'s bytes ``MADV_HUGEPAGE`` (a CPU tensor not yet
+    touched; [Note: huge pages for I/O buffers]); False where there is no madvise. Advice only: a kernel
+    that refuses it changes nothing. The caller makes sure the memory is a mapping of its own, or the
+    advice would outlive the tensor on memory the allocator hands out again."""
+    madvise = _madvise()
+    if madvise is None:
+        return False
+    start = -(-tensor.data_ptr() // HUGE_PAGE) * HUGE_PAGE
+    end = (tensor.data_ptr() + tensor.numel() * tensor.element_size()) // HUGE_PAGE * HUGE_PAGE
+    if end > start:
+        madvise(start, end - start, _MADV_HUGEPAGE)
+    return True
+
+
 def _huge_page_empty(nbytes: int) -> torch.Tensor:
     """``nbytes`` uninitialized bytes at a 2 MiB boundary of a private anonymous mapping of their own,
     their whole huge pages advised ([Note: huge pages for I/O buffers]). The tensor keeps the mapping
@@ -99,8 +115,9 @@ def _huge_page_empty(nbytes: int) -> torch.Tensor:
                         prot=mmap.PROT_READ | mmap.PROT_WRITE)
     whole = torch.frombuffer(mapping, dtype=torch.uint8)
     shift = -whole.data_ptr() % HUGE_PAGE
-    _madvise()(whole.data_ptr() + shift, nbytes // HUGE_PAGE * HUGE_PAGE, _MADV_HUGEPAGE)
-    return whole[shift:shift + nbytes]
+    buffer = whole[shift:shift + nbytes]
+    advise_huge_pages(buffer)
+    return buffer
 
 
 def _size_class(nbytes: int) -> int:
