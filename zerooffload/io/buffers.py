@@ -63,8 +63,10 @@ def _pin() -> bool:
 def aligned_empty(nbytes: int, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
     """An uninitialized CPU tensor of ``nbytes`` bytes at a 4 KiB-aligned address (pinned with CUDA).
 
-    Pinned allocations are page aligned already; otherwise ALIGNMENT spare bytes are allocated and the
-    tensor is a view that starts at the first aligned address (the view keeps the allocation alive).
+    Pinned allocations are page aligned already. Unpinned ones of ``HUGE_PAGE`` or more are huge-page
+    mappings of their own ([Note: huge pages for I/O buffers]); smaller ones allocate ALIGNMENT spare
+    bytes, the tensor a view that starts at the first aligned address (the view keeps the allocation
+    alive).
     """
     itemsize = dtype.itemsize
     if nbytes < 0 or nbytes % itemsize:
