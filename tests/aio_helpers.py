@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -45,7 +46,21 @@ def host_buffer(data: bytes | int, shift: int) -> torch.Tensor:
 
 
 def run_python(script: str, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    """Run ``script`` in a fresh interpreter that imports this checkout of zerooffload and these helpers."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "tests")]))
-    return subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True,
-                          env=env, cwd=REPO, timeout=timeout)
+    """Run ``script`` in a fresh interpreter that imports this checkout of zerooffload and these helpers.
+    A child still running after ``timeout`` seconds is sent SIGABRT, on which faulthandler prints every
+    thread's Python stack, and the test fails with those stacks: a hang says where it hung."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "tests")]), PYTHONFAULTHANDLER="1")
+    with subprocess.Popen([sys.executable, "-c", script, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True, env=env, cwd=REPO) as child:
+        try:
+            stdout, stderr = child.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            child.send_signal(signal.SIGABRT)
+            try:
+                stdout, stderr = child.communicate(timeout=30)
+            except subprocess.TimeoutExpired:  # not even the signal ends it (a task stuck in the kernel)
+                child.kill()
+                stdout, stderr = child.communicate()
+            pytest.fail(f"the child script ran past {timeout} s; its stacks then (stderr):\n{stderr[-6000:]}\n"
+                        f"its stdout:\n{stdout[-2000:]}", pytrace=False)
+    return subprocess.CompletedProcess(child.args, child.returncode, stdout, stderr)
