@@ -34,9 +34,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
 
 import torch
-from torch.profiler import record_function
 
 from .kinds import Kind
+from .trace import profiled
 
 if TYPE_CHECKING:
     from .config import AioConfig
@@ -95,19 +95,19 @@ def wait_each(waits: Iterable[Callable[[], Any]]) -> None:
 
 def wait(handle: Any) -> Any:
     """Block on one transfer, labelled for the profiler."""
-    with record_function(BLOCK_WAIT):
+    with profiled(BLOCK_WAIT):
         return handle.wait()
 
 
 def _load(block: "Block", buffer: torch.Tensor | None, read: bool) -> Any:
     if not read:
         return block.load(buffer, read=False)
-    with record_function(BLOCK_READ):
+    with profiled(BLOCK_READ):
         return block.load(buffer)
 
 
 def _store(block: "Block") -> Any:
-    with record_function(BLOCK_WRITE):
+    with profiled(BLOCK_WRITE):
         return block.store()
 
 

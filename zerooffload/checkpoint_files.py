@@ -32,11 +32,11 @@ import zlib
 from pathlib import Path
 
 import torch
-from torch.profiler import record_function
 
 from .block_stream import BLOCK_WRITE, CHECKPOINT_WRITES, InFlight
 from .errors import CheckpointError
 from .io import AsyncIO, aligned_empty, open_file
+from .trace import profiled
 
 __all__ = ["CheckpointError", "ChecksummedWriter", "MANIFEST", "LATEST", "begin_partial", "publish", "recover",
            "resolve_tag", "load_manifest_json", "write_manifest", "verify_file", "file_record", "fsync_dir",
@@ -108,7 +108,7 @@ class ChecksummedWriter:
         staging = aligned_empty(tensor.numel() * tensor.element_size())
         staging.copy_(tensor.detach().reshape(-1).view(torch.uint8))  # one copy, from wherever it lives
         self.crc = zlib.crc32(memoryview(staging.numpy()), self.crc)
-        with record_function(BLOCK_WRITE):
+        with profiled(BLOCK_WRITE):
             handle = self.aio.write(self.file, staging, self.bytes)
         self._writes.add(handle, staging)
         self.bytes += staging.numel()

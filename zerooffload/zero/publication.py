@@ -24,11 +24,11 @@ import contextlib
 from typing import Any
 
 import torch
-from torch.profiler import record_function
 
 from ..block_stream import STREAM_BUFFERS, BlockWriter
 from ..comm import Comm, all_gather
 from ..tiers import Block, Kind, LinkStats, Tier
+from ..trace import profiled
 from .partition import FlatUnit
 from .shard_blocks import SplitShardBlock
 from .unit_layout import Piece
@@ -88,7 +88,7 @@ class Publication:
         """Complete ``target`` from the masters outside the ``stepped`` pieces and send it on."""
         if target is None:
             return
-        with record_function("zerooffload::publish"):
+        with profiled("zerooffload::publish"):
             trainable = unit.trainable_numel
             _copy_unstepped(target[:trainable], unit.master, stepped)
             self._count(unit, target, updated_on_device)
@@ -118,7 +118,7 @@ class Publication:
 
     def finish(self) -> None:
         """Every store home and every all-gather done (their inputs freed)."""
-        with record_function("zerooffload::publish"):
+        with profiled("zerooffload::publish"):
             self.writer.finish()
             for source, work in self._gathers:
                 work.wait()

@@ -29,11 +29,11 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 import torch
-from torch.profiler import record_function
 
 from ..comm import Comm, all_gather
 from ..config import ConfigError
 from ..tiers import DeviceCopier, Kind, Tier
+from ..trace import profiled
 from .partition import FlatUnit, ParamState
 
 __all__ = ["PrefetchStats", "ParamScheduler", "gathered_bytes", "check_live_bound"]
@@ -277,7 +277,7 @@ class ParamScheduler:
         """Start ``units[index]``'s all-gather (its views attach once it is waited for)."""
         unit = self.units[index]
         source, releases = self._shard_source(index)
-        with record_function("zerooffload::gather"):
+        with profiled("zerooffload::gather"):
             buffer = unit.begin_gather(self.tier)
             self.live_bytes += gathered_bytes(unit)
             self.stats.gathers += 1
@@ -288,7 +288,7 @@ class ParamScheduler:
         if index not in self._in_flight:
             return
         work, releases = self._in_flight.pop(index)
-        with record_function("zerooffload::gather"):
+        with profiled("zerooffload::gather"):
             if work is not None:
                 start = time.perf_counter()
                 work.wait()

@@ -12,13 +12,12 @@ import math
 from typing import Iterator
 
 import torch
-from torch.profiler import record_function
 
 from ..comm import control_all_reduce
 from ..optim.cpu_adam import sum_squares
 from ..optim.state import UnitOptimizerState
 from ..tiers import Kind, Tier
-from ..trace import RECORDER
+from ..trace import RECORDER, profiled
 from .partition import FlatUnit
 from .publication import Publication
 from .scheduler import ParamScheduler
@@ -92,10 +91,11 @@ class Updater:
         ``sumsq``, returns the squared norm of ``grad`` (float64), summed by the update as it reads it
         (the pieces that do not step have none: zeros)."""
         target = publication.target(opt_state.unit)
-        stepped = [(piece, tensor) for piece, tensor in opt_state.pieces if flags[piece.slot_index] > 0]
+        had_grad = flags.tolist()  # one read of the counts, not one tensor index per piece
+        stepped = [(piece, tensor) for piece, tensor in opt_state.pieces if had_grad[piece.slot_index] > 0]
         total = torch.zeros((), dtype=torch.float64) if sumsq else None
         if stepped:
-            with record_function("zerooffload::optimizer_update"):
+            with profiled("zerooffload::optimizer_update"):
                 total = self._step_pieces(stepped, grad, grad_scale, target, self.state.update_tier(opt_state), sumsq)
         self.send(publication, opt_state, target, [piece for piece, _ in stepped])
         return total
