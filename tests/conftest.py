@@ -35,7 +35,6 @@ def pytest_configure(config):
                                 "run the tests from the environment that has them")
 
 
-
 @pytest.fixture(scope="session")
 def rank_pools():
     pools: dict[int, RankPool] = {}
