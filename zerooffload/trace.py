@@ -156,7 +156,7 @@ def profiled(name: str) -> ContextManager:
 
 @contextlib.contextmanager
 def span(name: str, track: str = "collectives") -> Iterator[None]:
-    """``record_function(name)`` for torch.profiler, and the same span on ``track`` of an armed trace."""
+    """``profiled(name)`` for torch.profiler, and the same span on ``track`` of an armed trace."""
     start = time.perf_counter()
     with profiled(name):
         yield

@@ -91,8 +91,8 @@ class Updater:
         ``sumsq``, returns the squared norm of ``grad`` (float64), summed by the update as it reads it
         (the pieces that do not step have none: zeros)."""
         target = publication.target(opt_state.unit)
-        had_grad = flags.tolist()  # one read of the counts, not one tensor index per piece
-        stepped = [(piece, tensor) for piece, tensor in opt_state.pieces if had_grad[piece.slot_index] > 0]
+        grad_counts = flags.tolist()  # read once, not one tensor index per piece
+        stepped = [(piece, tensor) for piece, tensor in opt_state.pieces if grad_counts[piece.slot_index] > 0]
         total = torch.zeros((), dtype=torch.float64) if sumsq else None
         if stepped:
             with profiled("zerooffload::optimizer_update"):
