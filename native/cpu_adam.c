@@ -5,12 +5,12 @@
  * Vocabulary
  *   consts   the floats the element arithmetic uses, derived once per call in double as torch
  *            derives them, then rounded to float.
- *   range    elements [begin, end) that one thread updates. A level's range function runs whole
+ *   range    elements [begin, end) that one thread updates at a time. A level's range function runs whole
  *            vectors (16 or 8 elements) and leaves the last few (its tail) to the scalar code,
  *            which does the same arithmetic (ADAM_UPDATE) and the same rounding, so results do
  *            not depend on the level, the thread count or where a range starts.
- *   chunk    one thread's range: a multiple of 64 elements (whole cache lines of every array)
- *            except the last.
+ *   block    a range the threads of a pass take in turn (struct split): a multiple of 64
+ *            elements (whole cache lines of every array) except the last.
  *
  * Threads are started per call and joined before it returns: no pool outlives a call, so there is
  * nothing to shut down, nothing to leak and nothing that a fork() could inherit half-alive. Passes
@@ -536,51 +536,87 @@ static unsigned thread_count(unsigned asked, size_t n)
     return count ? (unsigned)count : 1;
 }
 
-struct chunk {
-    const void *pass;
+/* A split: passes (struct pass, struct sumsq_pass) of ns[i] elements each, cut into blocks of `block`
+ * elements (a multiple of 64 and of SUMSQ_BLOCK, so a block's sum does not depend on who runs it),
+ * which the threads take in turn from `next`, pass after pass. The caller starts at once and a helper
+ * joins whenever it is scheduled: on a busy or virtual CPU a thread can start hundreds of microseconds
+ * late, and an even split made every call wait for its late half. Many passes in one split pay for
+ * one start and one join, and run on as one stream. Each block's sum of squares lands in its own slot
+ * and a pass's slots are added in block order, so its sum is the same whatever the threads and their
+ * timing. */
+#define SPLIT_BLOCK_MIN ((size_t)1 << 16)
+#define SPLIT_BLOCKS_TARGET 2048u
+
+struct split {
+    const void *const *passes;
+    const size_t *ns;
+    size_t count;
     range_fn *run;
-    size_t begin, end;
-    double sumsq;
-    pthread_t thread;
-    int started;
+    size_t block;
+    size_t *first;               /* first[i]: pass i's first block; first[count]: every block */
+    double *block_sumsq;
+    size_t next;                 /* the next block to take (atomic) */
 };
 
-static void *chunk_main(void *arg)
+static void *split_worker(void *arg)
 {
-    struct chunk *c = arg;
-    c->sumsq = c->run(c->pass, c->begin, c->end);
-    return NULL;
+    struct split *s = arg;
+    size_t pass = 0;  /* a thread takes blocks in increasing order: its pass only moves forward */
+    for (;;) {
+        size_t index = __atomic_fetch_add(&s->next, 1, __ATOMIC_RELAXED);
+        if (index >= s->first[s->count])
+            return NULL;
+        while (s->first[pass + 1] <= index)
+            pass++;
+        size_t begin = (index - s->first[pass]) * s->block, n = s->ns[pass];
+        size_t end = n - begin > s->block ? begin + s->block : n;
+        s->block_sumsq[index] = s->run(s->passes[pass], begin, end);
+    }
 }
 
-/* Chunk 0 runs on the calling thread, the others on threads started here; a chunk whose thread
- * cannot start runs on the calling thread afterwards. Every chunk is non-empty: each holds at
- * least ZO_ADAM_MIN_PER_THREAD elements before rounding up to 64, which cannot use up the rest. */
-static int run_split(const void *pass, range_fn *run, size_t n, unsigned threads, double *sumsq)
+/* The passes, run by the caller and threads - 1 helpers; a helper that cannot start leaves its
+ * blocks to the others, so no pass is ever half applied. sumsq[i] (where not NULL) receives pass i's
+ * sum of squares. */
+static int run_split(const void *const *passes, const size_t *ns, size_t count, range_fn *run, unsigned threads,
+                     double *const *sumsq)
 {
-    struct chunk chunks[ZO_ADAM_MAX_THREADS];
-    size_t per = ((n + threads - 1) / threads + 63) & ~(size_t)63;
-    for (unsigned i = 0; i < threads; i++) {
-        size_t begin = i * per, end = begin + per < n ? begin + per : n;
-        chunks[i] = (struct chunk){.pass = pass, .run = run, .begin = begin, .end = end};
-        if (i > 0)
-            chunks[i].started = pthread_create(&chunks[i].thread, NULL, chunk_main, &chunks[i]) == 0;
+    size_t total = 0;
+    for (size_t i = 0; i < count; i++)
+        total += ns[i];
+    size_t block = (total + SPLIT_BLOCKS_TARGET - 1) / SPLIT_BLOCKS_TARGET;
+    block = block < SPLIT_BLOCK_MIN ? SPLIT_BLOCK_MIN : (block + SUMSQ_BLOCK - 1) / SUMSQ_BLOCK * SUMSQ_BLOCK;
+    struct split split = {.passes = passes, .ns = ns, .count = count, .run = run, .block = block,
+                          .first = malloc((count + 1) * sizeof(size_t))};
+    if (!split.first)
+        return -ENOMEM;
+    split.first[0] = 0;
+    for (size_t i = 0; i < count; i++)
+        split.first[i + 1] = split.first[i] + (ns[i] + block - 1) / block;
+    split.block_sumsq = malloc((split.first[count] + 1) * sizeof(double));
+    if (!split.block_sumsq) {
+        free(split.first);
+        return -ENOMEM;
     }
-    chunk_main(&chunks[0]);
+    pthread_t helpers[ZO_ADAM_MAX_THREADS];
+    int started[ZO_ADAM_MAX_THREADS] = {0};
+    for (unsigned i = 1; i < threads; i++)
+        started[i] = pthread_create(&helpers[i], NULL, split_worker, &split) == 0;
+    split_worker(&split);
     int rc = 0;
     for (unsigned i = 1; i < threads; i++) {
-        if (!chunks[i].started) {
-            chunk_main(&chunks[i]);
-            continue;
-        }
-        int joined = pthread_join(chunks[i].thread, NULL);
+        int joined = started[i] ? pthread_join(helpers[i], NULL) : 0;
         if (joined && !rc)
             rc = -joined;
     }
-    double total = 0;
-    for (unsigned i = 0; i < threads; i++)
-        total += chunks[i].sumsq;
-    if (sumsq)
-        *sumsq = total;
+    for (size_t i = 0; i < count; i++) {
+        double pass_sumsq = 0;
+        for (size_t index = split.first[i]; index < split.first[i + 1]; index++)
+            pass_sumsq += split.block_sumsq[index];
+        if (sumsq[i])
+            *sumsq[i] = pass_sumsq;
+    }
+    free(split.block_sumsq);
+    free(split.first);
     return rc;
 }
 
@@ -597,24 +633,47 @@ static int valid_args(const struct zo_adam_args *a)
                          (a->out_dtype == ZO_DTYPE_NONE || a->out));
 }
 
-int zo_adam_step(const struct zo_adam_args *args)
+int zo_adam_steps(const struct zo_adam_args *args, size_t count, unsigned threads)
 {
     int level = zo_adam_simd();
     if (level < 0)
         return level;
-    if (!valid_args(args))
-        return -EINVAL;
-    if (args->grad_sumsq)
-        *args->grad_sumsq = 0;
-    if (args->n == 0)
-        return 0;
-    struct pass pass = {
-        .param = args->param, .exp_avg = args->exp_avg, .exp_avg_sq = args->exp_avg_sq,
-        .grad = args->grad, .out = args->out, .grad_dtype = args->grad_dtype,
-        .out_dtype = args->out_dtype, .sumsq = args->grad_sumsq != NULL, .stream_out = args->n >= STREAM_OUT_MIN,
-        .k = derive_consts(args),
-    };
-    return run_split(&pass, level_run[level], args->n, thread_count(args->threads, args->n), args->grad_sumsq);
+    size_t total = 0;
+    for (size_t i = 0; i < count; i++) {
+        if (!valid_args(&args[i]))
+            return -EINVAL;
+        total += args[i].n;
+    }
+    struct pass *pass = malloc(count * sizeof(*pass) + 1);
+    const void **passes = malloc(count * sizeof(*passes) + 1);
+    size_t *ns = malloc(count * sizeof(*ns) + 1);
+    double **sumsq = malloc(count * sizeof(*sumsq) + 1);
+    int rc = pass && passes && ns && sumsq ? 0 : -ENOMEM;
+    for (size_t i = 0; rc == 0 && i < count; i++) {
+        const struct zo_adam_args *a = &args[i];
+        pass[i] = (struct pass){
+            .param = a->param, .exp_avg = a->exp_avg, .exp_avg_sq = a->exp_avg_sq, .grad = a->grad, .out = a->out,
+            .grad_dtype = a->grad_dtype, .out_dtype = a->out_dtype, .sumsq = a->grad_sumsq != NULL,
+            .stream_out = a->n >= STREAM_OUT_MIN, .k = derive_consts(a),
+        };
+        passes[i] = &pass[i];
+        ns[i] = a->n;
+        sumsq[i] = a->grad_sumsq;
+        if (sumsq[i])
+            *sumsq[i] = 0;
+    }
+    if (rc == 0 && total > 0)
+        rc = run_split(passes, ns, count, level_run[level], thread_count(threads, total), sumsq);
+    free(sumsq);
+    free(ns);
+    free(passes);
+    free(pass);
+    return rc;
+}
+
+int zo_adam_step(const struct zo_adam_args *args)
+{
+    return zo_adam_steps(args, 1, args->threads);
 }
 
 int zo_sum_squares(const void *x, int dtype, size_t n, unsigned threads, double *sumsq)
@@ -628,10 +687,12 @@ int zo_sum_squares(const void *x, int dtype, size_t n, unsigned threads, double 
     if (n == 0)
         return 0;
     const struct sumsq_pass pass = {.x = x, .dtype = dtype};
+    const void *passes[] = {&pass};
+    double *sums[] = {sumsq};
     /* a read-only pass moves a sixth of an update's bytes per element: as many per thread */
     unsigned count = thread_count(threads, n / 6);
-    int rc = run_split(&pass, sumsq_run[level], n, count, sumsq);
+    int rc = run_split(passes, &n, 1, sumsq_run[level], count, sums);
     if (rc == 0 && !isfinite(*sumsq))  /* an inf or NaN, or squares past fp32's range: again in double */
-        rc = run_split(&pass, scalar_sumsq, n, count, sumsq);
+        rc = run_split(passes, &n, 1, scalar_sumsq, count, sums);
     return rc;
 }

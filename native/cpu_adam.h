@@ -64,6 +64,11 @@ struct zo_adam_args {
  * update is never half applied. */
 int zo_adam_step(const struct zo_adam_args *args);
 
+/* count updates (each as zo_adam_step's, args[i].threads aside) as one split over threads (0: every
+ * CPU this process may run on): one start and one join for them all, their elements streamed one after
+ * the other. Every update is checked before any runs: -EINVAL leaves them all unapplied. */
+int zo_adam_steps(const struct zo_adam_args *args, size_t count, unsigned threads);
+
 /* The sum of the squares of n elements of x (ZO_DTYPE_FP32 | BF16 | FP16), each squared in fp32 and
  * summed in blocks into a double; a sum that is not finite is taken again in double, so the result
  * is finite exactly when every element is. The norm of a

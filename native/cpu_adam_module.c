@@ -6,11 +6,12 @@
  * set: if it fails to build, the I/O engine is still there (and the optimizer falls back to torch).
  *
  * Python interface
- *   adam_step(param_addr, grad_addr, grad_dtype, exp_avg_addr, exp_avg_sq_addr, out_addr, out_dtype,
- *             n, lr, beta1, beta2, eps, weight_decay, grad_scale, step, adamw, threads, want_sumsq)
- *       -> float | None
- *       one fused Adam/AdamW pass over n elements (cpu_adam.h), returning the gradient's sum of
- *       squares when want_sumsq; OSError(EINVAL) on bad arguments
+ *   adam_steps([(param_addr, grad_addr, grad_dtype, exp_avg_addr, exp_avg_sq_addr, out_addr, out_dtype,
+ *                n, lr, beta1, beta2, eps, weight_decay, grad_scale, step, adamw, want_sumsq), ...],
+ *              threads) -> [float | None, ...]
+ *       fused Adam/AdamW passes, each over its n elements, run as one split (cpu_adam.h's
+ *       zo_adam_steps), returning each gradient's sum of squares where want_sumsq asks;
+ *       OSError(EINVAL) on bad arguments, with no pass applied
  *   sum_squares(addr, dtype, n, threads) -> float: the sum of squares of n elements (cpu_adam.h)
  *   adam_simd() -> "avx512" | "avx2" | "scalar"; OSError(EINVAL) when ZO_ADAM_SIMD names no level.
  *       Off x86 (and when built with -DZO_ADAM_SCALAR_ONLY) it is always "scalar".
@@ -20,39 +21,70 @@
 
 #include "cpu_adam.h"
 
-static PyObject *adam_step(PyObject *Py_UNUSED(module), PyObject *args)
+/* One update's tuple (the interface above) into a; its sum of squares goes to *sumsq when asked. */
+static int parse_update(PyObject *update, struct zo_adam_args *a, double *sumsq)
 {
     unsigned long long param, grad, exp_avg, exp_avg_sq, out;
     long long step;
     Py_ssize_t n;
     int want_sumsq;
-    double sumsq = 0;
-    struct zo_adam_args a;
-    if (!PyArg_ParseTuple(args, "KKiKKKindddddfLpIp", &param, &grad, &a.grad_dtype, &exp_avg,
-                          &exp_avg_sq, &out, &a.out_dtype, &n, &a.lr, &a.beta1, &a.beta2, &a.eps,
-                          &a.weight_decay, &a.grad_scale, &step, &a.adamw, &a.threads, &want_sumsq))
-        return NULL;
-    a.grad_sumsq = want_sumsq ? &sumsq : NULL;
+    if (!PyArg_ParseTuple(update, "KKiKKKindddddfLpp", &param, &grad, &a->grad_dtype, &exp_avg, &exp_avg_sq, &out,
+                          &a->out_dtype, &n, &a->lr, &a->beta1, &a->beta2, &a->eps, &a->weight_decay,
+                          &a->grad_scale, &step, &a->adamw, &want_sumsq))
+        return -1;
     if (n < 0) {
         PyErr_SetString(PyExc_ValueError, "n must be >= 0");
-        return NULL;
+        return -1;
     }
-    a.param = (float *)(uintptr_t)param;
-    a.grad = (const void *)(uintptr_t)grad;
-    a.exp_avg = (float *)(uintptr_t)exp_avg;
-    a.exp_avg_sq = (float *)(uintptr_t)exp_avg_sq;
-    a.out = (void *)(uintptr_t)out;
-    a.n = (size_t)n;
-    a.step = step;
+    a->param = (float *)(uintptr_t)param;
+    a->grad = (const void *)(uintptr_t)grad;
+    a->exp_avg = (float *)(uintptr_t)exp_avg;
+    a->exp_avg_sq = (float *)(uintptr_t)exp_avg_sq;
+    a->out = (void *)(uintptr_t)out;
+    a->n = (size_t)n;
+    a->step = step;
+    a->threads = 0;
+    a->grad_sumsq = want_sumsq ? sumsq : NULL;
+    return 0;
+}
+
+static PyObject *adam_steps(PyObject *Py_UNUSED(module), PyObject *args)
+{
+    PyObject *updates;
+    unsigned threads;
+    if (!PyArg_ParseTuple(args, "O!I", &PyList_Type, &updates, &threads))
+        return NULL;
+    Py_ssize_t count = PyList_GET_SIZE(updates);
+    struct zo_adam_args *a = PyMem_Calloc((size_t)count + 1, sizeof(*a));
+    double *sums = PyMem_Calloc((size_t)count + 1, sizeof(*sums));
+    PyObject *result = NULL;
+    if (!a || !sums) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < count; i++)
+        if (parse_update(PyList_GET_ITEM(updates, i), &a[i], &sums[i]) < 0)
+            goto done;
     int rc;
     Py_BEGIN_ALLOW_THREADS
-    rc = zo_adam_step(&a);
+    rc = zo_adam_steps(a, (size_t)count, threads);
     Py_END_ALLOW_THREADS
-    if (rc < 0)
-        return raise_errno(rc);
-    if (want_sumsq)
-        return PyFloat_FromDouble(sumsq);
-    Py_RETURN_NONE;
+    if (rc < 0) {
+        raise_errno(rc);
+        goto done;
+    }
+    result = PyList_New(count);
+    for (Py_ssize_t i = 0; result && i < count; i++) {
+        PyObject *item = a[i].grad_sumsq ? PyFloat_FromDouble(sums[i]) : Py_NewRef(Py_None);
+        if (!item)
+            Py_CLEAR(result);
+        else
+            PyList_SET_ITEM(result, i, item);
+    }
+done:
+    PyMem_Free(sums);
+    PyMem_Free(a);
+    return result;
 }
 
 static PyObject *sum_squares(PyObject *Py_UNUSED(module), PyObject *args)
@@ -86,9 +118,9 @@ static PyObject *adam_simd(PyObject *Py_UNUSED(module), PyObject *Py_UNUSED(igno
 }
 
 static PyMethodDef module_methods[] = {
-    {"adam_step", adam_step, METH_VARARGS, "One fused Adam/AdamW pass (see native/cpu_adam.h)."},
+    {"adam_steps", adam_steps, METH_VARARGS, "Fused Adam/AdamW passes in one split (see native/cpu_adam.h)."},
     {"sum_squares", sum_squares, METH_VARARGS, "The sum of squares of a tensor (see native/cpu_adam.h)."},
-    {"adam_simd", adam_simd, METH_NOARGS, "The instruction set adam_step runs on."},
+    {"adam_simd", adam_simd, METH_NOARGS, "The instruction set adam_steps runs on."},
     {NULL, NULL, 0, NULL},
 };
 

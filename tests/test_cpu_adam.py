@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from zerooffload.optim import cpu_adam, fused_adam_step, simd_level
+from zerooffload.optim import AdamUpdate, cpu_adam, fused_adam_step, fused_adam_steps, simd_level
 
 TESTS = Path(__file__).resolve().parent
 LEVELS = ("avx512", "avx2", "scalar")
@@ -330,3 +330,58 @@ def test_the_update_sums_the_squares_of_the_gradient_as_given_without_changing_i
     assert results[1][0] == pytest.approx(_float64_sumsq(grad), rel=1e-5)  # before grad_scale
     for name, plain, summed in zip(("param", "exp_avg", "exp_avg_sq", "out"), results[0][1:], results[1][1:]):
         assert_bits_equal(summed, plain, name)
+
+
+def test_the_updates_sum_of_squares_is_the_same_whatever_the_thread_count():
+    """The clip coefficient comes from this sum, so a rank's update must not depend on how many threads
+    summed it, nor on which thread happened to take which block."""
+    generator = torch.Generator().manual_seed(4)
+    n = 1_000_003
+    grad = torch.randn(n, generator=generator).to(torch.bfloat16)
+    start = [torch.randn(n, generator=generator), torch.zeros(n), torch.zeros(n)]
+    sums = set()
+    for threads in (1, 2, 3, 7, 2, 3):
+        param, exp_avg, exp_avg_sq = (t.clone() for t in start)
+        sums.add(fused_adam_step(param, grad, exp_avg, exp_avg_sq, None, lr=LR, betas=BETAS, eps=EPS,
+                                 weight_decay=WEIGHT_DECAY, step=1, threads=threads, grad_sumsq=True))
+    assert len(sums) == 1, sums
+
+
+# ------------------------------------------------------------------------------------------------
+# Updates run together (fused_adam_steps): one pass for many tensors, as the engine's step runs them
+
+TOGETHER = [  # (n, grad dtype, lr, step, grad_sumsq): a split one, an empty one, a tail alone, one more
+    (1_000_003, torch.bfloat16, 1e-2, 1, True), (0, torch.float32, 1e-3, 2, True),
+    (17, torch.float16, 1e-3, 3, False), (300_001, torch.float32, 5e-3, 7, True)]
+
+
+def _together_inputs(n: int, grad_dtype: torch.dtype, seed: int) -> dict:
+    generator = torch.Generator().manual_seed(seed)
+    return {"param": torch.randn(n, generator=generator), "grad": torch.randn(n, generator=generator).to(grad_dtype),
+            "exp_avg": torch.randn(n, generator=generator) * 1e-3, "exp_avg_sq": torch.rand(n, generator=generator) * 1e-4,
+            "out": torch.empty(n, dtype=torch.bfloat16)}
+
+
+def test_updates_run_together_equal_each_update_run_alone():
+    alone = [_together_inputs(n, dtype, seed) for seed, (n, dtype, *_) in enumerate(TOGETHER)]
+    together = [{name: t.clone() for name, t in inputs.items()} for inputs in alone]
+    hyper = [{"lr": lr, "betas": BETAS, "eps": EPS, "weight_decay": WEIGHT_DECAY, "step": step, "grad_sumsq": sumsq}
+             for _, _, lr, step, sumsq in TOGETHER]
+    sums_alone = [fused_adam_step(**inputs, **h) for inputs, h in zip(alone, hyper)]
+    sums_together = fused_adam_steps([AdamUpdate(**inputs, **h) for inputs, h in zip(together, hyper)])
+    for index, (mine, reference) in enumerate(zip(together, alone)):
+        for name in mine:
+            assert_bits_equal(mine[name], reference[name], f"updates[{index}].{name}")
+    assert [s is None for s in sums_together] == [not h["grad_sumsq"] for h in hyper]
+    for mine, reference, inputs in zip(sums_together, sums_alone, alone):
+        if mine is not None:  # blocks are cut from the whole split: the same squares, added in other groups
+            assert mine == pytest.approx(reference, rel=1e-12)
+            assert mine == pytest.approx(_float64_sumsq(inputs["grad"]), rel=1e-5)
+
+
+def test_updates_run_together_are_all_checked_before_any_runs():
+    good = {**_arguments(), "param": torch.ones(64)}
+    updates = [AdamUpdate(**good), AdamUpdate(**{**_arguments(), "grad": torch.zeros(64, dtype=torch.int32)})]
+    with pytest.raises(ValueError, match=r"^updates\[1\]: grad has dtype int32"):
+        fused_adam_steps(updates)
+    assert torch.equal(good["param"], torch.ones(64))

@@ -1,4 +1,5 @@
-"""``fused_adam_step``: one fused pass of Adam/AdamW over an fp32 master shard on the CPU.
+"""``fused_adam_step``: one fused pass of Adam/AdamW over an fp32 master shard on the CPU
+(``fused_adam_steps``: over many, as one pass).
 
 [Note: fused Adam tensors]
 - *param*: the fp32 master values, updated in place.
@@ -23,6 +24,7 @@ times slower); ``simd_level()`` then says ``"torch"``.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 
@@ -33,7 +35,7 @@ try:
 except ImportError:  # built optional (setup.py): the torch fallback below takes over
     _cpu_adam = None
 
-__all__ = ["fused_adam_step", "simd_level", "sum_squares"]
+__all__ = ["AdamUpdate", "fused_adam_step", "fused_adam_steps", "simd_level", "sum_squares"]
 
 _DTYPE_NAMES = {torch.float32: "FP32", torch.bfloat16: "BF16", torch.float16: "FP16"}
 """The grad and out dtypes the pass reads and writes, by their name in the native module (DTYPE_*)."""
@@ -53,6 +55,24 @@ def simd_level() -> str:
                          "expected avx512, avx2 or scalar") from None
 
 
+@dataclasses.dataclass(frozen=True)
+class AdamUpdate:
+    """One update's tensors and hyperparameters, as ``fused_adam_step`` takes them."""
+    param: torch.Tensor
+    grad: torch.Tensor
+    exp_avg: torch.Tensor
+    exp_avg_sq: torch.Tensor
+    out: torch.Tensor | None
+    lr: float
+    betas: tuple[float, float]
+    eps: float
+    weight_decay: float
+    step: int
+    adamw: bool = True
+    grad_scale: float = 1.0
+    grad_sumsq: bool = False
+
+
 def fused_adam_step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
                     out: torch.Tensor | None = None, *, lr: float, betas: tuple[float, float], eps: float,
                     weight_decay: float, step: int, adamw: bool = True, grad_scale: float = 1.0,
@@ -63,20 +83,49 @@ def fused_adam_step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tens
     use; passes under 256Ki elements run on the calling thread). With ``grad_sumsq`` it returns the
     sum of the squares of ``grad`` as given (before ``grad_scale``), summed in the same pass: the norm
     for statistics costs no pass of its own. Raises ValueError naming the argument at fault."""
-    _check_tensors(param, grad, exp_avg, exp_avg_sq, out)
-    beta1, beta2 = _check_hyperparameters(lr, betas, eps, weight_decay, step, threads)
+    update = AdamUpdate(param, grad, exp_avg, exp_avg_sq, out, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                        step=step, adamw=adamw, grad_scale=grad_scale, grad_sumsq=grad_sumsq)
+    _check_threads(threads)
+    return _run([_checked(update)], threads)[0]
+
+
+def fused_adam_steps(updates: list[AdamUpdate], threads: int = 0) -> list[float | None]:
+    """``fused_adam_step`` on each of ``updates`` (which must not overlap), all in one native pass: one
+    start of its threads for them all, each update's elements streamed after the last one's. A step's
+    updates of many units cost what one update of as many elements does, not one thread start and one
+    cold return to Python per unit. Every update is checked before any runs (a ValueError names the
+    update and the argument at fault)."""
+    _check_threads(threads)
+    checked = []
+    for index, update in enumerate(updates):
+        try:
+            checked.append(_checked(update))
+        except ValueError as error:
+            raise ValueError(f"updates[{index}]: {error}") from None
+    return _run(checked, threads)
+
+
+def _run(updates: list[tuple[AdamUpdate, float, float]], threads: int) -> list[float | None]:
+    """Checked updates (with their betas as floats) run by the native pass, or by torch's ops without it."""
     if _cpu_adam is None:
-        sumsq = sum_squares(grad).item() if grad_sumsq else None  # before the update: grad may alias nothing
-        _torch_step(param, grad, exp_avg, exp_avg_sq, out, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
-                    weight_decay=weight_decay, step=step, adamw=adamw, grad_scale=grad_scale)
-        return sumsq
+        return [_torch_update(update, beta1, beta2) for update, beta1, beta2 in updates]
     simd_level()  # a bad ZO_ADAM_SIMD surfaces here as a ValueError naming it, not as OSError(EINVAL)
-    sumsq = _cpu_adam.adam_step(param.data_ptr(), grad.data_ptr(), _dtype_code(grad), exp_avg.data_ptr(),
-                               exp_avg_sq.data_ptr(), 0 if out is None else out.data_ptr(), _dtype_code(out),
-                               param.numel(), float(lr), beta1, beta2, float(eps), float(weight_decay),
-                               float(grad_scale), step, bool(adamw), threads, bool(grad_sumsq))
-    if sumsq is not None and not math.isfinite(sumsq):
-        return sum_squares(grad).item()  # squares past fp32's range are finite in double: sum_squares decides
+    sums = _cpu_adam.adam_steps([_native_arguments(update, beta1, beta2) for update, beta1, beta2 in updates], threads)
+    return [sumsq if sumsq is None or math.isfinite(sumsq) else sum_squares(update.grad).item()
+            for sumsq, (update, _, _) in zip(sums, updates)]  # squares past fp32's range: sum_squares decides
+
+
+def _native_arguments(u: AdamUpdate, beta1: float, beta2: float) -> tuple:
+    """One update as the native module's ``adam_steps`` takes it."""
+    return (u.param.data_ptr(), u.grad.data_ptr(), _dtype_code(u.grad), u.exp_avg.data_ptr(), u.exp_avg_sq.data_ptr(),
+            0 if u.out is None else u.out.data_ptr(), _dtype_code(u.out), u.param.numel(), float(u.lr), beta1, beta2,
+            float(u.eps), float(u.weight_decay), float(u.grad_scale), u.step, bool(u.adamw), bool(u.grad_sumsq))
+
+
+def _torch_update(u: AdamUpdate, beta1: float, beta2: float) -> float | None:
+    sumsq = sum_squares(u.grad).item() if u.grad_sumsq else None  # the gradient as given, before the update
+    _torch_step(u.param, u.grad, u.exp_avg, u.exp_avg_sq, u.out, lr=u.lr, beta1=beta1, beta2=beta2, eps=u.eps,
+                weight_decay=u.weight_decay, step=u.step, adamw=u.adamw, grad_scale=u.grad_scale)
     return sumsq
 
 
@@ -125,7 +174,13 @@ def _check_tensor(name: str, tensor, dtypes: tuple[torch.dtype, ...], numel: int
         raise ValueError(f"{name} has {tensor.numel()} elements but param has {numel}")
 
 
-def _check_hyperparameters(lr, betas, eps, weight_decay, step, threads) -> tuple[float, float]:
+def _checked(update: AdamUpdate) -> tuple[AdamUpdate, float, float]:
+    """``update`` with its betas as floats, once its tensors and hyperparameters are checked."""
+    _check_tensors(update.param, update.grad, update.exp_avg, update.exp_avg_sq, update.out)
+    return (update, *_check_hyperparameters(update.lr, update.betas, update.eps, update.weight_decay, update.step))
+
+
+def _check_hyperparameters(lr, betas, eps, weight_decay, step) -> tuple[float, float]:
     """The ranges torch.optim.Adam accepts, plus what the native pass needs; returns (beta1, beta2)."""
     if not lr >= 0:
         raise ValueError(f"lr = {lr}: must be >= 0")
@@ -139,9 +194,12 @@ def _check_hyperparameters(lr, betas, eps, weight_decay, step, threads) -> tuple
             raise ValueError(f"betas[{i}] = {beta}: must be in [0, 1)")
     if isinstance(step, bool) or not isinstance(step, int) or step < 1:
         raise ValueError(f"step = {step!r}: must be an int >= 1 (the count after this update)")
+    return beta1, beta2
+
+
+def _check_threads(threads) -> None:
     if isinstance(threads, bool) or not isinstance(threads, int) or threads < 0:
         raise ValueError(f"threads = {threads!r}: must be an int >= 0 (0: every CPU)")
-    return beta1, beta2
 
 
 # ------------------------------------------------------------------------------------------------
