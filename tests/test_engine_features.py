@@ -119,6 +119,21 @@ def test_torch_lr_scheduler_and_param_groups_behave_as_in_torch(make_engine):
     assert [g["lr"] for g in engine.optimizer.param_groups] == [0.01 / 16, 0.05 / 16]
 
 
+@pytest.mark.parametrize("config", [{}, {"zero": {"stage": 2}, "offload": {"optimizer": {"tier": "host"}},
+                                     "optimizer": {"update_in_backward": "on"}}], ids=["in-step", "in-backward"])
+def test_step_hooks_see_one_optimizer_step_per_engine_step(make_engine, config):
+    """torch's step hooks (and LR schedulers, by the same wrapper) count optimizer steps: however many
+    units a step updates, and however many of them backward updated already, they see one."""
+    engine = make_engine(_mlp(), config)
+    assert len(engine.units) > 1
+    calls = []
+    engine.optimizer.register_step_pre_hook(lambda optimizer, args, kwargs: calls.append("pre"))
+    engine.optimizer.register_step_post_hook(lambda optimizer, args, kwargs: calls.append("post"))
+    _train(engine, steps=3)
+    assert calls == ["pre", "post"] * 3
+    assert engine.global_steps == 3
+
+
 def _expected_lr(step: int, peak: float, floor: float, warmup: int, total: int) -> float:
     """The warmup-cosine schedule written out independently of the library."""
     if step < warmup:

@@ -266,7 +266,7 @@ class Engine:
             self._window_skipped = None
             self._updater.republish(undone)
         else:
-            self._updater.step_units(had_grad, scale)  # with the undone units
+            self.optimizer.step_with(lambda: self._updater.step_units(had_grad, scale))  # with the undone units
         for unit in self.units:
             unit.clear_grads(self.state.compute)
         release_idle(self.tiers)

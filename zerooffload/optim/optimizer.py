@@ -13,10 +13,12 @@ block (``optim.state``), accounted on its tier, and pieces' state are views of i
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from ..config import OptimizerConfig
-from .cpu_adam import fused_adam_step, simd_level
+from .cpu_adam import AdamUpdate, fused_adam_steps, simd_level
 
 __all__ = ["ZeroOptimizer", "moment_names"]
 
@@ -50,6 +52,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.fused = _fusable(self.param_groups)
         """Whether torch's update (where it runs) is its fused kernel."""
         self._torch_update: torch.optim.Optimizer | None = None
+        self._stepping: Callable[[], None] | None = None
+        """The engine's update of its units while ``step_with`` runs ``step``."""
         self.native = config.type in ("adam", "adamw") and simd_level() != "torch" and all(
             p.device.type == "cpu" for g in self.param_groups for p in g["params"])
 
@@ -75,26 +79,43 @@ class ZeroOptimizer(torch.optim.Optimizer):
         return self._torch_update
 
     @torch.no_grad()
-    def step(self, closure=None, *, grads: dict[torch.Tensor, torch.Tensor] | None = None, grad_scale: float = 1.0,
-             outs: dict[torch.Tensor, torch.Tensor] | None = None):
-        """The update over the pieces in ``grads`` (piece -> its gradient; without ``grads``, the pieces
-        whose ``.grad`` is set); each piece in ``outs`` also gets its new value written (cast) into
-        ``outs[piece]``. ``grad_scale`` multiplies the gradients first: the native pass takes any dtype,
-        torch's update fp32 gradients with ``grad_scale`` 1."""
+    def step(self, closure=None):
+        """torch's step. The engine calls it once per optimizer step (``step_with``) and updates its units
+        inside, so step hooks, the profiler's range and LR schedulers' bookkeeping see one step, however
+        many units it updates (and however many backward updated already). Called alone, it updates
+        the pieces whose ``.grad`` is set."""
+        if self._stepping is not None:
+            return self._stepping()
         if not self.native:
-            return self._torch_step(closure, grads or {}, grad_scale, outs or {})
-        self._native_steps(grads, grad_scale, outs or {}, grad_sumsq=False)
+            return self._torch_step(closure, {}, 1.0, {})
+        self.update({p: p.grad for g in self.param_groups for p in g["params"] if p.grad is not None})
         return None
 
-    @torch.no_grad()
-    def step_with_sumsq(self, grads: dict[torch.Tensor, torch.Tensor], grad_scale: float = 1.0,
-                        outs: dict[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        """``step`` over ``grads`` by the native pass (``native``), returning the sum of the squares of
-        the gradients as given (before ``grad_scale``; float64), summed as the pass reads them."""
-        if not self.native:
-            raise ValueError("step_with_sumsq runs the native pass: this optimizer is not native")
-        return torch.tensor(self._native_steps(grads, grad_scale, outs or {}, grad_sumsq=True), dtype=torch.float64)
+    def step_with(self, update_units: Callable[[], None]) -> None:
+        """One torch ``step`` whose work is ``update_units`` (which calls ``update`` per unit)."""
+        self._stepping = update_units
+        try:
+            self.step()
+        finally:
+            self._stepping = None
 
+    def update(self, grads: dict[torch.Tensor, torch.Tensor], grad_scale: float = 1.0,
+               outs: dict[torch.Tensor, torch.Tensor] | None = None, *, sumsq: bool = False) -> torch.Tensor | None:
+        """The update over the pieces in ``grads`` (piece -> its gradient), without torch's step wrapper:
+        the per-unit work of a step. Each piece in ``outs`` also gets its new value written (cast) into
+        ``outs[piece]``. ``grad_scale`` multiplies the gradients first: the native pass takes any dtype,
+        torch's update fp32 gradients with ``grad_scale`` 1. With ``sumsq`` (the native pass only),
+        returns the sum of the squares of the gradients as given (before ``grad_scale``; float64),
+        summed as the pass reads them."""
+        if not self.native:
+            if sumsq:
+                raise ValueError("update(sumsq=True) runs the native pass: this optimizer is not native")
+            self._torch_step(None, grads, grad_scale, outs or {})
+            return None
+        total = self._native_steps(grads, grad_scale, outs or {}, grad_sumsq=sumsq)
+        return torch.tensor(total, dtype=torch.float64) if sumsq else None
+
+    @torch.no_grad()
     def _torch_step(self, closure, grads: dict, grad_scale: float, outs: dict):
         if grad_scale != 1.0:
             raise ValueError("torch's update takes gradients already scaled: pass grad_scale = 1.0")
@@ -109,24 +130,26 @@ class ZeroOptimizer(torch.optim.Optimizer):
             out.copy_(piece)
         return loss
 
-    def _native_steps(self, grads: dict | None, grad_scale: float, outs: dict, grad_sumsq: bool) -> float:
-        sumsq = 0.0
+    def _native_steps(self, grads: dict, grad_scale: float, outs: dict, grad_sumsq: bool) -> float:
+        """Every piece in ``grads`` updated by one native pass (``fused_adam_steps``); returns the sum of
+        their gradients' squares (0 without ``grad_sumsq``)."""
+        updates, copies = [], []
         for group in self.param_groups:
             for piece in group["params"]:
-                grad = piece.grad if grads is None else grads.get(piece)
-                if grad is not None:
-                    sumsq += self._native_step(group, piece, grad, grad_scale, outs.get(piece), grad_sumsq) or 0.0
-        return sumsq
-
-    def _native_step(self, group: dict, piece: torch.Tensor, grad: torch.Tensor, grad_scale: float,
-                     out: torch.Tensor | None, grad_sumsq: bool) -> float | None:
-        state = self.state[piece]
-        state["step"] += 1
-        fused_out = out if out is not None and out.device.type == "cpu" else None  # the pass writes CPU memory
-        sumsq = fused_adam_step(piece, grad, state["exp_avg"], state["exp_avg_sq"], fused_out, lr=group["lr"],
-                                betas=group["betas"], eps=group["eps"], weight_decay=group["weight_decay"],
-                                step=int(state["step"].item()), adamw=self.kind == "adamw", grad_scale=grad_scale,
-                                grad_sumsq=grad_sumsq)
-        if out is not None and fused_out is None:
+                grad = grads.get(piece)
+                if grad is None:
+                    continue
+                state = self.state[piece]
+                state["step"] += 1
+                out = outs.get(piece)
+                fused_out = out if out is not None and out.device.type == "cpu" else None  # the pass writes CPU memory
+                if out is not None and fused_out is None:
+                    copies.append((out, piece))
+                updates.append(AdamUpdate(piece, grad, state["exp_avg"], state["exp_avg_sq"], fused_out, lr=group["lr"],
+                                          betas=group["betas"], eps=group["eps"], weight_decay=group["weight_decay"],
+                                          step=int(state["step"].item()), adamw=self.kind == "adamw",
+                                          grad_scale=grad_scale, grad_sumsq=grad_sumsq))
+        sums = fused_adam_steps(updates) if updates else []
+        for out, piece in copies:
             out.copy_(piece)
-        return sumsq
+        return sum(sumsq or 0.0 for sumsq in sums)

@@ -77,6 +77,11 @@ class Publication:
             return self.device_tier.empty(Kind.BUFFER, unit.layout.shard_numel, unit.compute_dtype)
         return None if unit.master_is_param else unit.flat_param[unit.shard_range][:trainable]
 
+    def in_place(self, unit: FlatUnit) -> bool:
+        """Whether ``unit``'s send moves nothing on: no shard store, no all-gather (its target, if any, is
+        its own weights)."""
+        return not unit.partitioned and not self._gathered(unit)
+
     def frozen_part(self, unit: FlatUnit) -> torch.Tensor | None:
         """In a round of loads, after ``target``: where this rank's values of ``unit`` past its trainable
         part go (the weights, or the target read from NVMe), in the compute dtype; None when it has none."""
