@@ -3,7 +3,9 @@
 One unit's update (``Updater.update_unit``) is the same whether the step runs it or an update in
 backward does: the optimizer on the pieces whose parameters had a gradient on some rank (others skip,
 as torch skips ``grad is None``), writing the new compute weights straight where they are published
-(``publication``): all-gathered at stages 1–2, a partitioned unit's shard home at stage 3.
+(``publication``): all-gathered at stages 1–2, a partitioned unit's shard home at stage 3. A step
+runs the units whose update moves nothing else in one native pass ([Note: updates run together]),
+bitwise the same: the pass is elementwise.
 """
 from __future__ import annotations
 
@@ -66,12 +68,12 @@ class Updater:
         together = []
         states = self.state.visit(write=True, states=[self.state.opt_states[i] for i in left])
         for position, opt_state in enumerate(states):
-            if self._runs_together(opt_state, publication):
-                together.append((opt_state, had_grad[left[position]]))
-                continue
             upcoming = units[left[position + 1]].offloaded_grad if position + 1 < len(left) else None
             if upcoming is not None:
                 upcoming.prefetch()  # its read overlaps this unit's update
+            if self._runs_together(opt_state, publication):
+                together.append((opt_state, had_grad[left[position]]))
+                continue
             RECORDER.push(f"update {opt_state.unit.name}")
             with _reduced_grad(opt_state.unit) as grad:  # entered even when nothing steps: it may be prefetched
                 self.update_unit(opt_state, had_grad[left[position]], grad, grad_scale, publication)
@@ -113,6 +115,7 @@ class Updater:
     # (``fused_adam_steps``) before their sends. Measured through ``engine.step()`` on 10 units of
     # 3162² (stage 1, world 1, host tier): see bench/optimizer_phase.py.
     def _runs_together(self, opt_state: UnitOptimizerState, publication: Publication) -> bool:
+        """Whether this unit's update waits to run with the others' (the note above)."""
         unit = opt_state.unit
         return (self.state.optimizer.native and opt_state.block.resident and unit.offloaded_grad is None
                 and publication.in_place(unit) and bool(opt_state.pieces)
