@@ -358,7 +358,8 @@ TOGETHER = [  # (n, grad dtype, lr, step, grad_sumsq): a split one, an empty one
 def _together_inputs(n: int, grad_dtype: torch.dtype, seed: int) -> dict:
     generator = torch.Generator().manual_seed(seed)
     return {"param": torch.randn(n, generator=generator), "grad": torch.randn(n, generator=generator).to(grad_dtype),
-            "exp_avg": torch.randn(n, generator=generator) * 1e-3, "exp_avg_sq": torch.rand(n, generator=generator) * 1e-4,
+            "exp_avg": torch.randn(n, generator=generator) * 1e-3,
+            "exp_avg_sq": torch.rand(n, generator=generator) * 1e-4,
             "out": torch.empty(n, dtype=torch.bfloat16)}
 
 
