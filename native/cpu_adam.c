@@ -536,25 +536,26 @@ static unsigned thread_count(unsigned asked, size_t n)
     return count ? (unsigned)count : 1;
 }
 
-/* A split: passes (struct pass, struct sumsq_pass) of ns[i] elements each, cut into blocks of `block`
- * elements (a multiple of 64 and of SUMSQ_BLOCK, so a block's sum does not depend on who runs it),
- * which the threads take in turn from `next`, pass after pass. The caller starts at once and a helper
- * joins whenever it is scheduled: on a busy or virtual CPU a thread can start hundreds of microseconds
- * late, and an even split made every call wait for its late half. Many passes in one split pay for
- * one start and one join, and run on as one stream. Each block's sum of squares lands in its own slot
- * and a pass's slots are added in block order, so its sum is the same whatever the threads and their
- * timing. */
+/* A split: count passes (struct pass or struct sumsq_pass, pass_size bytes apart) of ns[i] elements
+ * each, cut into blocks of `block` elements (a multiple of 64 and of SUMSQ_BLOCK, so a block's sum does
+ * not depend on who runs it), which the threads take in turn from `next`, pass after pass. The caller
+ * starts at once and a helper joins whenever it is scheduled: on a busy or virtual CPU a thread can
+ * start hundreds of microseconds late, and an even split made every call wait for its late half. Many
+ * passes in one split pay for one start and one join, and run on as one stream. Each block's sum of
+ * squares lands in its own slot and a pass's slots are added in block order, so its sum is the same
+ * whatever the threads and their timing. */
 #define SPLIT_BLOCK_MIN ((size_t)1 << 16)
 #define SPLIT_BLOCKS_TARGET 2048u
 
 struct split {
-    const void *const *passes;
+    const char *passes;
+    size_t pass_size;
     const size_t *ns;
     size_t count;
     range_fn *run;
     size_t block;
     size_t *first;               /* first[i]: pass i's first block; first[count]: every block */
-    double *block_sumsq;
+    double *block_sumsq;         /* one slot per block, after first[] in the same allocation */
     size_t next;                 /* the next block to take (atomic) */
 };
 
@@ -570,33 +571,31 @@ static void *split_worker(void *arg)
             pass++;
         size_t begin = (index - s->first[pass]) * s->block, n = s->ns[pass];
         size_t end = n - begin > s->block ? begin + s->block : n;
-        s->block_sumsq[index] = s->run(s->passes[pass], begin, end);
+        s->block_sumsq[index] = s->run(s->passes + pass * s->pass_size, begin, end);
     }
 }
 
 /* The passes, run by the caller and threads - 1 helpers; a helper that cannot start leaves its
- * blocks to the others, so no pass is ever half applied. sumsq[i] (where not NULL) receives pass i's
- * sum of squares. */
-static int run_split(const void *const *passes, const size_t *ns, size_t count, range_fn *run, unsigned threads,
-                     double *const *sumsq)
+ * blocks to the others, so no pass is ever half applied. sums[i] receives pass i's sum of squares. */
+static int run_split(const void *passes, size_t pass_size, const size_t *ns, size_t count, range_fn *run,
+                     unsigned threads, double *sums)
 {
     size_t total = 0;
     for (size_t i = 0; i < count; i++)
         total += ns[i];
     size_t block = (total + SPLIT_BLOCKS_TARGET - 1) / SPLIT_BLOCKS_TARGET;
     block = block < SPLIT_BLOCK_MIN ? SPLIT_BLOCK_MIN : (block + SUMSQ_BLOCK - 1) / SUMSQ_BLOCK * SUMSQ_BLOCK;
-    struct split split = {.passes = passes, .ns = ns, .count = count, .run = run, .block = block,
-                          .first = malloc((count + 1) * sizeof(size_t))};
+    size_t blocks = 0;
+    for (size_t i = 0; i < count; i++)
+        blocks += (ns[i] + block - 1) / block;
+    struct split split = {.passes = passes, .pass_size = pass_size, .ns = ns, .count = count, .run = run,
+                          .block = block, .first = malloc((count + 1) * sizeof(size_t) + blocks * sizeof(double))};
     if (!split.first)
         return -ENOMEM;
+    split.block_sumsq = (double *)(split.first + count + 1);
     split.first[0] = 0;
     for (size_t i = 0; i < count; i++)
         split.first[i + 1] = split.first[i] + (ns[i] + block - 1) / block;
-    split.block_sumsq = malloc((split.first[count] + 1) * sizeof(double));
-    if (!split.block_sumsq) {
-        free(split.first);
-        return -ENOMEM;
-    }
     pthread_t helpers[ZO_ADAM_MAX_THREADS];
     int started[ZO_ADAM_MAX_THREADS] = {0};
     for (unsigned i = 1; i < threads; i++)
@@ -609,13 +608,10 @@ static int run_split(const void *const *passes, const size_t *ns, size_t count, 
             rc = -joined;
     }
     for (size_t i = 0; i < count; i++) {
-        double pass_sumsq = 0;
+        sums[i] = 0;
         for (size_t index = split.first[i]; index < split.first[i + 1]; index++)
-            pass_sumsq += split.block_sumsq[index];
-        if (sumsq[i])
-            *sumsq[i] = pass_sumsq;
+            sums[i] += split.block_sumsq[index];
     }
-    free(split.block_sumsq);
     free(split.first);
     return rc;
 }
@@ -644,36 +640,32 @@ int zo_adam_steps(const struct zo_adam_args *args, size_t count, unsigned thread
             return -EINVAL;
         total += args[i].n;
     }
-    struct pass *pass = malloc(count * sizeof(*pass) + 1);
-    const void **passes = malloc(count * sizeof(*passes) + 1);
-    size_t *ns = malloc(count * sizeof(*ns) + 1);
-    double **sumsq = malloc(count * sizeof(*sumsq) + 1);
-    int rc = pass && passes && ns && sumsq ? 0 : -ENOMEM;
-    for (size_t i = 0; rc == 0 && i < count; i++) {
+    if (total == 0) {
+        for (size_t i = 0; i < count; i++)
+            if (args[i].grad_sumsq)
+                *args[i].grad_sumsq = 0;
+        return 0;
+    }
+    struct pass *pass = malloc(count * (sizeof(*pass) + sizeof(size_t) + sizeof(double)));
+    if (!pass)
+        return -ENOMEM;
+    size_t *ns = (size_t *)(pass + count);
+    double *sums = (double *)(ns + count);
+    for (size_t i = 0; i < count; i++) {
         const struct zo_adam_args *a = &args[i];
         pass[i] = (struct pass){
             .param = a->param, .exp_avg = a->exp_avg, .exp_avg_sq = a->exp_avg_sq, .grad = a->grad, .out = a->out,
             .grad_dtype = a->grad_dtype, .out_dtype = a->out_dtype, .sumsq = a->grad_sumsq != NULL,
             .stream_out = a->n >= STREAM_OUT_MIN, .k = derive_consts(a),
         };
-        passes[i] = &pass[i];
         ns[i] = a->n;
-        sumsq[i] = a->grad_sumsq;
-        if (sumsq[i])
-            *sumsq[i] = 0;
     }
-    if (rc == 0 && total > 0)
-        rc = run_split(passes, ns, count, level_run[level], thread_count(threads, total), sumsq);
-    free(sumsq);
-    free(ns);
-    free(passes);
+    int rc = run_split(pass, sizeof(*pass), ns, count, level_run[level], thread_count(threads, total), sums);
+    for (size_t i = 0; rc == 0 && i < count; i++)
+        if (args[i].grad_sumsq)
+            *args[i].grad_sumsq = sums[i];
     free(pass);
     return rc;
-}
-
-int zo_adam_step(const struct zo_adam_args *args)
-{
-    return zo_adam_steps(args, 1, args->threads);
 }
 
 int zo_sum_squares(const void *x, int dtype, size_t n, unsigned threads, double *sumsq)
@@ -687,12 +679,10 @@ int zo_sum_squares(const void *x, int dtype, size_t n, unsigned threads, double 
     if (n == 0)
         return 0;
     const struct sumsq_pass pass = {.x = x, .dtype = dtype};
-    const void *passes[] = {&pass};
-    double *sums[] = {sumsq};
     /* a read-only pass moves a sixth of an update's bytes per element: as many per thread */
     unsigned count = thread_count(threads, n / 6);
-    int rc = run_split(passes, &n, 1, sumsq_run[level], count, sums);
+    int rc = run_split(&pass, sizeof(pass), &n, 1, sumsq_run[level], count, sumsq);
     if (rc == 0 && !isfinite(*sumsq))  /* an inf or NaN, or squares past fp32's range: again in double */
-        rc = run_split(passes, &n, 1, scalar_sumsq, count, sums);
+        rc = run_split(&pass, sizeof(pass), &n, 1, scalar_sumsq, count, sumsq);
     return rc;
 }

@@ -48,7 +48,6 @@ struct zo_adam_args {
     float grad_scale;
     int64_t step;          /* 1 for the first update */
     int adamw;             /* 1: decoupled weight decay (AdamW); 0: L2 added to the gradient (Adam) */
-    unsigned threads;      /* 0: every CPU this process may run on */
     double *grad_sumsq;    /* not NULL: receives the sum of the squares of grad as read (before
                               grad_scale), summed in the same pass (see SUMSQ_BLOCK for accuracy) */
 };
@@ -59,14 +58,11 @@ struct zo_adam_args {
 /* More threads than this cannot help a pass bound by memory bandwidth; larger requests are capped. */
 #define ZO_ADAM_MAX_THREADS 256u
 
-/* One update of n elements. -EINVAL: a NULL array, an unknown dtype, step < 1, or an unknown
- * ZO_ADAM_SIMD. A thread that cannot be started leaves its share to the calling thread, so the
- * update is never half applied. */
-int zo_adam_step(const struct zo_adam_args *args);
-
-/* count updates (each as zo_adam_step's, args[i].threads aside) as one split over threads (0: every
- * CPU this process may run on): one start and one join for them all, their elements streamed one after
- * the other. Every update is checked before any runs: -EINVAL leaves them all unapplied. */
+/* count updates, each of its n elements, as one split over threads (0: every CPU this process may
+ * run on): one start and one join for them all, their elements streamed one after the other. Every
+ * update is checked before any runs: -EINVAL (a NULL array, an unknown dtype, step < 1, or an unknown
+ * ZO_ADAM_SIMD) leaves them all unapplied. A thread that cannot be started leaves its share to the
+ * others, so no update is ever half applied. */
 int zo_adam_steps(const struct zo_adam_args *args, size_t count, unsigned threads);
 
 /* The sum of the squares of n elements of x (ZO_DTYPE_FP32 | BF16 | FP16), each squared in fp32 and

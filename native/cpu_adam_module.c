@@ -43,7 +43,6 @@ static int parse_update(PyObject *update, struct zo_adam_args *a, double *sumsq)
     a->out = (void *)(uintptr_t)out;
     a->n = (size_t)n;
     a->step = step;
-    a->threads = 0;
     a->grad_sumsq = want_sumsq ? sumsq : NULL;
     return 0;
 }
