@@ -117,9 +117,12 @@ class Updater:
     def _runs_together(self, opt_state: UnitOptimizerState, publication: Publication) -> bool:
         """Whether this unit's update waits to run with the others' (the note above)."""
         unit = opt_state.unit
-        return (self.state.optimizer.native and opt_state.block.resident and unit.offloaded_grad is None
-                and publication.in_place(unit) and bool(opt_state.pieces)
-                and unit.local_grad().device == opt_state.pieces[0][1].device)
+        return (opt_state.block.resident and unit.offloaded_grad is None and publication.in_place(unit)
+                and self._native_reads(unit.local_grad(), opt_state.pieces))
+
+    def _native_reads(self, grad: torch.Tensor, pieces: list[tuple[Piece, torch.Tensor]]) -> bool:
+        """Whether the native pass updates these pieces reading ``grad`` as it lies (same device)."""
+        return self.state.optimizer.native and bool(pieces) and grad.device == pieces[0][1].device
 
     def _update_together(self, units: list[tuple[UnitOptimizerState, torch.Tensor]], grad_scale: float,
                          publication: Publication) -> None:
@@ -157,7 +160,7 @@ class Updater:
         fp32 copy, scaled, for the unit, and the squares are summed before."""
         optimizer = self.state.optimizer
         outs = _piece_views(stepped, target)
-        if optimizer.native and grad.device == stepped[0][1].device:
+        if self._native_reads(grad, stepped):
             return optimizer.update(_piece_views(stepped, grad), grad_scale, outs, sumsq=sumsq)
         total = sum_squares(grad) if sumsq else None
         scaled = update_tier.empty(Kind.BUFFER, grad.numel(), torch.float32)
