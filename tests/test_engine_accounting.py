@@ -14,6 +14,7 @@ import torch.distributed as dist
 from torch import nn
 
 import zerooffload as zo
+from placements import grads_waiting_on
 from reference import ALIGN, padded_numel, trainable_spans, unit_shards, units_of
 from zerooffload.cli.estimate import estimate
 from zerooffload.tiers import BudgetError
@@ -162,7 +163,7 @@ def test_offloaded_states_are_accounted_on_their_tiers(rank_pools, tmp_path):
 
 def test_fp32_parameter_shards_on_nvme_are_read_from_the_optimizer_blocks(make_engine):
     """fp32, both on NVMe: a shard is its optimizer block's master segment, so it takes no swap space and
-    the step writes only the optimizer blocks (and, clipping, the gradients)."""
+    the step writes only the optimizer blocks (the gradients kept for the step wait in host memory)."""
     model = _mlp()
     shard_bytes = 4 * sum(unit_shards(model, 1))
     engine = make_engine(model, {"zero": {"stage": 3}, "train": {"grad_clip": 1.0},
@@ -170,13 +171,46 @@ def test_fp32_parameter_shards_on_nvme_are_read_from_the_optimizer_blocks(make_e
                                  "offload": {"param": {"tier": "nvme"}, "optimizer": {"tier": "nvme"}}})
     report = engine.memory_report()
     assert report.bytes("nvme", "param") == 0 and report.bytes("nvme", "optimizer") == 3 * shard_bytes
+    assert report.bytes("host", "grad") == shard_bytes and report.bytes("nvme", "grad") == 0
     for _ in range(2):
         _one_step(engine)
         io = engine.stats.io
-        blocks, grads = 3 * shard_bytes, shard_bytes
-        assert io.write_bytes == blocks + grads  # no parameter shard written
-        assert io.read_bytes >= blocks + grads + shard_bytes  # and each shard at least once, from the blocks
+        blocks = 3 * shard_bytes
+        assert io.write_bytes == blocks  # no parameter shard written, no gradient
+        assert io.read_bytes >= blocks + shard_bytes  # and each shard at least once, from the blocks
     # that the shards read are the updated masters: test_engine_equivalence's offloaded-parameter runs
+
+
+def _deep_mlp(depth: int = 12) -> nn.Module:
+    """Many small units: their gradient shards together outweigh the host buffers that stream one."""
+    torch.manual_seed(0)
+    return nn.Sequential(*(nn.Linear(64, 64) for _ in range(depth)))
+
+
+@pytest.mark.parametrize("update_in_backward", ["off", "on"])  # the step's update, or a tentative one
+def test_kept_gradients_wait_on_nvme_when_host_memory_cannot_hold_them(make_engine, update_in_backward):
+    """[Note: where kept gradients wait]: gradient shards kept for a clipped step wait in host memory,
+    but with a ``memory.host_budget`` that holds only what streaming them needs they wait on NVMe,
+    written there each step; the weights trained are the same either way."""
+    config = {"zero": {"stage": 3}, "train": {"grad_clip": 1.0},
+              "optimizer": {"update_in_backward": update_in_backward},
+              "offload": {"param": {"tier": "nvme"}, "optimizer": {"tier": "nvme"}}}
+    grad_bytes = 4 * sum(unit_shards(_deep_mlp(), 1))
+    runs = {}
+    for tier in ("host", "nvme"):
+        engine = make_engine(_deep_mlp(), grads_waiting_on(tier, _deep_mlp(), config))
+        assert engine.memory_report().bytes(tier, "grad") == grad_bytes  # where they wait
+        writes = []
+        for step in range(2):
+            torch.manual_seed(step)
+            _one_step(engine)
+            writes.append(engine.stats.io.write_bytes)  # the step's
+        runs[tier] = (writes, engine.full_state_dict())
+        engine.close()
+    blocks = 3 * grad_bytes  # fp32 master, m and v of every shard
+    assert runs["host"][0] == [blocks] * 2 and runs["nvme"][0] == [blocks + grad_bytes] * 2
+    for key, value in runs["host"][1].items():
+        assert torch.equal(value, runs["nvme"][1][key]), key
 
 
 @pytest.mark.parametrize("offload, to_device, to_host", [
@@ -207,23 +241,30 @@ def test_host_device_link_bytes_per_step(make_engine, offload, to_device, to_hos
         assert stats.link_gbps >= moved / seen / 1e9
 
 
-@pytest.mark.parametrize("clip, accum, grad_trips", [(1.0, 1, 1), (0.0, 1, 0), (1.0, 2, 2), (0.0, 2, 1)])
-def test_nvme_traffic_per_step_is_every_optimizer_block_once_each_way(make_engine, clip, accum, grad_trips):
+@pytest.mark.parametrize("clip, accum, grad_trips, grads_on", [
+    (1.0, 1, 1, "host"), (1.0, 1, 1, "nvme"), (0.0, 1, 0, "host"), (1.0, 2, 2, "host"), (1.0, 2, 2, "nvme"),
+    (0.0, 2, 1, "host"), (0.0, 2, 1, "nvme")])
+def test_nvme_traffic_per_step_is_every_optimizer_block_once_each_way(make_engine, clip, accum, grad_trips,
+                                                                       grads_on):
     """Optimizer blocks: read and written once per window. Gradient shards, when the step needs their
     global norm (clipping): written when first reduced (their norm taken then), read back, added to and
-    written again for each further micro-batch, read once by the update. Without clipping the closing
+    written again for each further micro-batch, read once by the update; on NVMe only when host memory
+    cannot hold them (``grads_on``), else no byte of them moves. Without clipping the closing
     micro-batch's part goes straight into the update (backward_updates' [Note: updates in backward]): one trip
-    fewer, and with one micro-batch none at all and no swap space."""
-    model = _mlp()
-    engine = make_engine(model, {"zero": {"stage": 2}, "train": {"grad_clip": clip, "grad_accum_steps": accum},
-                                 "optimizer": {"update_in_backward": "off" if clip else "auto"},
-                                 "offload": {"optimizer": {"tier": "nvme"}}})
-    blocks = engine.memory_report().bytes("nvme", "optimizer")
+    fewer, and with one micro-batch none at all and no memory kept for them."""
+    model = _deep_mlp()
+    config = {"zero": {"stage": 2}, "train": {"grad_clip": clip, "grad_accum_steps": accum},
+              "optimizer": {"update_in_backward": "off" if clip else "auto"}, "offload": {"optimizer": {"tier": "nvme"}}}
+    engine = make_engine(model, grads_waiting_on(grads_on, model, config))
+    report = engine.memory_report()
+    blocks = report.bytes("nvme", "optimizer")
     grads = 4 * sum(trainable_spans(model, 1, 0))  # fp32, each unit's trainable part rounded up for O_DIRECT
     assert blocks == 3 * grads  # fp32 master, m and v over the same spans
-    assert engine.memory_report().bytes("nvme", "grad") == (grads if grad_trips else 0)  # no swap kept for nothing
-    assert engine.memory_report().bytes("device", "grad") == 0
-    moved = blocks + grad_trips * grads
+    kept = grads if grad_trips else 0  # no memory kept for nothing
+    assert (report.bytes("host", "grad"), report.bytes("nvme", "grad")) == ((kept, 0) if grads_on == "host"
+                                                                            else (0, kept))
+    assert report.bytes("device", "grad") == 0
+    moved = blocks + (grad_trips * grads if grads_on == "nvme" else 0)
     mark = time.perf_counter()  # the first window opened in initialize, before: only the second is bounded
     for window in range(2):
         started = time.perf_counter()
@@ -237,26 +278,30 @@ def test_nvme_traffic_per_step_is_every_optimizer_block_once_each_way(make_engin
         assert stats.io_gbps == pytest.approx(2 * moved / stats.seconds / 1e9, rel=1e-9)
 
 
+@pytest.mark.parametrize("grads_on", ["host", "nvme"])
 @pytest.mark.parametrize("clip, accum", [(1e9, 1), (1e-4, 1), (1e9, 2), (1e-4, 2)])
-def test_nvme_traffic_of_tentative_updates_in_backward(make_engine, clip, accum):
+def test_nvme_traffic_of_tentative_updates_in_backward(make_engine, clip, accum, grads_on):
     """Clipping, updates in backward are tentative (backward_updates' [Note: tentative updates]): the
     blocks are kept twice on NVMe; in backward each is read and written once (aside) and the gradient
-    kept as the step would keep it. Unclipped, the step commits the blocks and reads no gradient; clipped,
-    it redoes every unit: the blocks once more each way and the kept gradient read."""
-    model = _mlp()
-    engine = make_engine(model, {"zero": {"stage": 2}, "train": {"grad_clip": clip, "grad_accum_steps": accum},
-                                 "offload": {"optimizer": {"tier": "nvme"}}})
+    kept as the step would keep it (in host memory, or on NVMe when host memory cannot hold it).
+    Unclipped, the step commits the blocks and reads no gradient; clipped, it redoes every unit: the
+    blocks once more each way and the kept gradient read."""
+    model = _deep_mlp()
+    config = {"zero": {"stage": 2}, "train": {"grad_clip": clip, "grad_accum_steps": accum},
+              "offload": {"optimizer": {"tier": "nvme"}}}
+    engine = make_engine(model, grads_waiting_on(grads_on, model, config))
     blocks = engine.memory_report().bytes("nvme", "optimizer") // 2
     grads = 4 * sum(trainable_spans(model, 1, 0))
-    assert blocks == 3 * grads and engine.memory_report().bytes("nvme", "grad") == grads
+    assert blocks == 3 * grads and engine.memory_report().bytes(grads_on, "grad") == grads
+    on_nvme = int(grads_on == "nvme")
     for _ in range(2):
         for _ in range(accum):
             _one_step(engine)
         redo = int(clip < 1)
         assert engine.stats.undone_updates == redo * len(engine.units)
         io = engine.stats.io
-        assert io.read_bytes == (1 + redo) * blocks + (accum - 1 + redo) * grads
-        assert io.write_bytes == (1 + redo) * blocks + accum * grads
+        assert io.read_bytes == (1 + redo) * blocks + on_nvme * (accum - 1 + redo) * grads
+        assert io.write_bytes == (1 + redo) * blocks + on_nvme * accum * grads
 
 
 def test_fraction_splits_optimizer_state_between_the_tier_and_the_device(make_engine):
@@ -295,12 +340,13 @@ def test_a_model_larger_than_ram_is_refused_before_anything_is_allocated():
 def _planned(model, config: dict, world: int) -> dict[str, int]:
     """The bytes the engine plans per tier for ``model`` (the same on every rank of a symmetric model)."""
     from zerooffload.config import Config
-    from zerooffload.memory_plan import plan_for_config
+    from zerooffload.memory_plan import plan_for_machine
     from zerooffload.zero.unit_layout import find_units
 
     config = Config.load(config)
     layouts = find_units(model, config.zero.unit_modules, world if config.zero.stage >= 1 else 1)
-    return {tier: sum(kinds.values()) for tier, kinds in plan_for_config(layouts, config, world).items()}
+    _, plan = plan_for_machine(layouts, config, world, torch.device("cpu"), None)
+    return {tier: sum(kinds.values()) for tier, kinds in plan.items()}
 
 
 def _gpt():

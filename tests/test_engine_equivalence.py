@@ -8,6 +8,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import zerooffload as zo
+from placements import grads_waiting_on
 from reference import (ALIGN, VOCAB, WIDTH, Block, TinyLM, make_batches, make_model, reference_train,
                        trainable_spans, update_errors)
 
@@ -122,6 +123,16 @@ def test_nvme_optimizer_tier_equals_device_tier(rank_pools, stage):
         assert nvme["errors"] == device["errors"]
 
 
+@pytest.mark.parametrize("stage, precision", [(2, "bf16"), (3, "fp32")])
+def test_gradients_kept_on_nvme_train_as_the_reference(rank_pools, stage, precision):
+    """Host memory too small for the kept gradients (clipping, accumulation): they wait on NVMe, read
+    back and added to each micro-batch, and the training is still the reference's."""
+    offload = {"optimizer": {"tier": "nvme"}}
+    config = grads_waiting_on("nvme", make_model(), _config(stage, precision, 2, 0.05, offload=offload), 2)
+    _check(rank_pools(2).run(train_case, stage, precision, offload=offload, memory=config["memory"],
+                             aio=config["aio"])[0], precision)
+
+
 def test_nvme_optimizer_tier_world_size_1():
     _check(train_case(3, "bf16", offload={"optimizer": {"tier": "nvme"}}), "bf16")
 
@@ -227,15 +238,17 @@ def test_updates_in_backward_equal_the_updates_in_the_step(rank_pools, stage):
             assert result["errors"] == device["errors"], (precision, tier, fraction, param_tier)
 
 
-def _backward_then_step(clip: float, update_in_backward: str = "auto") -> dict:
-    """Stage 3, everything on NVMe, world 1: what one backward changes before its step, the NVMe bytes
-    and undone tentative updates per step, and the weights after two steps."""
+def _backward_then_step(clip: float, update_in_backward: str = "auto", grads_on: str = "nvme") -> dict:
+    """Stage 3, everything on NVMe, world 1, kept gradients on ``grads_on``: what one backward changes
+    before its step, the NVMe bytes and undone tentative updates per step, and the weights after two steps."""
     batches = make_batches(2, 1, MICRO)
     model = make_model()
     initial = {k: v.clone() for k, v in model.state_dict().items()}
     offload = {"param": {"tier": "nvme"}, "optimizer": {"tier": "nvme"}}
     grad_bytes = 4 * sum(trainable_spans(model, 1, 0))  # fp32, of the shards' trainable parts
     config = _config(3, "fp32", 1, clip, offload=offload, optimizer={"update_in_backward": update_in_backward})
+    if clip:  # the gradients are kept
+        config = grads_waiting_on(grads_on, make_model(), config)
     with zo.initialize(model, config) as engine:
         (idx, targets), = batches[0]
         engine.backward(engine(idx, targets))
@@ -260,19 +273,21 @@ def test_updates_in_backward_skip_the_gradients_round_trip_through_nvme():
     assert off["io"].read_bytes - on["io"].read_bytes == on["grad_bytes"]
 
 
-def test_tentative_updates_in_backward_are_the_clipped_updates_of_the_step():
+@pytest.mark.parametrize("grads_on", ["host", "nvme"])
+def test_tentative_updates_in_backward_are_the_clipped_updates_of_the_step(grads_on):
     """A clip: updates in backward run before the norm is known, their blocks stored aside (backward_updates'
     [Note: tentative updates]). Unclipped, the step commits them: the masters read before the step are
-    the old ones, the gradient is written (kept) but never read back. Clipped, every one is undone and
-    redone in the step: bitwise the step's clipped update, for one more read and write of each block."""
+    the old ones, the gradient is kept (on NVMe: written) but never read back. Clipped, every one is undone
+    and redone in the step: bitwise the step's clipped update, for one more read and write of each block."""
     for clip, redo in ((1e9, False), (1e-3, True)):
-        step, tentative = _backward_then_step(clip, "off"), _backward_then_step(clip)
+        step, tentative = _backward_then_step(clip, "off", grads_on), _backward_then_step(clip, grads_on=grads_on)
         assert not tentative["moved"]
         assert all(torch.equal(tentative["full"][k], step["full"][k]) for k in step["full"])
         assert tentative["undone"] == (tentative["units"] if redo else 0)
         redo_bytes = tentative["block_bytes"] + tentative["home_bytes"]  # a redo's blocks, and homes it republishes
+        unread = tentative["grad_bytes"] if grads_on == "nvme" and not redo else 0  # the step's read of them
         assert tentative["io"].write_bytes - step["io"].write_bytes == (redo_bytes if redo else 0)
-        assert tentative["io"].read_bytes - step["io"].read_bytes == (redo_bytes if redo else -tentative["grad_bytes"])
+        assert tentative["io"].read_bytes - step["io"].read_bytes == (redo_bytes if redo else 0) - unread
 
 
 WINDOWS = {"updates in the step": (2, 0.05), "updates in backward": (1, 0.0),

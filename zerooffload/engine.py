@@ -5,7 +5,7 @@
 scales the loss by ``loss_scale / grad_accum_steps`` and runs autograd; a post-accumulate hook on
 every trainable parameter adds its gradient into its unit's flat gradient (and drops ``.grad``). A
 unit whose gradients are complete is handed to the reducer during backward: at stages 2–3 in every
-backward (an offloaded unit's reduced shard then leaves for the optimizer's tier, ``offloaded_grads``),
+backward (an offloaded unit's reduced shard then leaves for its grad home, ``offloaded_grads``),
 at stages 0–1 in the one that closes the window; averaged over ranks (all-reduce at stage 0,
 reduce-scatter to shard owners above), its squared norm taken as it lands (``FlatUnit.grad_sumsq``).
 ``engine.step`` at the accumulation boundary then:
@@ -54,7 +54,7 @@ from .trace import RECORDER, ArmedTrace, forward_segments, segment
 from .zero.backward_updates import BackwardUpdates
 from .zero.param_hooks import register_param_hooks
 from .zero.partition import FlatUnit
-from .zero.placement import activations_leave_device, place
+from .zero.placement import activations_leave_device
 from .zero.reduction import GradReducer, Mode, reduction_order
 from .zero.scheduler import ParamScheduler, check_live_bound
 from .zero.sharded_state import ShardedState, make_units
@@ -92,12 +92,12 @@ class Engine:
         layouts = find_units(module, config.zero.unit_modules, comm.world_size if self.stage >= 1 else 1)
         if not layouts:
             raise ValueError("the model has no parameters to train")
-        self.placement = place(layouts, config)
         self.tiers = make_tiers(config.memory, comm.device)
+        self.placement, plan = check_memory(module, layouts, config, self.tiers, activations, comm.world_size,
+                                            comm.device)
         self.units = make_units(layouts, self.placement, comm.rank, self.compute_dtype)
         partitioned = [u for u in self.units if u.partitioned]
         check_live_bound(partitioned, config.zero.max_live_size)
-        plan = check_memory(module, layouts, config, self.tiers, activations, comm.world_size, comm.device)
         self._io, self._link = open_swap(self.tiers, plan, config, comm.rank), LinkStats()
         self.state = ShardedState(module, config, comm, self.units, self.placement, self.tiers, self._link,
                                   param_groups, lazy_init_fn)

@@ -8,6 +8,16 @@ units in the reducer's order (``_waiting_grads``); the reducer warns when a mode
 Activations are not tier allocations: ``activations.measure_activations`` measures them, and the
 checks add them to the device tier, but for checkpointed inputs moved to the host tier
 (``place_activations``), which are.
+
+[Note: where kept gradients wait]
+A reduced gradient shard kept for the step (placement's ``grads_kept``: over an accumulation window, for
+an update that waits for the global norm, or for the redo of a tentative update) waits in host memory
+when its optimizer block is on NVMe and the run fits with it there. On NVMe it would cost a write of
+the shard each step and a read back for the update; a tentative update, which reads the shard as it
+arrives and needs it again only to be redone, would pay the write for nothing in every step that the
+clip does not bind. When the plan with the shards in memory does not fit the budgets or the RAM (the
+engine's own checks: ``plan_for_machine``), they wait on NVMe beside their blocks, and the run needs no
+more memory than that placement did.
 """
 from __future__ import annotations
 
@@ -21,13 +31,14 @@ from .activations import ActivationProfile
 from .block_stream import GRAD_READS, STREAM_BUFFERS, grad_read_depth, stream_depth
 from .config import Config, ConfigError, dtype_bytes
 from .optim.optimizer import moment_names
-from .tiers import Kind, Plan, Tier, check_plan, check_ram, swap_bytes, swap_free_bytes
+from .tiers import (BudgetError, Kind, Plan, Tier, check_plan, check_ram, make_tiers, swap_bytes,
+                    swap_free_bytes)
 from .zero.placement import STAGING, Placement, activations_leave_device, place
 from .zero.reduction import MAX_BUCKETS_IN_FLIGHT, REDUCE_DTYPE
 from .zero.unit_layout import UnitLayout, find_units
 
-__all__ = ["plan_memory", "plan_for_config", "check_memory", "fitting_layout", "place_activations", "local_ranks",
-           "LAYOUTS_TO_TRY"]
+__all__ = ["plan_memory", "plan_for_config", "plan_for_machine", "check_memory", "fitting_layout", "place_activations",
+           "local_ranks", "LAYOUTS_TO_TRY"]
 
 LAYOUTS_TO_TRY = (
     ("offload.optimizer.tier=host",),
@@ -38,13 +49,54 @@ LAYOUTS_TO_TRY = (
 """Layouts a refusal may suggest, in the order they give up speed for memory."""
 
 
-def plan_for_config(layouts: list[UnitLayout], config: Config, world_size: int) -> Plan:
-    """``plan_memory`` for the placement ``config`` makes of ``layouts``."""
-    return plan_memory(layouts, place(layouts, config), stage=config.zero.stage,
+def plan_for_config(layouts: list[UnitLayout], config: Config, world_size: int,
+                    fits: Callable[[Plan], bool]) -> tuple[Placement, Plan]:
+    """The placement ``config`` makes of ``layouts`` and its ``plan_memory``: kept gradient shards of blocks
+    on NVMe in host memory when that plan ``fits``, else on NVMe when that one does ([Note: where kept
+    gradients wait])."""
+    placement = place(layouts, config)
+    plan = _plan(layouts, placement, config, world_size)
+    if any(p.grads_kept and p.grad_home != p.optimizer for p in placement.units) and not fits(plan):
+        beside = place(layouts, config, grads_wait_in_host=False)
+        planned = _plan(layouts, beside, config, world_size)
+        if fits(planned):  # when neither fits, the refusal names the first one's bytes
+            return beside, planned
+    return placement, plan
+
+
+def plan_for_machine(layouts: list[UnitLayout], config: Config, world_size: int, device: torch.device,
+                     activations: ActivationProfile | None, *, tiers: dict[str, Tier] | None = None,
+                     released: int = 0) -> tuple[Placement, Plan]:
+    """``plan_for_config`` as the engine makes it: fitting the budgets of ``tiers`` (``config``'s when None)
+    and this machine's RAM beside ``activations`` (``released``: ``check_ram``'s)."""
+    tiers = make_tiers(config.memory, device) if tiers is None else tiers
+    local = local_ranks(world_size)
+
+    def fits(plan: Plan) -> bool:
+        plan, on_device = _placed(plan, activations, config, device)
+        try:
+            check_plan(plan, tiers, on_device)
+            check_ram(plan, config.memory, device, activations=on_device, released=released, local_ranks=local)
+        except BudgetError:
+            return False
+        return True
+    return plan_for_config(layouts, config, world_size, fits)
+
+
+def _plan(layouts: list[UnitLayout], placement: Placement, config: Config, world_size: int) -> Plan:
+    """``plan_memory`` of ``placement`` with ``config``'s sizes."""
+    return plan_memory(layouts, placement, stage=config.zero.stage,
                        compute_bytes=dtype_bytes(config.train.precision), moments=len(moment_names(config.optimizer)),
                        bucket_bytes=config.zero.bucket_size, world_size=world_size,
                        max_live_bytes=config.zero.max_live_size, prefetch_bytes=config.zero.prefetch_size,
                        stream_buffers=stream_depth(config.aio), grad_reads=grad_read_depth(config.aio))
+
+
+def _placed(plan: Plan, activations: ActivationProfile | None, config: Config, device: torch.device
+            ) -> tuple[Plan, int]:
+    """A copy of ``plan`` with its activations placed (``place_activations``), and those on the device."""
+    plan = {name: dict(kinds) for name, kinds in plan.items()}
+    return plan, place_activations(plan, activations, config, device)
 
 
 def fitting_layout(module: nn.Module, config: Config, world_size: int, fits: Callable[[Plan, int], bool],
@@ -63,8 +115,9 @@ def fitting_layout(module: nn.Module, config: Config, world_size: int, fits: Cal
                 continue
             shards = world_size if candidate.zero.stage >= 1 else 1
             layouts = find_units(module, candidate.zero.unit_modules, shards)
-            plan = plan_for_config(layouts, candidate, world_size)
-            on_device = place_activations(plan, activations, candidate, device)
+            _, plan = plan_for_config(layouts, candidate, world_size,
+                                      lambda plan: fits(*_placed(plan, activations, candidate, device)))
+            plan, on_device = _placed(plan, activations, candidate, device)
             on_disk = swap_bytes(plan) * local_ranks
             if (fits(plan, on_device)
                     and (not on_disk or on_disk <= swap_free_bytes(candidate))):
@@ -73,17 +126,20 @@ def fitting_layout(module: nn.Module, config: Config, world_size: int, fits: Cal
 
 
 def check_memory(module: nn.Module, layouts: list[UnitLayout], config: Config, tiers: dict[str, Tier],
-                 activations: ActivationProfile | None, world_size: int, device: torch.device) -> Plan:
-    """The run's plan, refused before anything is allocated when it does not fit its budgets or the
-    RAM (the refusal names a layout that would fit: ``fitting_layout``)."""
-    plan = plan_for_config(layouts, config, world_size)
+                 activations: ActivationProfile | None, world_size: int, device: torch.device
+                 ) -> tuple[Placement, Plan]:
+    """The run's placement and plan, refused before anything is allocated when it does not fit its budgets
+    or the RAM (the refusal names a layout that would fit: ``fitting_layout``)."""
+    released = _storage_bytes(module)
+    placement, plan = plan_for_machine(layouts, config, world_size, device, activations, tiers=tiers,
+                                       released=released)
     measured = place_activations(plan, activations, config, device)
     check_plan(plan, tiers, measured)  # memory budgets first: they are cheap to check, swap space is not
     local = local_ranks(world_size)
-    check_ram(plan, config.memory, device, activations=measured, released=_storage_bytes(module),
+    check_ram(plan, config.memory, device, activations=measured, released=released,
               local_ranks=local, suggestion=lambda fits: fitting_layout(
                   module, config, world_size, fits, activations, local, device))
-    return plan
+    return placement, plan
 
 
 def _storage_bytes(module: nn.Module) -> int:
@@ -126,11 +182,10 @@ def plan_memory(layouts: list[UnitLayout], placement: Placement, *, stage: int, 
     """Bytes by tier and kind of ``placement`` ([Note: placement]): full parameters on the device but for
     partitioned units (a shard each on its home, plus at most ``max_live_bytes`` gathered on the device);
     optimizer blocks on their tiers (no master for units whose master is the weights; twice for tentative
-    updates, stored aside); gradients by stage, a shard that leaves on the optimizer's tier when kept for
-    the step; an offloaded partitioned unit's shard in its block's master segment takes no space of its
-    own; temporaries per phase, with
-    ``stream_buffers`` host buffers per block stream or writer and ``grad_reads`` for gradients read
-    back (``block_stream``)."""
+    updates, stored aside); gradients by stage, a shard that leaves on its grad home when kept for the step;
+    an offloaded partitioned unit's shard in its block's master segment takes no space of its own;
+    temporaries per phase, with ``stream_buffers`` host buffers per block stream or writer and
+    ``grad_reads`` for gradients read back (``block_stream``)."""
     units = list(zip(layouts, placement.units))
     device, staging = placement.compute, placement.staging
     plan: Plan = {name: {k: 0 for k in Kind} for name in placement.tiers()}
@@ -154,13 +209,13 @@ def plan_memory(layouts: list[UnitLayout], placement: Placement, *, stage: int, 
         staged = (2 * prefetch_bytes + max_live_bytes) // world_size + largest_shard
         plan[staging][Kind.BUFFER] += min(staged, partitioned_full // world_size + largest_shard)
     plan[device][Kind.GRAD] = (shard - moved) * compute_bytes if stage >= 2 else full
-    kept = [(u, p) for u, p in moved_units if p.grads_kept]
-    if stage >= 2 and kept:  # reduced shards go to the optimizer's tier (offloaded_grads)
-        for u, p in kept:
-            plan[p.optimizer][Kind.GRAD] += u.shard_numel * compute_bytes  # written and read through host buffers
-        # the writer's buffers and the reads ahead, one of which the update holds (not both at once)
-        buffers = stream_buffers + grad_reads - 1
-        plan[staging][Kind.BUFFER] += buffers * max(u.shard_numel for u, _ in kept) * compute_bytes
+    kept = [(u, p) for u, p in moved_units if p.grads_kept] if stage >= 2 else []
+    for u, p in kept:  # reduced shards wait on their grad home (offloaded_grads)
+        plan[p.grad_home][Kind.GRAD] += u.shard_numel * compute_bytes
+    streamed_grads = [u for u, p in kept if p.grads_streamed]
+    if streamed_grads:  # written and read through host buffers: the writer's, and the reads ahead, one of
+        buffers = stream_buffers + grad_reads - 1  # which the update holds (not both at once)
+        plan[staging][Kind.BUFFER] += buffers * max(u.shard_numel for u in streamed_grads) * compute_bytes
     reduce_bytes = REDUCE_DTYPE.itemsize
     in_flight = (MAX_BUCKETS_IN_FLIGHT + 1) * (bucket_bytes + largest // compute_bytes * reduce_bytes)
     full_reduce = full // compute_bytes * reduce_bytes

@@ -42,10 +42,11 @@ import torch
 
 from ..activations import ActivationProfile
 from ..config import Config, dtype_bytes
-from ..memory_plan import place_activations, plan_for_config
+from ..memory_plan import place_activations, plan_for_machine
 from ..optim.optimizer import moment_names
 from ..telemetry import Prediction
-from ..zero.placement import COMPUTE, SWAP, TIER_NAMES, Placement, activations_leave_device, place, streams_state
+from ..tiers import Plan
+from ..zero.placement import COMPUTE, SWAP, TIER_NAMES, Placement, activations_leave_device, streams_state
 from ..zero.reduction import REDUCE_DTYPE
 from ..zero.unit_layout import UnitLayout
 from .model_spec import BlockTimes
@@ -88,14 +89,15 @@ class _Phase:
 def predict(config: Config, layouts: list[UnitLayout], probe: Probe, times: BlockTimes,
             activations: ActivationProfile | None, world_size: int) -> Prediction:
     """The ``Prediction`` of one optimizer step of ``config`` (see [Note: the step model])."""
-    placement = place(layouts, config)
+    device = torch.device(probe.device)
+    placement, plan = plan_for_machine(layouts, config, world_size, device, activations)
     phases = _phases(config, layouts, placement, probe, times, world_size)
     if probe.device == "cpu":
         _fresh_memory(config, layouts, placement, activations, phases)
     _activation_copies(config, activations, probe, phases)
     seconds = {name: _seconds(phase, probe, config) for name, phase in phases.items()}
     work = {k: sum(p.work[k] for p in phases.values()) for k in WORK}
-    peaks = _peaks(config, layouts, activations, world_size, probe)
+    peaks = _peaks(plan, config, activations, device)
     moved = {"nvme_read": sum(p.read for p in phases.values()), "nvme_write": sum(p.write for p in phases.values()),
              "host_device": sum(p.link + p.gathered for p in phases.values())}
     return Prediction(step_seconds=sum(seconds.values()), phases=MappingProxyType(seconds),
@@ -104,10 +106,9 @@ def predict(config: Config, layouts: list[UnitLayout], probe: Probe, times: Bloc
                       bottleneck=_bottleneck(phases, work, probe, config))
 
 
-def _peaks(config: Config, layouts: list[UnitLayout], activations: ActivationProfile | None, world_size: int,
-           probe: Probe) -> dict[str, int]:
-    plan = plan_for_config(layouts, config, world_size)
-    on_device = place_activations(plan, activations, config, torch.device(probe.device))
+def _peaks(plan: Plan, config: Config, activations: ActivationProfile | None, device: torch.device
+           ) -> dict[str, int]:
+    on_device = place_activations(plan, activations, config, device)
     if activations:  # the expected peak, not the check's bound (ActivationProfile.bound_excess)
         on_device -= activations.bound_excess
     peaks = {name: sum(kinds.values()) for name, kinds in plan.items()}
@@ -143,9 +144,9 @@ def _phases(config: Config, layouts: list[UnitLayout], placement: Placement, pro
             continue
         if p.grad_leaves:
             backward.link += shard * cb * accum
-            if p.grads_kept and p.streamed:
-                backward.write += shard * cb * accum
-                step.read += shard * cb
+            if p.grads_streamed:  # written home each micro-batch, read back by the step's update (none for a
+                backward.write += shard * cb * accum  # tentative update but when redone)
+                step.read += 0 if p.updates_tentatively else shard * cb
         update = backward if p.updates_in_backward else step
         update.optimizer_elements += layout.trainable_in_shard(0)
         if p.updated_on_device and probe.device != "cpu":

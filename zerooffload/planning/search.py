@@ -25,7 +25,7 @@ import torch
 
 from ..activations import ActivationProfile
 from ..config import Config, ConfigError, format_size
-from ..memory_plan import local_ranks, place_activations, plan_for_config
+from ..memory_plan import local_ranks, place_activations, plan_for_machine
 from ..telemetry import Prediction
 from ..tiers import BudgetError, check_plan, check_ram, make_tiers, swap_bytes, swap_free_bytes
 from ..zero.placement import COMPUTE, STAGING, SWAP, TIER_NAMES, activations_leave_device
@@ -206,11 +206,12 @@ def rank(evaluator: Evaluator, pool: list[Candidate]) -> tuple[list[Candidate], 
 def refusal(config: Config, layouts: list[UnitLayout], activations: ActivationProfile | None, world_size: int,
             device: torch.device) -> str | None:
     """Why the engine would refuse ``config`` at start (its own checks, in its order), or None."""
-    plan = plan_for_config(layouts, config, world_size)
+    tiers = make_tiers(config.memory, device)
+    _, plan = plan_for_machine(layouts, config, world_size, device, activations, tiers=tiers)
     on_device = place_activations(plan, activations, config, device)
     local = local_ranks(world_size)
     try:
-        check_plan(plan, make_tiers(config.memory, device), on_device)
+        check_plan(plan, tiers, on_device)
         check_ram(plan, config.memory, device, activations=on_device, local_ranks=local)
     except BudgetError as exc:
         return str(exc).split(";")[0]

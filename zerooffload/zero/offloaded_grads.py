@@ -1,9 +1,11 @@
-"""Gradient shards kept on the optimizer's tier, from their reduction to the optimizer step.
+"""Gradient shards kept off the device, from their reduction to the optimizer step.
 
 [Note: offloaded gradients]
 At stages 2–3 with ``offload.optimizer.tier`` host or NVMe, a unit's reduced gradient shard leaves the
-device as soon as it is reduced: it is a block (``tiers.Block``) on the optimizer's tier, in the
-compute dtype. The first reduced part of an accumulation window is written home in the background
+device as soon as it is reduced: it is a block (``tiers.Block``) on its grad home, in the compute dtype:
+the optimizer's tier, or host memory for optimizer state on NVMe when the run fits it there
+(memory_plan's [Note: where kept gradients wait]); on a resident tier the writes and reads below are
+the block's own memory, no byte moved. The first reduced part of an accumulation window is written home in the background
 (``block_stream.BlockWriter``: at most three host buffers by default); a later part (gradient
 accumulation) is added to what is home: read back, added to, and written home again in the background.
 The norm of what is home is taken each time it is written, so the step's global norm reads nothing; the
@@ -31,7 +33,7 @@ __all__ = ["OffloadedGrad"]
 
 
 class OffloadedGrad:
-    """One unit's reduced gradient shard on the optimizer's tier (see the note)."""
+    """One unit's reduced gradient shard on its grad home (see the note)."""
 
     def __init__(self, block: Block, writer: BlockWriter, host: Tier, *, reader: BlockReader | None = None):
         """``reader``: the units' shared reads ahead (``BlockReader(host, depth=grad_read_depth(config.aio))``);

@@ -180,7 +180,7 @@ class FlatUnit:
 
     @property
     def grad_leaves(self) -> bool:
-        """Whether the reduced shard leaves the device: for the optimizer's tier (``offloaded_grad``) or
+        """Whether the reduced shard leaves the device: for its grad home (``offloaded_grad``) or
         straight into the update (backward_updates' [Note: updates in backward])."""
         return self.placement.grad_leaves
 
@@ -264,7 +264,7 @@ class FlatUnit:
 
     def keep_grads_on(self, offloaded_grad: OffloadedGrad) -> None:
         """Before ``materialize``: the reduced shard waits for the step in ``offloaded_grad``, on the
-        optimizer's tier (``offloaded_grads``), as the placement says (``grads_kept``)."""
+        placement's ``grad_home`` (``offloaded_grads``), as the placement says (``grads_kept``)."""
         if not self.placement.grads_kept or self.flat_param is not None or self._offloaded_grad is not None:
             raise UnitStateError(f"unit {self.name!r}: keep_grads_on needs a unit whose placement keeps its "
                                  "gradients off the device (grads_kept), once, before materialize")

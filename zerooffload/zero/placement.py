@@ -17,6 +17,9 @@ what it can do. The rules:
   with ``train.grad_clip`` that update is *tentative*, for units whose optimizer block is on NVMe only
   (the block as it was is kept there until the step validates the update: [Note: tentative updates]),
   and their shard is kept all the same, for the redo;
+- a kept shard waits on its *grad home*: the optimizer's tier, but for a block on NVMe, whose shard waits
+  in host memory when the run's memory plan fits it there (``memory_plan.plan_for_config``), on NVMe
+  otherwise: a shard in memory costs no write and no read back ([Note: where kept gradients wait]);
 - fp32 masters are the weights themselves with fp32 weights and optimizer both on the device; a
   partitioned fp32 unit on NVMe with its optimizer block there reads its shard from the block's master
   segment (*params in masters*), unless ``nvme.checksum`` asks for whole blocks.
@@ -68,7 +71,9 @@ class UnitPlacement:
     grad_leaves: bool
     """The reduced shard leaves the device: for the optimizer's tier or into an update in backward."""
     grads_kept: bool
-    """A shard that leaves waits on the optimizer's tier for the step (``offloaded_grads``)."""
+    """A shard that leaves waits on its ``grad_home`` for the step (``offloaded_grads``)."""
+    grad_home: str
+    """Where a kept shard waits: the optimizer's tier, or host memory for a block on NVMe (see the note)."""
     updates_in_backward: bool
     """Updated in the backward that closes a window, as its last reduced shard arrives."""
     updates_tentatively: bool
@@ -87,6 +92,11 @@ class UnitPlacement:
     def streamed(self) -> bool:
         """The optimizer block is not addressable: it streams through host buffers to be used."""
         return self.optimizer in _NOT_ADDRESSABLE
+
+    @property
+    def grads_streamed(self) -> bool:
+        """A kept shard waits on a tier that is not addressable: written there, read back for the step."""
+        return self.grads_kept and self.grad_home in _NOT_ADDRESSABLE
 
     @property
     def updated_on_device(self) -> bool:
@@ -136,8 +146,9 @@ def updates_in_backward(config: Config) -> bool:
     return mode == "on"
 
 
-def place(layouts: list[UnitLayout], config: Config) -> Placement:
-    """The placement ``config`` makes of ``layouts`` (see [Note: placement])."""
+def place(layouts: list[UnitLayout], config: Config, *, grads_wait_in_host: bool = True) -> Placement:
+    """The placement ``config`` makes of ``layouts`` (see [Note: placement]); ``grads_wait_in_host``: the
+    kept shards of blocks on NVMe wait in host memory (else on NVMe: the memory plan's fallback)."""
     stage, offload = config.zero.stage, config.offload
     moved = units_to_offload(layouts, offload.optimizer.fraction)
     in_backward, tentative = updates_in_backward(config), config.train.grad_clip > 0
@@ -150,11 +161,13 @@ def place(layouts: list[UnitLayout], config: Config) -> Placement:
         fp32 = config.train.precision == "fp32"
         early = grad_leaves and in_backward and (optimizer in _NOT_ADDRESSABLE or not tentative)
         kept = grad_leaves and (config.train.grad_accum_steps > 1 or not early or tentative)
+        grad_home = STAGING if grads_wait_in_host and optimizer in _NOT_ADDRESSABLE else optimizer
         units.append(UnitPlacement(
             index=index, trainable=layout.trainable, partitioned=partitioned, param_home=param_home,
             optimizer=optimizer, update_on=STAGING if optimizer in _NOT_ADDRESSABLE else optimizer,
             keep_full_grad=stage <= 1 and layout.trainable, keep_grad_shard=stage >= 2 and layout.trainable,
-            grad_leaves=grad_leaves, grads_kept=kept, updates_in_backward=early, updates_tentatively=early and tentative,
+            grad_leaves=grad_leaves, grads_kept=kept, grad_home=grad_home, updates_in_backward=early,
+            updates_tentatively=early and tentative,
             master_is_param=fp32 and offload.param.tier == COMPUTE and optimizer == COMPUTE,
             params_in_masters=(fp32 and partitioned and param_home in _NOT_ADDRESSABLE
                                and optimizer in _NOT_ADDRESSABLE and not config.nvme.checksum)))

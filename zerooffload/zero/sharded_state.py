@@ -99,7 +99,7 @@ class ShardedState:
             broadcast(self.comm, full)
             param_block = self._param_block(index) if place.partitioned else None
             if place.grads_kept:  # the trainable span's: frozen slots' are zeros
-                block = span_block(self.tiers[place.optimizer], Kind.GRAD, f"grad.{index}", unit.trainable_span,
+                block = span_block(self.tiers[place.grad_home], Kind.GRAD, f"grad.{index}", unit.trainable_span,
                                    unit.compute_dtype)
                 unit.keep_grads_on(OffloadedGrad(block, self.grad_writer, self.staging, reader=self.grad_reader))
             unit.materialize(full, self.compute, param_block)
