@@ -254,7 +254,8 @@ def test_nvme_traffic_per_step_is_every_optimizer_block_once_each_way(make_engin
     fewer, and with one micro-batch none at all and no memory kept for them."""
     model = _deep_mlp()
     config = {"zero": {"stage": 2}, "train": {"grad_clip": clip, "grad_accum_steps": accum},
-              "optimizer": {"update_in_backward": "off" if clip else "auto"}, "offload": {"optimizer": {"tier": "nvme"}}}
+              "optimizer": {"update_in_backward": "off" if clip else "auto"},
+              "offload": {"optimizer": {"tier": "nvme"}}}
     engine = make_engine(model, grads_waiting_on(grads_on, model, config))
     report = engine.memory_report()
     blocks = report.bytes("nvme", "optimizer")

@@ -5,18 +5,19 @@ At stages 2–3 with ``offload.optimizer.tier`` host or NVMe, a unit's reduced g
 device as soon as it is reduced: it is a block (``tiers.Block``) on its grad home, in the compute dtype:
 the optimizer's tier, or host memory for optimizer state on NVMe when the run fits it there
 (memory_plan's [Note: where kept gradients wait]); on a resident tier the writes and reads below are
-the block's own memory, no byte moved. The first reduced part of an accumulation window is written home in the background
-(``block_stream.BlockWriter``: at most three host buffers by default); a later part (gradient
-accumulation) is added to what is home: read back, added to, and written home again in the background.
-The norm of what is home is taken each time it is written, so the step's global norm reads nothing; the
-update reads each block once, ahead of its use (``block_stream.BlockReader``: shared by the units, at
-most ``GRAD_READS`` host buffers by default; without one, each unit reads through a buffer of its own).
-That is one write and one read of the gradient per step (2 × 2 B/param in bf16) beside the 24 B/param
-the optimizer blocks move, and it frees the device of Ψ/Nd gradient elements. When the update needs no
-global view of the gradients, units are updated in backward instead and no shard is kept here at
-all (backward_updates' [Note: updates in backward]); a tentative update in backward (under a clip)
-keeps it, for the step may redo that update. A unit with frozen parameters keeps only its shard's
-trainable span here (unit_layout's [Note: unit vocabulary]): the rest of its gradient is zeros.
+the block's own memory, no byte moved. The first reduced part of an accumulation window is written
+home in the background (``block_stream.BlockWriter``: at most three host buffers by default); a later
+part (gradient accumulation) is added to what is home: read back, added to, and written home again in
+the background. The norm of what is home is taken each time it is written, so the step's global norm
+reads nothing; the update reads each block once, ahead of its use (``block_stream.BlockReader``: shared
+by the units, at most ``GRAD_READS`` host buffers by default; without one, each unit reads through a
+buffer of its own). On NVMe that is one write and one read of the gradient per step (2 × 2 B/param in
+bf16) beside the 24 B/param the optimizer blocks move; either way it frees the device of Ψ/Nd gradient
+elements. When the update needs no global view of the gradients, units are updated in backward
+instead and no shard is kept here at all (backward_updates' [Note: updates in backward]); a tentative
+update in backward (under a clip) keeps it, for the step may redo that update. A unit with frozen
+parameters keeps only its shard's trainable span here (unit_layout's [Note: unit vocabulary]): the
+rest of its gradient is zeros.
 """
 from __future__ import annotations
 
