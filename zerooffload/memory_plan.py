@@ -17,7 +17,8 @@ the shard each step and a read back for the update; a tentative update, which re
 arrives and needs it again only to be redone, would pay the write for nothing in every step that the
 clip does not bind. When the plan with the shards in memory does not fit the budgets or the RAM (the
 engine's own checks: ``plan_for_machine``), they wait on NVMe beside their blocks, and the run needs no
-more memory than that placement did.
+more memory than that placement did. Each rank decides for itself from the RAM it sees: where a rank's
+shards wait changes its own reads and writes only, nothing any collective depends on.
 """
 from __future__ import annotations
 
