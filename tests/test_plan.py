@@ -200,6 +200,31 @@ def _cli(args, cache_dir, cwd):
                           cwd=cwd, timeout=300)
 
 
+def timed_collective_case() -> int:
+    """Every rank times an all-reduce with ``median_seconds``, each wanting a different time (rank r:
+    0.2 (r + 1) s), rank 0 deciding for all; returns how often this rank ran it."""
+    import torch.distributed as dist
+
+    from zerooffload import comm
+    from zerooffload.planning.probe import median_seconds, rank_zero_decides
+
+    group, runs = comm.init_comm(), []
+    tensor = torch.ones(1024)
+
+    def all_reduce() -> None:
+        dist.all_reduce(tensor)
+        runs.append(1)
+    median_seconds(all_reduce, seconds=0.2 * (dist.get_rank() + 1), agreed=rank_zero_decides(group))
+    return len(runs)
+
+
+def test_ranks_timing_a_collective_run_it_equally_often(rank_pools):
+    """The collective probe: each rank's own clock would stop it after a different number of runs, and
+    the rank that leaves first would leave the others waiting in the collective (a failed probe)."""
+    counts = rank_pools(2).run(timed_collective_case)
+    assert counts[0] == counts[1] >= 7
+
+
 def test_a_prediction_reaches_the_other_ranks_as_it_was(evaluator, cache):
     """Rank 0 plans and sends its choice to every rank (``all_gather_object``): the prediction pickles."""
     prediction = evaluator.evaluate(Candidate({}, _config(cache))).prediction

@@ -28,7 +28,7 @@ from ..config import Config
 from ..precision import COMPUTE_DTYPES
 
 __all__ = ["DiskRates", "Probe", "cache_path", "cached_probe", "collective_gbps", "median_seconds", "probe_machine",
-           "record_disk"]
+           "rank_zero_decides", "record_disk"]
 
 DISK_PROBE_BYTES = 256 << 20
 """The file one disk measurement writes and reads back (O_DIRECT): big enough to pass the disk's cache."""
@@ -170,16 +170,19 @@ def _probe(config: Config, data: dict, world_size: int, *, measure: bool, progre
                  collective_gbps=collective)
 
 
-def median_seconds(run: Callable[[], None], seconds: float = 1.2, repeats: int = 7) -> float:
+def median_seconds(run: Callable[[], None], seconds: float = 1.2, repeats: int = 7,
+                   agreed: Callable[[bool], bool] = lambda more: more) -> float:
     """The median time of ``run`` over at least ``repeats`` runs and ``seconds`` of them, after a
     warm-up of a third as long (a fresh process's first runs are slower): a shared machine's noise
-    swings a single short run by ±30%, a median of many does not."""
+    swings a single short run by ±30%, a median of many does not. ``agreed(more)`` turns this process's
+    "run again" into the one every process follows: ranks timing a collective must run it equally
+    often (``_collective_rank``), else one leaves while the others wait in it."""
     warm_until = time.perf_counter() + seconds / 3
     run()
-    while time.perf_counter() < warm_until:
+    while agreed(time.perf_counter() < warm_until):
         run()
     times: list[float] = []
-    while len(times) < repeats or sum(times) < seconds:
+    while agreed(len(times) < repeats or sum(times) < seconds):
         start = time.perf_counter()
         run()
         if torch.cuda.is_available():
@@ -237,6 +240,15 @@ def _disk_entry(path: str, config: Config) -> dict:
 
 
 
+def rank_zero_decides(group: comm.Comm) -> Callable[[bool], bool]:
+    """``median_seconds``'s ``agreed`` for the ranks of ``group``: rank 0's clock decides for all."""
+    def agreed(more: bool) -> bool:
+        flag = torch.tensor([more], dtype=torch.uint8, device=group.device)
+        comm.broadcast(group, flag)
+        return bool(flag.item())
+    return agreed
+
+
 def collective_gbps(world_size: int, dtype: torch.dtype) -> float:
     """``world_size`` ranks of this machine (fresh processes on a file store, the backend the engine
     would pick) time the engine's own ``comm.reduce_scatter`` of an fp32 gradient and ``comm.all_gather``
@@ -280,7 +292,7 @@ def _collective_rank(rank: int, world_size: int, store_path: str, dtype: torch.d
             comm.reduce_scatter(group, shard, gradient)
             comm.all_gather(group, weights, weights_shard)
 
-        seconds = median_seconds(step_collectives, seconds=1.0)
+        seconds = median_seconds(step_collectives, seconds=1.0, agreed=rank_zero_decides(group))
         if rank == 0:
             results.put((gradient.nbytes + weights.nbytes) / seconds / 1e9)
     finally:
