@@ -38,8 +38,8 @@ from .zero.placement import STAGING, Placement, activations_leave_device, place
 from .zero.reduction import MAX_BUCKETS_IN_FLIGHT, REDUCE_DTYPE
 from .zero.unit_layout import UnitLayout, find_units
 
-__all__ = ["plan_memory", "plan_for_config", "plan_for_machine", "check_memory", "fitting_layout", "place_activations",
-           "local_ranks", "LAYOUTS_TO_TRY"]
+__all__ = ["plan_memory", "plan_for_config", "plan_for_machine", "check_fits", "check_memory", "fitting_layout",
+           "place_activations", "local_ranks", "LAYOUTS_TO_TRY"]
 
 LAYOUTS_TO_TRY = (
     ("offload.optimizer.tier=host",),
@@ -71,17 +71,26 @@ def plan_for_machine(layouts: list[UnitLayout], config: Config, world_size: int,
     """``plan_for_config`` as the engine makes it: fitting the budgets of ``tiers`` (``config``'s when None)
     and this machine's RAM beside ``activations`` (``released``: ``check_ram``'s)."""
     tiers = make_tiers(config.memory, device) if tiers is None else tiers
-    local = local_ranks(world_size)
 
     def fits(plan: Plan) -> bool:
-        plan, on_device = _placed(plan, activations, config, device)
         try:
-            check_plan(plan, tiers, on_device)
-            check_ram(plan, config.memory, device, activations=on_device, released=released, local_ranks=local)
+            check_fits(plan, config, tiers, activations, device, world_size, released=released)
         except BudgetError:
             return False
         return True
     return plan_for_config(layouts, config, world_size, fits)
+
+
+def check_fits(plan: Plan, config: Config, tiers: dict[str, Tier], activations: ActivationProfile | None,
+               device: torch.device, world_size: int, *, released: int = 0,
+               suggestion: Callable[[Callable[[Plan, int], bool]], str | None] = lambda fits: None) -> None:
+    """Refuse (``BudgetError``) a ``plan`` that does not fit the budgets of ``tiers`` or this machine's RAM
+    beside ``activations`` (placed on a copy: ``plan`` is left as it is), the budgets first: they are
+    cheap to check. ``released`` and ``suggestion``: ``check_ram``'s."""
+    plan, on_device = _placed(plan, activations, config, device)
+    check_plan(plan, tiers, on_device)
+    check_ram(plan, config.memory, device, activations=on_device, released=released,
+              local_ranks=local_ranks(world_size), suggestion=suggestion)
 
 
 def _plan(layouts: list[UnitLayout], placement: Placement, config: Config, world_size: int) -> Plan:
@@ -134,12 +143,9 @@ def check_memory(module: nn.Module, layouts: list[UnitLayout], config: Config, t
     released = _storage_bytes(module)
     placement, plan = plan_for_machine(layouts, config, world_size, device, activations, tiers=tiers,
                                        released=released)
-    measured = place_activations(plan, activations, config, device)
-    check_plan(plan, tiers, measured)  # memory budgets first: they are cheap to check, swap space is not
-    local = local_ranks(world_size)
-    check_ram(plan, config.memory, device, activations=measured, released=released,
-              local_ranks=local, suggestion=lambda fits: fitting_layout(
-                  module, config, world_size, fits, activations, local, device))
+    check_fits(plan, config, tiers, activations, device, world_size, released=released,
+               suggestion=lambda fits: fitting_layout(module, config, world_size, fits, activations,
+                                                      local_ranks(world_size), device))
     return placement, plan
 
 

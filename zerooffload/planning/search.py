@@ -25,9 +25,9 @@ import torch
 
 from ..activations import ActivationProfile
 from ..config import Config, ConfigError, format_size
-from ..memory_plan import local_ranks, place_activations, plan_for_machine
+from ..memory_plan import check_fits, local_ranks, plan_for_machine
 from ..telemetry import Prediction
-from ..tiers import BudgetError, check_plan, check_ram, make_tiers, swap_bytes, swap_free_bytes
+from ..tiers import BudgetError, make_tiers, swap_bytes, swap_free_bytes
 from ..zero.placement import COMPUTE, STAGING, SWAP, TIER_NAMES, activations_leave_device
 from ..zero.unit_layout import UnitLayout, find_units
 from .model_spec import BlockTimes, ModelSpec, measure_compute
@@ -208,14 +208,11 @@ def refusal(config: Config, layouts: list[UnitLayout], activations: ActivationPr
     """Why the engine would refuse ``config`` at start (its own checks, in its order), or None."""
     tiers = make_tiers(config.memory, device)
     _, plan = plan_for_machine(layouts, config, world_size, device, activations, tiers=tiers)
-    on_device = place_activations(plan, activations, config, device)
-    local = local_ranks(world_size)
     try:
-        check_plan(plan, tiers, on_device)
-        check_ram(plan, config.memory, device, activations=on_device, local_ranks=local)
+        check_fits(plan, config, tiers, activations, device, world_size)
     except BudgetError as exc:
         return str(exc).split(";")[0]
-    swap = swap_bytes(plan) * local
+    swap = swap_bytes(plan) * local_ranks(world_size)
     if swap and swap > swap_free_bytes(config):
         return f"the swap files need {swap:,} bytes but {config.nvme.paths} has {swap_free_bytes(config):,} free"
     return None
