@@ -125,12 +125,11 @@ def fitting_layout(module: nn.Module, config: Config, world_size: int, fits: Cal
                 continue
             shards = world_size if candidate.zero.stage >= 1 else 1
             layouts = find_units(module, candidate.zero.unit_modules, shards)
-            _, plan = plan_for_config(layouts, candidate, world_size,
-                                      lambda plan: fits(*_placed(plan, activations, candidate, device)))
-            plan, on_device = _placed(plan, activations, candidate, device)
+            def fits_here(plan: Plan) -> bool:
+                return fits(*_placed(plan, activations, candidate, device))
+            _, plan = plan_for_config(layouts, candidate, world_size, fits_here)
             on_disk = swap_bytes(plan) * local_ranks
-            if (fits(plan, on_device)
-                    and (not on_disk or on_disk <= swap_free_bytes(candidate))):
+            if fits_here(plan) and (not on_disk or on_disk <= swap_free_bytes(candidate)):
                 return " ".join(overrides)
     return None
 
