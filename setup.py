@@ -28,8 +28,8 @@ def native(name: str, sources: list[str], headers: list[str], extra: tuple[str, 
 
 
 setup(ext_modules=[
-    native("_aio", ["aio_module.c", "aio_engine.c", "aio_pool.c", "aio_uring.c"],
-           ["bindings.h", "aio.h", "aio_backend.h"]),
+    native("_aio", ["aio_module.c", "aio_engine.c", "aio_pool.c", "aio_uring.c", "checksum.c"],
+           ["bindings.h", "aio.h", "aio_backend.h", "checksum.h"]),
     # -ffp-contract=off as well as the file's own pragma: a compiler that ignores GCC's pragma
     # (clang) would otherwise fuse products differently per level (see cpu_adam.c).
     native("_cpu_adam", ["cpu_adam_module.c", "cpu_adam.c"], ["bindings.h", "cpu_adam.h"],

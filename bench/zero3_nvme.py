@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 
 from io_vs_fio import peak_rss_bytes
-from pairs import report_pairs, rotating_rounds
+from pairs import interleaved_pairs, report_pairs, rotating_rounds
 
 RESULT = re.compile(r"RESULT .*step ms min/med/max = (\d+) / (\d+) / (\d+)")
 HERE = Path(__file__).resolve().parent
@@ -53,7 +53,8 @@ def run_ours(args) -> None:
     engine = zo.initialize(model, {
         "zero": {"stage": 3}, "train": {"grad_clip": args.grad_clip},
         "optimizer": {"type": "adam", "lr": 1e-4, "weight_decay": 0.0, "update_in_backward": args.update_in_backward},
-        "offload": {"param": {"tier": "nvme"}, "optimizer": {"tier": "nvme"}}, "nvme": {"path": args.nvme}})
+        "offload": {"param": {"tier": "nvme"}, "optimizer": {"tier": "nvme"}},
+        "nvme": {"path": args.nvme, "checksum": args.checksum == "on"}})
     times = []
     for step in range(3 + args.steps):
         start = time.perf_counter()
@@ -118,6 +119,22 @@ def compare(args) -> None:
           f"(medians: committed {committed:.0f}, redone {redo:.0f}, in the step {wait:.0f} ms/step)")
 
 
+def compare_checksum(args) -> None:
+    """Our default side (swap digests verified) against the same with ``nvme.checksum = off``."""
+    nvme = Path(args.nvme)
+    ours = [sys.executable, str(Path(__file__).resolve()), "--side", "ours", "--steps", str(args.steps),
+            "--batch", str(args.batch), "--nvme", str(nvme / "ours"), "--grad-clip", str(args.grad_clip)]
+    print(f"machine: {os.cpu_count()} CPUs; swap under {nvme}; {args.pairs} pairs of {args.steps} timed steps")
+    try:
+        pairs = interleaved_pairs(args.pairs, ("checksum on", lambda: _side(ours, os.environ.copy())),
+                                  ("checksum off", lambda: _side([*ours, "--checksum", "off"], os.environ.copy())),
+                                  unit="ms/step")
+    finally:
+        shutil.rmtree(nvme, ignore_errors=True)
+    report_pairs("ZeRO-3 NVMe: nvme.checksum on (the default) against off", ("checksum on", "checksum off"), pairs,
+                 1.03, unit="ms/step")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--side", choices=["ours"], help="run one side alone (used by the comparison)")
@@ -129,11 +146,16 @@ def main() -> None:
                         help="DeepSpeed's interpreter ('' : compare our sides only)")
     parser.add_argument("--grad-clip", type=float, default=0.0, help="our side's train.grad_clip")
     parser.add_argument("--update-in-backward", default="auto", help="our side's optimizer.update_in_backward")
+    parser.add_argument("--checksum", choices=["on", "off"], default="on", help="our side's nvme.checksum")
+    parser.add_argument("--only", choices=["checksum"],
+                        help="checksum: our default side against nvme.checksum = off alone (the swap digests' cost)")
     parser.add_argument("--anchor", default=str(HERE.parent.parent / "shared" / "anchors" / "zero3_nvme.py"))
     args = parser.parse_args()
     if args.side:
         Path(args.nvme).mkdir(parents=True, exist_ok=True)
         run_ours(args)
+    elif args.only == "checksum":
+        compare_checksum(args)
     else:
         compare(args)
 

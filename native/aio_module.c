@@ -15,6 +15,8 @@
  *   Engine.close()      queued requests end with ECANCELED, requests in flight are waited for
  *   uring_probe() -> 0 or the errno why io_uring is unusable; uring_supported() -> bool
  *       (the one io_uring probe: the auto backend and doctor both ask it, zerooffload/io/probe.py)
+ *   checksum(addr, nbytes) -> int   the swap store's 64-bit digest of a host range (checksum.h)
+ *   checksum_simd() -> str          the level it runs on
  *   READ, WRITE (ops), EEOF (errno of a read that met end of file)
  */
 #include "bindings.h"
@@ -22,6 +24,7 @@
 #include <string.h>
 
 #include "aio.h"
+#include "checksum.h"
 
 typedef struct {
     PyObject_HEAD
@@ -251,7 +254,31 @@ static PyObject *uring_supported(PyObject *Py_UNUSED(module), PyObject *Py_UNUSE
     return PyBool_FromLong(rc == 0);
 }
 
+static PyObject *checksum(PyObject *Py_UNUSED(module), PyObject *args)
+{
+    unsigned long long addr;
+    Py_ssize_t nbytes;
+    if (!PyArg_ParseTuple(args, "Kn", &addr, &nbytes))
+        return NULL;
+    if (nbytes < 0 || (addr == 0 && nbytes > 0)) {
+        PyErr_SetString(PyExc_ValueError, "checksum needs a non-negative length and, for bytes, an address");
+        return NULL;
+    }
+    uint64_t digest;
+    Py_BEGIN_ALLOW_THREADS
+    digest = zo_checksum((const void *)(uintptr_t)addr, (size_t)nbytes);
+    Py_END_ALLOW_THREADS
+    return PyLong_FromUnsignedLongLong(digest);
+}
+
+static PyObject *checksum_simd(PyObject *Py_UNUSED(module), PyObject *Py_UNUSED(ignored))
+{
+    return PyUnicode_FromString(zo_checksum_simd());
+}
+
 static PyMethodDef module_methods[] = {
+    {"checksum", checksum, METH_VARARGS, "The swap store's digest of nbytes at addr (see native/checksum.h)."},
+    {"checksum_simd", checksum_simd, METH_NOARGS, "The instruction set checksum runs on."},
     {"uring_probe", uring_probe, METH_NOARGS, "0, or the errno why io_uring is unusable here."},
     {"uring_supported", uring_supported, METH_NOARGS, "Whether io_uring works here."},
     {NULL, NULL, 0, NULL},

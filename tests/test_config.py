@@ -87,7 +87,7 @@ release_freed = "off"
 
 [nvme]
 path = ["/mnt/a", "/mnt/b"]
-checksum = true
+checksum = false
 
 [aio]
 backend = "pool"

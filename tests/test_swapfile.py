@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from zerooffload.io import AsyncIO
-from zerooffload.io.swapfile import PRIVATE_DIR, SwapSpaceError, SwapStore
+from zerooffload.io.swapfile import CHUNK, PRIVATE_DIR, SwapDamage, SwapSpaceError, SwapStore
 
 
 @pytest.fixture(scope="module")
@@ -121,7 +121,7 @@ def test_striping_spreads_each_tensor_over_every_directory(tmp_path, aio):
 def test_a_prefix_read_returns_the_first_bytes_across_stripes(tmp_path, aio):
     for name in ("a", "b"):
         (tmp_path / name).mkdir()
-    with SwapStore([str(tmp_path / "a"), str(tmp_path / "b")], aio) as store:
+    with SwapStore([str(tmp_path / "a"), str(tmp_path / "b")], aio, checksum=False) as store:
         data = _random(4096 * 30, 2)
         store.write("x", data).wait()
         for nbytes in (4096, 4096 * 15, 4096 * 16, 4096 * 30):  # within the first stripe, at and past its end
@@ -131,9 +131,45 @@ def test_a_prefix_read_returns_the_first_bytes_across_stripes(tmp_path, aio):
         with pytest.raises(ValueError, match="holds 122880 bytes but the destination has 126976"):
             store.read("x", torch.empty(4096 * 31, dtype=torch.uint8), prefix=True)
     with SwapStore(str(tmp_path), aio, checksum=True) as store:
-        store.write("k", _random(8192, 3)).wait()
-        with pytest.raises(ValueError, match="a part cannot be verified"):
+        store.write("k", _random(8192 * 3, 3), segment=8192).wait()
+        with pytest.raises(ValueError, match="would end inside a checksummed segment of 8192 bytes"):
             store.read("k", torch.empty(4096, dtype=torch.uint8), prefix=True)
+
+
+def test_each_segment_is_verified_on_its_own(tmp_path, aio):
+    """A prefix of whole segments reads and verifies without the rest; damage past it is not its concern,
+    and is found by the read that covers it, which names the segment and where it lies."""
+    with SwapStore(str(tmp_path), aio) as store:
+        data = _random(8192 * 3, 4)
+        store.write("k", data, segment=8192).wait()
+        _scribble(store.paths[0], 8192 * 2 + 10)
+        first = torch.empty(8192 * 2, dtype=torch.uint8)
+        store.read("k", first, prefix=True).wait()
+        assert torch.equal(first, data[:8192 * 2])
+        with pytest.raises(SwapDamage, match=rf"swap block 'k' is damaged: .*\(segment 3 of 3\) \(8192 bytes at "
+                                             rf"offset 16384 of {store.paths[0]}\).*resume from the last checkpoint"):
+            store.read("k", torch.empty_like(data)).wait()
+
+
+def test_a_large_entry_is_verified_chunk_by_chunk(tmp_path, aio):
+    """An entry past ``CHUNK`` is verified in chunks as they land; the damaged one is named by where it lies."""
+    with SwapStore(str(tmp_path), aio) as store:
+        data = _random(CHUNK * 2 + 8192, 8)
+        store.write("big", data).wait()
+        out = torch.empty_like(data)
+        store.read("big", out).wait()
+        assert torch.equal(out, data)
+        _scribble(store.paths[0], CHUNK * 2 + 100)
+        with pytest.raises(SwapDamage, match=rf"\(8192 bytes at offset {CHUNK * 2} of "):
+            store.read("big", out).wait()
+
+
+def _scribble(path, offset: int) -> None:
+    """Change two bytes of ``path`` at ``offset`` behind the store's back, as another process would."""
+    fd = os.open(path, os.O_WRONLY)
+    os.pwrite(fd, b"\xff\x00", offset)
+    os.fsync(fd)
+    os.close(fd)
 
 
 def test_two_stores_on_one_path_do_not_share(tmp_path, aio):
@@ -305,13 +341,28 @@ def test_preflight_refuses_with_exact_byte_counts(tmp_path, aio):
         assert store.paths[0].stat().st_blocks * 512 >= 8 << 20  # blocks really claimed
 
 
-def test_checksum_catches_corruption_on_disk(tmp_path, aio):
-    with SwapStore(str(tmp_path), aio, checksum=True) as store:
+def test_checksum_catches_corruption_on_disk_by_default(tmp_path, aio):
+    with SwapStore(str(tmp_path), aio) as store:
         data = _random(8192, 5)
         store.write("k", data).wait()
-        fd = os.open(store.paths[0], os.O_WRONLY)
-        os.pwrite(fd, b"\xff\x00", 100)
-        os.fsync(fd)
-        os.close(fd)
-        with pytest.raises(OSError, match="checksum mismatch reading swap key 'k'"):
+        _scribble(store.paths[0], 100)
+        with pytest.raises(SwapDamage, match=f"swap block 'k' is damaged: its checksum differs .* \\(8192 bytes "
+                                             f"at offset 0 of {store.paths[0]}\\)"):
             store.read("k", torch.empty_like(data)).wait()
+    with SwapStore(str(tmp_path), aio, checksum=False) as store:  # off: the damage is read as data
+        store.write("k", data).wait()
+        _scribble(store.paths[0], 100)
+        out = torch.empty_like(data)
+        store.read("k", out).wait()
+        assert not torch.equal(out, data) and torch.equal(out[:100], data[:100])
+
+
+def test_a_truncated_swap_file_names_the_block_and_where(tmp_path, aio):
+    with SwapStore(str(tmp_path), aio) as store:
+        store.write("a", _random(8192, 6)).wait()
+        store.write("b", _random(8192, 7)).wait()
+        os.truncate(store.paths[0], 8192 + 4096)
+        store.read("a", torch.empty(8192, dtype=torch.uint8)).wait()
+        with pytest.raises(SwapDamage, match=f"swap block 'b' is damaged: the swap file ends before it "
+                                             f"\\(truncated\\) \\(8192 bytes at offset 12288 of {store.paths[0]}"):
+            store.read("b", torch.empty(8192, dtype=torch.uint8)).wait()

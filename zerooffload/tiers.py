@@ -146,9 +146,11 @@ class Tier(abc.ABC):
     def close(self) -> None:
         """Release what the tier holds outside memory (the NVMe tier's swap files)."""
 
-    def block(self, kind: Kind, key: str, numel: int, dtype: torch.dtype, *, aside: bool = False) -> "Block":
+    def block(self, kind: Kind, key: str, numel: int, dtype: torch.dtype, *, aside: bool = False,
+              segments: int = 1) -> "Block":
         """A buffer of ``numel`` ``dtype`` elements whose home is this tier (see [Note: blocks]); a block
-        in memory is changed in place, so it keeps no version ``aside`` (NVMe blocks do)."""
+        in memory is changed in place, so it keeps no version ``aside`` (NVMe blocks do). ``segments``:
+        equal parts that may be read on their own (verified apart on NVMe: swapfile's note)."""
         if aside:
             raise ValueError(f"block {key!r} on the {self.name} tier is changed in place: it cannot keep a version "
                              "aside (only NVMe blocks can)")
@@ -324,9 +326,11 @@ class _SwappedBlock(Block):
     prefix = False
     """Whether the block is the first elements of a longer swap entry (``_SwappedPrefix``)."""
 
-    def __init__(self, store: SwapStore, key: str, numel: int, dtype: torch.dtype, stats: IOStats):
+    def __init__(self, store: SwapStore, key: str, numel: int, dtype: torch.dtype, stats: IOStats, segments: int = 1):
         self.store_, self.key, self.stats = store, key, stats
         self.numel, self.dtype = numel, dtype
+        self.segment = self.nbytes // segments
+        """Bytes of each part verified on its own (``SwapStore.write``'s ``segment``)."""
         self.data = None
         self._buffer: torch.Tensor | None = None
         self._store_key = key
@@ -345,8 +349,8 @@ class _SwappedBlock(Block):
 
     def store(self) -> Any:
         self.stats.write_bytes += self.nbytes
-        return _TimedHandle(self.store_.write(self._store_key, self.data), self.stats, "nvme write", self.key,
-                            self.nbytes)
+        return _TimedHandle(self.store_.write(self._store_key, self.data, segment=self.segment), self.stats,
+                            "nvme write", self.key, self.nbytes)
 
     def unload(self) -> torch.Tensor | None:
         buffer, self._buffer, self.data = self._buffer, None, None
@@ -413,11 +417,12 @@ class NvmeTier(Tier):
     def _allocate(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         raise TypeError("the nvme tier holds blocks (Tier.block), not tensors the compute can address")
 
-    def block(self, kind: Kind, key: str, numel: int, dtype: torch.dtype, *, aside: bool = False) -> Block:
+    def block(self, kind: Kind, key: str, numel: int, dtype: torch.dtype, *, aside: bool = False,
+              segments: int = 1) -> Block:
         """``aside``: the block may keep a second version while its stores are held (``hold``), so its
         space is counted twice."""
         self._account(kind, numel * dtype.itemsize * (2 if aside else 1))
-        return _SwappedBlock(self.swap, key, numel, dtype, self.io)
+        return _SwappedBlock(self.swap, key, numel, dtype, self.io, segments)
 
     def prefix_block(self, key: str, numel: int, dtype: torch.dtype) -> Block:
         """A read-only view of the first ``numel`` elements of block ``key`` (no space of its own)."""

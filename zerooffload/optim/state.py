@@ -62,7 +62,7 @@ class UnitOptimizerState:
         self.has_master = not unit.master_is_param
         segments = len(moment_names) + self.has_master
         self.block = span_block(tier, Kind.OPTIMIZER, key, max(1, segments) * unit.trainable_span, torch.float32,
-                                aside=unit.placement.updates_tentatively)
+                                aside=unit.placement.updates_tentatively, segments=max(1, segments))
         self.pieces: list[tuple[Piece, torch.Tensor]] = []
 
     def _segment(self, index: int) -> torch.Tensor:

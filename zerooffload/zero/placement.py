@@ -22,7 +22,7 @@ what it can do. The rules:
   otherwise: a shard in memory costs no write and no read back ([Note: where kept gradients wait]);
 - fp32 masters are the weights themselves with fp32 weights and optimizer both on the device; a
   partitioned fp32 unit on NVMe with its optimizer block there reads its shard from the block's master
-  segment (*params in masters*), unless ``nvme.checksum`` asks for whole blocks.
+  segment (*params in masters*), which its own digest verifies (``nvme.checksum``: swapfile's note).
 """
 from __future__ import annotations
 
@@ -170,5 +170,5 @@ def place(layouts: list[UnitLayout], config: Config, *, grads_wait_in_host: bool
             updates_tentatively=early and tentative,
             master_is_param=fp32 and offload.param.tier == COMPUTE and optimizer == COMPUTE,
             params_in_masters=(fp32 and partitioned and param_home in _NOT_ADDRESSABLE
-                               and optimizer in _NOT_ADDRESSABLE and not config.nvme.checksum)))
+                               and optimizer in _NOT_ADDRESSABLE)))
     return Placement(tuple(units), shards_off_device=offload.param.tier != COMPUTE)

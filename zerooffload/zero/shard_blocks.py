@@ -16,12 +16,13 @@ from ..tiers import Block, Kind, Tier
 __all__ = ["SplitShardBlock", "span_block"]
 
 
-def span_block(tier: Tier, kind: Kind, key: str, numel: int, dtype: torch.dtype, *, aside: bool = False) -> Block:
+def span_block(tier: Tier, kind: Kind, key: str, numel: int, dtype: torch.dtype, *, aside: bool = False,
+               segments: int = 1) -> Block:
     """``tier.block(...)`` for state over a trainable span; a span of nothing (a frozen shard) gets an
     empty resident block instead: streams load and store it at no cost, and no tier counts it."""
     if numel == 0:
         return Block(torch.empty(0, dtype=dtype, device=tier.device))
-    return tier.block(kind, key, numel, dtype, aside=aside)
+    return tier.block(kind, key, numel, dtype, aside=aside, segments=segments)
 
 
 class _Both:
@@ -42,7 +43,7 @@ class SplitShardBlock(Block):
     ``gathered``). Loading reads both into one buffer, so to the scheduler the shard is one tensor;
     storing writes both. Frozen weights are thus read every pass and never written back by a step
     (bar those sharing the head's last 4 KiB-aligned granule, rewritten as read), and each block's
-    checksum (``nvme.checksum``) covers its own bytes."""
+    digests (``nvme.checksum``) cover its own bytes."""
 
     resident = False
 
