@@ -17,7 +17,7 @@ import argparse
 import torch
 
 import zerooffload as zo
-from zerooffload.cli.train import load_train_config
+from zerooffload.cli.train_config import load_train_config
 from zerooffload.data import ByteCorpus
 from zerooffload.models import GPT, PRESETS
 from pairs import record

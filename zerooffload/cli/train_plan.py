@@ -1,0 +1,118 @@
+"""``zerooffload train``'s plan: the layout ``--plan`` chooses, its prediction, and the measurement beside it.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import sys
+
+from ..config import Config, ConfigError
+from ..models import PRESETS
+from ..telemetry import PHASES, Prediction
+from .train_config import load_train_config
+
+__all__ = ["best_layout", "format_prediction", "on_rank_zero", "pinned", "planned_config", "planned_layout", "predicted_and_measured"]
+
+
+def planned_config(args: argparse.Namespace) -> tuple[Config, Prediction | None]:
+    """The run's config and the plan's prediction of its step: ``--plan auto`` searches the layouts the
+    user left free (``--config`` and overrides pin the rest), ``--plan FILE`` runs a written plan, and a
+    plain run is predicted only when the machine's probe is cached (it never measures the disk)."""
+    from ..planning import cached_probe, plan, predict_config, probe_machine
+    from ..planning.model_spec import named_gpt
+
+    if args.plan not in (None, "auto") and args.config:
+        args.usage_error("--plan FILE is the run's config: leave --config out (or use --plan auto with it)")
+    config = load_train_config(args.plan if args.plan not in (None, "auto") else args.config, args.overrides,
+                               args.steps)
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    if args.plan == "auto":
+        chosen = on_rank_zero(world, lambda: best_layout(plan(
+            named_gpt(args.model, PRESETS[args.model]), config, pinned=pinned(args),
+            world_size=world, progress=lambda text: print(f"plan: {text}", file=sys.stderr))))
+        config = Config.load(config, overrides=chosen[0])
+        return config, chosen[1]
+    cached = None if args.plan else cached_probe(config, world)
+    if args.plan is None and cached is None:
+        return config, None  # a plain run without a cached probe: nothing to predict, nothing measured
+    return config, on_rank_zero(world, lambda: predict_config(
+        named_gpt(args.model, PRESETS[args.model]), config, cached or probe_machine(config, world_size=world), world))
+
+
+def planned_layout(args: argparse.Namespace, config: Config) -> str:
+    """What the plan would train instead of a refused config, from the cached probe (a refusal never
+    measures the disk); without one, how to have it chosen."""
+    from ..planning import cached_probe, plan
+    from ..planning.model_spec import named_gpt
+
+    probe = cached_probe(config)
+    if probe is None or int(os.environ.get("WORLD_SIZE", 1)) > 1:
+        return "or let zerooffload choose: train --plan auto (zerooffload plan lists the layouts that fit)"
+    try:
+        best = plan(named_gpt(args.model, PRESETS[args.model]), config, pinned=pinned(args), probe=probe).best
+    except ConfigError as error:
+        return f"zerooffload plan finds none either ({error})"
+    overrides = " ".join(f"{k}={json.dumps(v)}" for k, v in best.overrides.items())
+    return (f"zerooffload plan's best here: {overrides} (predicted {best.prediction.step_seconds:.2f} s/step); "
+            "train it with --plan auto")
+
+
+def pinned(args: argparse.Namespace) -> set[str]:
+    """The searched keys the user set: in ``--config`` or as overrides (never TRAIN_DEFAULTS' choices)."""
+    from ..planning import pinned_keys
+
+    user = load_train_config(args.config, [], args.steps) if args.config else Config.load({})
+    return pinned_keys(user, args.overrides)
+
+
+def best_layout(result) -> tuple[list[str], Prediction]:
+    """The plan's best layout as overrides, with its prediction; one line about it."""
+    best = result.best
+    print(f"plan: {best.describe()} (of {len(result.fitting)} that fit): predicted {best.prediction.step_seconds:.2f} "
+          f"s/step; {best.prediction.bottleneck}", file=sys.stderr)
+    return [f"{key}={json.dumps(value)}" for key, value in best.overrides.items()], best.prediction
+
+
+def on_rank_zero(world: int, decide):
+    """``decide()`` on rank 0, its result on every rank: a plan times the machine, and ranks that timed
+    it apart could choose apart."""
+    if world == 1:
+        return decide()
+    from ..comm import all_gather_object, init_comm
+
+    comm = init_comm()  # the group the engine then uses as it is
+    return all_gather_object(comm, decide() if comm.rank == 0 else None)[0]
+
+
+def predicted_and_measured(engine, step_seconds: list[float], step_phases: list[dict[str, float]],
+                           rss_at_start: int) -> dict:
+    """summary.json's ``predicted`` (the plan's) and ``measured`` (the median of this process's steps
+    after the first; the engine's peak bytes per tier, and the process's peak RSS above its RSS before
+    the engine was built: the independent figure for the device and host tiers on a CPU device)."""
+    steps = step_seconds[1:] or step_seconds
+    phases = step_phases[1:] or step_phases
+    peaks = engine.memory_report().peaks
+    rss_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    measured = {"step_seconds": statistics.median(steps) if steps else None,
+                "phases": {k: statistics.median(p[k] for p in phases) for k in PHASES} if phases else {},
+                "peak_bytes": {tier: peaks.get(tier, 0) for tier in ("device", "host", "nvme")},
+                "rss_peak_above_start_bytes": rss_peak - rss_at_start}
+    predicted = engine.stats.predicted if engine.stats else None
+    return {"measured": measured, **({"predicted": predicted.as_json()} if predicted else {})}
+
+
+def format_prediction(s: dict) -> str:
+    """The plan's step split next to the one measured, and the peak bytes per tier."""
+    p, m = s["predicted"], s["measured"]
+    lines = [f"{'predicted vs measured':<24}{'plan':>10}{'measured':>10}"]
+    for phase in PHASES:
+        lines.append(f"{phase + ' s':<24}{p['phases'][phase]:>10.3f}{m['phases'].get(phase, 0.0):>10.3f}")
+    ratio = m["step_seconds"] / p["step_seconds"] if p["step_seconds"] else float("nan")
+    lines.append(f"{'step s (wall)':<24}{p['step_seconds']:>10.3f}{m['step_seconds']:>10.3f}  (x{ratio:.2f})")
+    for tier in ("device", "host", "nvme"):
+        lines.append(f"{tier + ' peak MB':<24}{p['peak_bytes'][tier] / 1e6:>10.1f}{m['peak_bytes'][tier] / 1e6:>10.1f}")
+    lines.append(f"{'RSS above start MB':<24}{'':>10}{m['rss_peak_above_start_bytes'] / 1e6:>10.1f}")
+    return "\n".join(lines + [f"plan: {p['bottleneck']}"])
