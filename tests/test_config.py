@@ -14,7 +14,7 @@ from zerooffload.config import ConfigError, apply_override, format_size, parse_s
 # DESIGN §2, written out by hand: the contract the config must match key for key.
 DESIGN_KEYS = {
     "train": {"micro_batch_size", "grad_accum_steps", "precision", "grad_clip", "seed", "activation_checkpointing",
-              "skip_nonfinite", "threads", "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis", "min_loss_scale"},
+              "skip_nonfinite", "max_skip_streak", "threads", "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis", "min_loss_scale"},
     "optimizer": {"type", "lr", "betas", "eps", "weight_decay", "momentum", "update_in_backward"},
     "scheduler": {"type", "warmup_steps", "total_steps", "min_lr"},
     "zero": {"stage", "unit_modules", "bucket_size", "prefetch_size", "max_live_size", "persist_threshold",
@@ -37,6 +37,7 @@ grad_clip = 1.5
 seed = 7
 activation_checkpointing = true
 skip_nonfinite = false
+max_skip_streak = 3
 threads = 1
 loss_scale = 128.0
 initial_scale_power = 12

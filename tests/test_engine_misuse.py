@@ -4,6 +4,7 @@ drives (``gathered``, ``load_safetensors``) that must not strand the other ranks
 own process group."""
 from __future__ import annotations
 
+import re
 import time
 
 import pytest
@@ -146,6 +147,50 @@ def test_skip_nonfinite_off_updates_with_nan_as_torch_does():
     result = nonfinite_case(2, 0.0, None, skip=False)
     assert result["skipped"] == 0 and result["updated"] is True
     assert torch.isnan(result["poisoned"]["blocks.0.fc1.weight"]).all()
+
+
+def skip_streak_case(tmp: str) -> dict:
+    """One good window and a checkpoint, then NaN losses (on the last rank only) until the engine stops
+    (train.max_skip_streak = 3): what each rank saw."""
+    rank, world = _rank_world()
+    batches = make_batches(6, 1, 2 * world, seed=5)
+    with zo.initialize(make_model(), _config(2, max_skip_streak=3)) as engine:
+        _backward(engine, batches[0][0])
+        engine.step()
+        saved = engine.save_checkpoint(tmp)
+        for number, (batch,) in enumerate(batches[1:], start=1):
+            _backward(engine, batch, poison=float("nan") if rank == world - 1 else 1.0)
+            try:
+                engine.step()
+            except zo.SkipStreakError as error:
+                return {"window": number, "message": str(error), "checkpoint": error.checkpoint, "saved": str(saved),
+                        "skipped": engine.skipped_steps}
+    return {"window": None}
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_a_streak_of_skipped_windows_stops_every_rank_naming_the_checkpoint_before_it(rank_pools, tmp_path, world):
+    """The third NaN window in a row raises SkipStreakError on every rank (each its own, no group torn
+    down), naming the checkpoint saved before the first skip."""
+    results = rank_pools(world).run(skip_streak_case, str(tmp_path)) if world > 1 else [skip_streak_case(str(tmp_path))]
+    for result in results:
+        assert result["window"] == 3 and result["skipped"] == 3, result
+        assert result["checkpoint"] == result["saved"] == f"{tmp_path}/step00000001"
+        assert re.fullmatch(r"3 optimizer steps in a row were skipped for non-finite values \(the last, step 4: "
+                            r"non-finite loss on 1 rank\(s\); train.max_skip_streak = 3\): .* the model is as it "
+                            rf"was after step 1; the last checkpoint saved before the first skip: {tmp_path}/step00000001"
+                            r"\. Lower optimizer.lr .*", result["message"]), result["message"]
+
+
+def test_fp16_overflows_do_not_count_toward_a_skip_streak():
+    """Every window overflows the loss scale (2^64): expected of fp16, so no stop however many there are."""
+    config = {**_config(1, max_skip_streak=2), "train": {"precision": "fp16", "initial_scale_power": 64,
+                                                         "max_skip_streak": 2}}
+    with zo.initialize(make_model(), config) as engine:
+        for (batch,) in make_batches(4, 1, 2, seed=5):
+            _backward(engine, batch)
+            assert engine.step() is False
+        assert engine.skipped_steps == 4 and engine.skip_streak.length == 0
 
 
 @pytest.mark.parametrize("poisoned_block, clip, outcome", [(2, 0.0, "skipped"), (0, 0.0, "raises"),

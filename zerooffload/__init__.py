@@ -16,6 +16,7 @@ _PUBLIC = {
     "CheckpointError": "checkpoint", "Config": "config", "ConfigError": "config",
     "DeepSpeedConfigWarning": "deepspeed_config", "Engine": "engine", "initialize": "initialization",
     "init_context": "lazy_init", "load_safetensors": "pretrained", "plan": "planning", "Prediction": "telemetry",
+    "SkipStreakError": "errors",
 }
 """Each public name and the module that defines it."""
 

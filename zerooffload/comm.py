@@ -29,7 +29,8 @@ collective fails at once, so all ranks raise within a second or so; each peer ra
 say), chained to its own "Connection closed by peer". The user's own process group is left as it
 was; the engine's is gone, so the engine refuses every later call: restart it (from the last
 checkpoint). NCCL cannot be interrupted this way; there the peers raise when the collective timeout
-expires.
+expires. An error marked ``agreed`` (``SkipStreakError``) is left alone: every rank raises it at the
+same point from values they all-reduced, so no peer is left waiting.
 """
 from __future__ import annotations
 
@@ -171,8 +172,8 @@ def failing_together(comm: Comm) -> Iterator[None]:
     try:
         yield
     except BaseException as error:
-        if comm.world_size == 1 or comm.group is None:
-            raise
+        if comm.world_size == 1 or comm.group is None or getattr(error, "agreed", False):
+            raise  # agreed: every rank raises it at the same point, from values they all-reduced
         first = _record_failure(comm, f"rank {comm.rank}: {type(error).__name__}: {error}")
         # The frames between the raise and here hold collectives in flight, and those hold the group's
         # connections open: drop their locals (the traceback's text stays), then the group.

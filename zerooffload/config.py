@@ -200,6 +200,8 @@ class TrainConfig(_Section):
     skip_nonfinite: bool = _opt(True, "skip a window whose loss or gradient norm is inf/NaN on any rank, as fp16 "
                                       "skips overflows (counted in stats.skipped_steps); false: update anyway, "
                                       "as plain PyTorch does")
+    max_skip_streak: int = _opt(8, "stop (SkipStreakError) after this many windows in a row skipped for inf/NaN "
+                                   "losses or gradients (fp16 overflows do not count); 0: never", min=0)
     loss_scale: float = _opt(0.0, "fp16 static loss scale; 0 = dynamic", min=0)
     initial_scale_power: int = _opt(16, "fp16 dynamic scale starts at 2**this", min=0, max=64)
     loss_scale_window: int = _opt(2000, "fp16: steps without overflow before the scale doubles", min=1)

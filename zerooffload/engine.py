@@ -48,6 +48,7 @@ from .memory_plan import check_memory
 from .optim import build_scheduler
 from .optim.state import UnitOptimizerState
 from .precision import COMPUTE_DTYPES, LossScaler, cast_floats
+from .skip_streak import SkipStreak
 from .telemetry import MemoryReport, Prediction, StepStats, WindowMeter, memory_report
 from .tiers import DeviceCopier, LinkStats, close_tiers, make_tiers, open_swap, release_idle
 from .trace import RECORDER, ArmedTrace, forward_segments, segment
@@ -131,6 +132,7 @@ class Engine:
         self._stats: StepStats | None = None
         self._window_skipped: str | None = None
         """Why this accumulation window will not update (``train.skip_nonfinite``), once it is known."""
+        self.skip_streak = SkipStreak(config.train.max_skip_streak)
         self._last_checkpoint: str | None = None
         """The checkpoint this engine last saved or loaded: where to go back to after poisoned updates."""
         self._closed = False
@@ -251,12 +253,13 @@ class Engine:
         started = time.perf_counter()
         self._stepped_at = self.micro_steps
         norm_sq = math.inf
+        expected = self._window_skipped is None and self.scaler.enabled  # an fp16 overflow, if one is found now
         if self._window_skipped is None:
             norm_sq, had_grad = self._updater.norm_and_flags()
             norm_sq /= self.scaler.scale ** 2
             if not math.isfinite(norm_sq) and (self.scaler.enabled or self.config.train.skip_nonfinite):
                 self._window_skipped = "inf/NaN gradients" if self.scaler.enabled else "non-finite gradient norm"
-        overflow = self._window_skipped is not None
+        overflow, reason = self._window_skipped is not None, self._window_skipped
         scale = None if overflow else grad_scale(norm_sq, self.config.train.grad_clip, self.scaler.scale)
         undone = self._backward.settle(keep=scale == 1.0 / self.scaler.scale)  # tentative updates: kept if unclipped
         if overflow:
@@ -279,6 +282,10 @@ class Engine:
                                         lr=self.optimizer.param_groups[0]["lr"], memory=self.memory_report(),
                                         undone_updates=len(undone), step_started=started)
         self._meter.start()
+        if not overflow:
+            self.skip_streak.updated()
+        elif not expected:  # may raise: after the step's bookkeeping, so the engine stays consistent
+            self.skip_streak.skipped(reason, self.global_steps, self._last_checkpoint)
         return not overflow
 
     @_engine_call

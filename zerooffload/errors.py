@@ -2,7 +2,7 @@
 them from bugs without importing torch first (``cli.main``'s [Note: user errors])."""
 from __future__ import annotations
 
-__all__ = ["CheckpointError", "EngineGroupEnded"]
+__all__ = ["CheckpointError", "EngineGroupEnded", "SkipStreakError"]
 
 
 class CheckpointError(RuntimeError):
@@ -12,3 +12,16 @@ class CheckpointError(RuntimeError):
 
 class EngineGroupEnded(RuntimeError):
     """Another rank failed, so this rank's engine stopped too; the message is that rank's error."""
+
+
+class SkipStreakError(RuntimeError):
+    """Too many windows in a row were skipped for inf/NaN values (``skip_streak``'s note); ``checkpoint``
+    names the last one saved before the streak began (None when there was none)."""
+
+    agreed = True
+    """Every rank raises it at the same step, from the same all-reduced values: it ends no process group
+    (comm's [Note: failing together])."""
+
+    def __init__(self, message: str, checkpoint: str | None = None):
+        super().__init__(message)
+        self.checkpoint = checkpoint
