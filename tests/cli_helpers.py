@@ -10,7 +10,12 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
+import os
 import subprocess
+import sys
+from pathlib import Path
+
+import pytest
 
 from zerooffload.cli.main import main
 
@@ -31,3 +36,16 @@ def run_in_process(*args: str) -> subprocess.CompletedProcess:
         logger.handlers[:] = handlers
         logger.setLevel(level)
     return subprocess.CompletedProcess(["zerooffload", *args], status, stdout.getvalue(), stderr.getvalue())
+
+
+def in_a_tmpfs(options: str, point: Path, *args: str) -> subprocess.CompletedProcess:
+    """``zerooffload ARGS`` in a private mount namespace with a tmpfs (``options``) at ``point``;
+    skipped where this process may not make one (CI runs as root, which may)."""
+    point.mkdir()
+    command = f'mount -t tmpfs -o {options} tmpfs "$1" && shift && exec "$@"'
+    run = subprocess.run(["unshare", "-m", "sh", "-c", command, "sh", str(point), sys.executable, "-m",
+                          "zerooffload", *args], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    if "mount:" in run.stderr or "unshare:" in run.stderr:
+        pytest.skip(f"cannot mount a private tmpfs here: {run.stderr.strip()}")
+    return run

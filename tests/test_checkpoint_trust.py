@@ -213,7 +213,9 @@ def test_a_full_disk_is_a_clear_error_and_the_previous_checkpoint_stays(small_di
         engine.save_checkpoint(small_disk, tag="first")
         _train(engine, 0, 1)
         with pytest.raises(CheckpointError, match=rf"{small_disk}/second.partial: no room to save the checkpoint "
-                                                  r"\(.*\): this rank needs [\d,]+ bytes there and the filesystem "
+                                                  rf"\({small_disk}/second.partial/rank00000\.bin: claiming [\d,]+ "
+                                                  r"bytes: No space left on device\): this rank needs [\d,]+ "
+                                                  r"bytes there and the filesystem "
                                                   r"has [\d,]+ bytes free; the previous checkpoint is unchanged"):
             engine.save_checkpoint(small_disk, tag="second")
     assert (small_disk / "latest").read_text().strip() == "first"

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from cli_helpers import run_in_process
+from cli_helpers import in_a_tmpfs, run_in_process
 
 _TRAIN = ["train", "train.micro_batch_size=4", "scheduler.type=constant"]
 _ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -162,26 +162,13 @@ def test_an_out_directory_that_cannot_be_made_fails_before_training(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")
     assert _one_line(_cli(*_TRAIN, "--out", f"{blocker}/out"), 1) == (
-        f"zerooffload: Not a directory: {blocker}/out; check that the path exists and is writable (nvme.path, "
-        "offload.*.path, --out)")
-
-
-def _in_a_tmpfs(options: str, point: Path, *args: str) -> subprocess.CompletedProcess:
-    """``zerooffload ARGS`` in a private mount namespace with a tmpfs (``options``) at ``point``;
-    skipped where this process may not make one (CI runs as root, which may)."""
-    point.mkdir()
-    command = f'mount -t tmpfs -o {options} tmpfs "$1" && shift && exec "$@"'
-    run = subprocess.run(["unshare", "-m", "sh", "-c", command, "sh", str(point), sys.executable, "-m",
-                          "zerooffload", *args], capture_output=True, text=True, timeout=300, env=_ENV)
-    if "mount:" in run.stderr or "unshare:" in run.stderr:
-        pytest.skip(f"cannot mount a private tmpfs here: {run.stderr.strip()}")
-    return run
+        f"zerooffload: --out {blocker}/out cannot be written (Not a directory); pass a directory you can write to")
 
 
 @pytest.mark.slow
 def test_a_read_only_swap_path(tmp_path):
     point = tmp_path / "ro"
-    run = _in_a_tmpfs("ro,size=1m", point, *_TRAIN, "--out", str(tmp_path / "out"), "offload.optimizer.tier=nvme",
+    run = in_a_tmpfs("ro,size=1m", point, *_TRAIN, "--out", str(tmp_path / "out"), "offload.optimizer.tier=nvme",
                       f"nvme.path={point}")
     line = _one_line(run, 1)
     assert str(point) in line and os.strerror(errno.EROFS) in line and "nvme.path" in line
@@ -189,7 +176,7 @@ def test_a_read_only_swap_path(tmp_path):
 
 def test_no_room_for_the_swap_files(tmp_path):
     point = tmp_path / "small"
-    run = _in_a_tmpfs("size=64k", point, *_TRAIN, "--out", str(tmp_path / "out"), "offload.optimizer.tier=nvme",
+    run = in_a_tmpfs("size=64k", point, *_TRAIN, "--out", str(tmp_path / "out"), "offload.optimizer.tier=nvme",
                       f"nvme.path={point}")
     line = _one_line(run, 1)
     assert re.fullmatch(rf"zerooffload: swap store of \d+ bytes .* does not fit: {point}/zerooffload-swap needs .* "

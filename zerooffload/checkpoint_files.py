@@ -95,9 +95,9 @@ class ChecksummedWriter:
         if size:
             try:
                 os.posix_fallocate(self.file.fd, 0, size)
-            except OSError:
+            except OSError as error:
                 self.file.close()
-                raise
+                raise OSError(error.errno, f"claiming {size:,} bytes: {error.strerror}", str(path)) from error
 
     @property
     def writes_in_flight(self) -> int:
@@ -154,16 +154,23 @@ def verify_file(path: Path, expected: dict) -> None:
 
 
 def out_of_space(error: OSError, path: Path, needed: int) -> CheckpointError | None:
-    """A clear error for a save that ran out of room (ENOSPC, EDQUOT, EFBIG), else None."""
+    """A clear error for a save that ran out of room (ENOSPC, EDQUOT) or met a file size limit (EFBIG),
+    naming the file and offset where the write failed; else None."""
     if error.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
         return None
+    where = str(error) if type(error).__str__ is not OSError.__str__ else (  # AioError: file and offset
+        f"{error.filename}: {error.strerror}" if error.filename else error.strerror)
+    if error.errno == errno.EFBIG:
+        return CheckpointError(f"{path}: cannot save the checkpoint ({where}): a file size limit (ulimit -f) is "
+                               f"below the {needed:,} bytes this rank writes; the previous checkpoint is unchanged. "
+                               "Raise the limit")
     try:
         free = f"{shutil.disk_usage(path).free:,} bytes free"
     except OSError:
         free = "free space unknown"
-    return CheckpointError(f"{path}: no room to save the checkpoint ({os.strerror(error.errno)}): this rank needs "
-                           f"{needed:,} bytes there and the filesystem has {free}; the previous checkpoint is "
-                           "unchanged. Free space or save to another directory")
+    return CheckpointError(f"{path}: no room to save the checkpoint ({where}): this rank needs {needed:,} bytes there "
+                           f"and the filesystem has {free}; the previous checkpoint is unchanged. Free space or save "
+                           "to another directory")
 
 
 # ---------------------------------------------------------------------------------------------- manifests

@@ -25,7 +25,7 @@ from typing import Callable
 
 from ..config import Config, ConfigError
 from ..deepspeed_config import DeepSpeedConfigWarning
-from ..errors import CheckpointError, EngineGroupEnded
+from ..errors import CheckpointError, EngineGroupEnded, SkipStreakError
 from ..log import configure_logging, current_rank
 from .estimate import parse_count
 
@@ -251,6 +251,9 @@ def _add_train(commands) -> None:
     train.add_argument("--resume", action="store_true",
                        help="continue from OUT/checkpoints/latest (or the newest step tag that verifies)")
     train.add_argument("--tag", metavar="NAME", help="with --resume: continue from this tag instead")
+    train.add_argument("--overwrite", action="store_true",
+                       help="start afresh in an --out that holds an earlier run's checkpoints, removing them "
+                            "(without it such an --out is refused)")
     train.add_argument("--plan", metavar="auto|FILE",
                        help="auto: the layout zerooffload plan ranks best, within what --config and overrides pin; "
                             "FILE: train a plan written by zerooffload plan --out; either way the plan's predicted "
@@ -308,12 +311,16 @@ def _one_line(text: str) -> str:
 
 
 def _os_error_line(exc: OSError) -> str:
-    """An OSError's line. The library words its own (a swap directory that cannot be made, no room for
-    the swap files: SwapSpaceError) with the fix; a bare system message gets what to check."""
-    if exc.errno is None or exc.strerror != os.strerror(exc.errno):
-        return exc.strerror or str(exc)
+    """An OSError's line. A damaged swap file says itself what happened, where, and what to do; an
+    ``AioError`` names the operation, file and offset (whatever its errno's wording), and gets what to
+    check; the library words its other errors with the fix (no room for the swap files, an ``--out`` in
+    use); a bare system message gets what to check."""
+    if getattr(exc, "advice_included", False):  # SwapDamage (imported here, it would bring in torch)
+        return str(exc)
     if type(exc).__str__ is not OSError.__str__:  # AioError: the operation, file and offset
         text = str(exc)
+    elif exc.errno is None or exc.strerror != os.strerror(exc.errno):
+        return exc.strerror or str(exc)
     else:
         text = exc.strerror if exc.filename is None else f"{exc.strerror}: {exc.filename}"
     if exc.errno == errno.ENOSPC:
@@ -329,6 +336,8 @@ def _user_error(exc: Exception) -> tuple[int, str] | None:
         return RUNTIME_ERROR, f"checkpoint error: {exc}"
     if isinstance(exc, EngineGroupEnded):
         return RUNTIME_ERROR, f"{exc}; fix that rank's error (its own line) and run again"
+    if isinstance(exc, SkipStreakError):
+        return RUNTIME_ERROR, f"stopped: {exc}"
     if isinstance(exc, OSError):
         return RUNTIME_ERROR, _os_error_line(exc)
     return None

@@ -9,11 +9,18 @@ names; when ``latest`` is missing or its checkpoint does not verify (``read_mani
 format, sizes and CRCs), the newest ``stepNNNNNNNN`` tag that does, said in one line. Every rank
 chooses alone, from the same files, so they agree without a collective before the load (a collective
 that one rank left by raising would end the engine's group). The check reads the files once more
-than the load does; a resume is rare enough to pay that for not dying on one bad tag. After each
-save rank 0 keeps the newest ``--keep-last`` step tags (step order is name order): older ones go,
-never the tag ``latest`` names and never a tag of another name (someone's own save). A doomed tag is
-renamed ``<tag>.partial`` first, so a prune cut short leaves what the next save's recovery removes,
-never a tag that looks complete.
+than the load does; a resume is rare enough to pay that for not dying on one bad tag.
+
+[Note: pruning]
+After each save rank 0 keeps the newest ``--keep-last`` step tags (step order is name order): older
+ones go, never the tag ``latest`` names, never a tag of another name (someone's own save), and never
+the last tag saved before a streak of skipped windows began (``skip_streak``'s note): while windows are
+skipped for inf/NaN values the saves hold no newer model, and pruning them would leave nothing good
+to go back to. Before each save, when the disk has less free space than the newest checkpoint took
+and ``--keep-last`` is 2 or more, the oldest tags go first (the newest that verifies and that spared
+one stay), said in one line: otherwise a full disk would fail every save, since the prune comes only
+after a save that succeeded. A doomed tag is renamed ``<tag>.partial`` first, so a prune cut short
+leaves what the next save's recovery removes, never a tag that looks complete.
 """
 from __future__ import annotations
 
@@ -27,7 +34,7 @@ from ..checkpoint import read_manifest
 from ..checkpoint_files import LATEST, PARTIAL, CheckpointError
 from ..log import current_rank
 
-__all__ = ["STEP_TAG", "loadable_tag", "prune", "resume", "resume_tag"]
+__all__ = ["STEP_TAG", "loadable_tag", "make_room", "prune", "resume", "resume_tag", "step_tags"]
 
 
 STEP_TAG = re.compile(r"step\d{8}")
@@ -50,10 +57,11 @@ def resume_error(error: CheckpointError) -> CheckpointError:
     return CheckpointError(f"{error}; resume from another tag with --tag NAME, or start again without --resume")
 
 
-def resume(engine, checkpoints: Path, tag: str, verify: bool) -> tuple[int, list[float]]:
+def resume(engine, checkpoints: Path, tag: str, shape: dict[str, int], verify: bool) -> tuple[int, list[float]]:
     """Load the checkpoint ``--resume`` continues from (see [Note: resuming]); the step it ends at and
     the losses of the steps before it. ``verify`` is off for a tag ``loadable_tag`` chose: it has
-    read every file of it already."""
+    read every file of it already. Where ``shape`` (this run's --steps and global batch) differs from
+    the saved one, rank 0 says what that changes."""
     try:
         client = engine.load_checkpoint(checkpoints, tag, verify=verify)
     except CheckpointError as error:
@@ -63,7 +71,22 @@ def resume(engine, checkpoints: Path, tag: str, verify: bool) -> tuple[int, list
                               "train); resume from one of train's stepNNNNNNNN tags")
     if engine.comm.rank == 0:
         print(f"resumed from step {client['next_step']} (tag {tag})")
+        for line in _changes(client, shape):
+            print(f"zerooffload: warning: {line}", file=sys.stderr)
     return client["next_step"], list(client.get("losses", []))
+
+
+def _changes(saved: dict, shape: dict[str, int]) -> list[str]:
+    """What a resume changes of the run it continues (checkpoints from before these were saved say nothing)."""
+    lines = []
+    if saved.get("global_batch", shape["global_batch"]) != shape["global_batch"]:
+        lines.append(f"the run saved a global batch of {saved['global_batch']} sequences per step and continues "
+                     f"with {shape['global_batch']} (world size x train.micro_batch_size x train.grad_accum_steps): "
+                     "the steps after the resume are not those of the run it continues")
+    if saved.get("steps", shape["steps"]) != shape["steps"]:
+        lines.append(f"the run was started with --steps {saved['steps']} and continues with --steps {shape['steps']}:"
+                     " a decaying learning-rate schedule now spans the new count, so it differs from here on")
+    return lines
 
 
 def loadable_tag(checkpoints: Path, rank: int) -> str:
@@ -88,15 +111,64 @@ def loadable_tag(checkpoints: Path, rank: int) -> str:
     raise CheckpointError(f"{problem}; no stepNNNNNNNN tag in {checkpoints} verifies either: start without --resume")
 
 
-def prune(checkpoints: Path, keep: int) -> None:
+def step_tags(checkpoints: Path) -> list[str]:
+    """Train's step tags in ``checkpoints``, oldest first (step order is name order)."""
+    return sorted(p.name for p in checkpoints.iterdir() if STEP_TAG.fullmatch(p.name) and p.is_dir())
+
+
+def prune(checkpoints: Path, keep: int, spare: str | None = None) -> None:
     """Remove train's step tags older than the newest ``keep`` (0: keep all), sparing the one ``latest``
-    names (see [Note: resuming])."""
+    names and ``spare`` (the last saved before a skip streak: [Note: pruning])."""
     if not keep:
         return
     latest = (checkpoints / LATEST).read_text().strip()
-    tags = sorted(p.name for p in checkpoints.iterdir() if STEP_TAG.fullmatch(p.name) and p.is_dir())
-    for tag in tags[:-keep]:
-        if tag != latest:
-            doomed = checkpoints / (tag + PARTIAL)
-            os.replace(checkpoints / tag, doomed)
-            shutil.rmtree(doomed)
+    for tag in step_tags(checkpoints)[:-keep]:
+        if tag not in (latest, spare):
+            _remove(checkpoints, tag)
+
+
+def make_room(checkpoints: Path, keep: int, spare: str | None = None) -> list[str]:
+    """Before a save: when the free space is short of what the newest checkpoint took and ``keep`` ≥ 2,
+    remove the oldest step tags, never the newest that verifies nor ``spare``, until the save fits or
+    none is left to remove; said in one line. The tags removed (see [Note: pruning])."""
+    tags = step_tags(checkpoints) if keep >= 2 and checkpoints.is_dir() else []
+    if not tags:
+        return []
+    need = _tree_bytes(checkpoints / tags[-1])
+    if shutil.disk_usage(checkpoints).free >= need:
+        return []
+    kept = {spare, _newest_verified(checkpoints, tags)}
+    removed = []
+    for tag in tags:
+        if shutil.disk_usage(checkpoints).free >= need:
+            break
+        if tag not in kept:
+            _remove(checkpoints, tag)
+            removed.append(tag)
+    if removed and current_rank() == 0:
+        print(f"zerooffload: warning: {checkpoints} had less free space than a checkpoint takes ({need:,} bytes): "
+              f"removed {', '.join(removed)} before saving (--keep-last {keep}); kept "
+              f"{', '.join(sorted(t for t in kept if t))}", file=sys.stderr)
+    return removed
+
+
+def _newest_verified(checkpoints: Path, tags: list[str]) -> str | None:
+    for tag in reversed(tags):
+        try:
+            read_manifest(checkpoints, tag)
+            return tag
+        except CheckpointError:
+            continue
+    return None
+
+
+def _tree_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def _remove(checkpoints: Path, tag: str) -> None:
+    """Rename ``tag`` to ``<tag>.partial``, then remove it: a removal cut short leaves what the next
+    save's recovery removes, never a tag that looks complete."""
+    doomed = checkpoints / (tag + PARTIAL)
+    os.replace(checkpoints / tag, doomed)
+    shutil.rmtree(doomed)

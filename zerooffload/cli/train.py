@@ -27,10 +27,12 @@ from ..config import Config
 from ..data import ByteCorpus
 from ..initialization import initialize
 from ..lazy_init import init_context
+from ..log import current_rank
 from ..models import GPT, PRESETS
 from ..tiers import BudgetError
 from .progress import Progress, engine_postfix
-from .run_checkpoints import prune, resume, resume_tag
+from .run_checkpoints import make_room, prune, resume, resume_tag
+from .run_dir import owned_out
 from .stop_signal import StopOnSignal
 from .train_config import TRAIN_DEFAULTS, load_train_config
 from .train_plan import format_prediction, planned_config, planned_layout, predicted_and_measured
@@ -39,12 +41,17 @@ __all__ = ["TRAIN_DEFAULTS", "load_train_config", "run_training"]
 
 
 def run_training(args: argparse.Namespace) -> int:
-    """Train ``args.model`` up to ``args.steps`` optimizer steps; print a summary and write it to ``--out``.
+    """Train ``args.model`` up to ``args.steps`` optimizer steps; print a summary and write it to ``--out``,
+    which this run owns throughout (run_dir's [Note: owning --out]).
 
     Returns the exit status: 0, or 128 + the signal that stopped the run early (stop_signal's note).
     """
+    with owned_out(args, current_rank()):
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
     config, prediction = planned_config(args)
-    Path(args.out).mkdir(parents=True, exist_ok=True)  # an --out that cannot be written fails now, not at the end
     checkpoints = Path(args.out) / "checkpoints"
     tag = resume_tag(checkpoints, args.tag) if args.resume else None  # nothing to resume from fails now too
     torch.manual_seed(config.train.seed)
@@ -59,13 +66,14 @@ def run_training(args: argparse.Namespace) -> int:
     except BudgetError as error:
         raise BudgetError(f"{error}; {planned_layout(args, config)}") from error
     with StopOnSignal(engine.comm.rank) as stop:
-        first_step, losses = resume(engine, checkpoints, tag, verify=args.tag is not None) if tag else (0, [])
+        shape = _run_shape(args, config, engine.comm.world_size)
+        first_step, losses = resume(engine, checkpoints, tag, shape, verify=args.tag is not None) if tag else (0, [])
         if first_step >= args.steps:
             engine.close()
             if engine.comm.rank == 0:
                 print(f"nothing to train: {checkpoints} is at step {first_step} and --steps is {args.steps}")
             return 0
-        run = _train(args, engine, config, model_config.block_size, (first_step, losses), checkpoints, stop)
+        run = _train(args, engine, config, model_config.block_size, (first_step, losses, shape), checkpoints, stop)
         summary = _summary(args, engine, run, model_config)
         summary.update(predicted_and_measured(engine, run.step_seconds, run.phases, rss_at_start))
         engine.close()
@@ -89,6 +97,8 @@ class _Run:
     """The step this process started at: 0, or where ``--resume`` continued."""
     last_step: int
     """The number of optimizer steps done (the resumed ones included)."""
+    shape: dict[str, int] = field(default_factory=dict)
+    """``_run_shape``: saved with every checkpoint, compared by ``--resume``."""
     losses: list[float] = field(default_factory=list)
     """Rank 0's loss of every step from step 0 (the resumed ones from the checkpoint: see [Note: resuming])."""
     seconds: float = 0.0
@@ -100,6 +110,8 @@ class _Run:
     stopped_by: signal.Signals | None = None
     saved: Path | None = None
     """The last checkpoint this loop wrote: after a signal, the one holding the steps done."""
+    good: str | None = None
+    """The tag of the last checkpoint saved outside a skip streak: never pruned (run_checkpoints' note)."""
 
 
 def _train(args, engine, config: Config, seq: int, resumed: tuple[int, list[float]], checkpoints: Path,
@@ -110,8 +122,9 @@ def _train(args, engine, config: Config, seq: int, resumed: tuple[int, list[floa
     corpus = ByteCorpus()
     rank, world = engine.comm.rank, engine.comm.world_size
     micro, accum = config.train.micro_batch_size, config.train.grad_accum_steps
-    first_step, losses = resumed
-    run = _Run(tokens_per_step=micro * accum * world * seq, first_step=first_step, last_step=first_step, losses=losses)
+    first_step, losses, shape = resumed
+    run = _Run(tokens_per_step=micro * accum * world * seq, first_step=first_step, last_step=first_step, losses=losses,
+               shape=shape)
     started = time.perf_counter()
     progress = Progress(args, run.first_step, rank)
     for step in range(run.first_step, args.steps):
@@ -135,15 +148,31 @@ def _train(args, engine, config: Config, seq: int, resumed: tuple[int, list[floa
         run.stopped_by = stop.agreed(engine.comm)
         if args.save_every and (run.stopped_by is not None or run.last_step % args.save_every == 0
                                 or run.last_step == args.steps):
-            run.saved = engine.save_checkpoint(checkpoints, client_state={"next_step": run.last_step,
-                                                                          "losses": run.losses})
-            if rank == 0:
-                prune(checkpoints, args.keep_last)
+            _save(engine, checkpoints, run, args.keep_last)
         if run.stopped_by is not None:
             break
     progress.close()
     run.seconds = time.perf_counter() - started
     return run
+
+
+def _run_shape(args: argparse.Namespace, config: Config, world: int) -> dict[str, int]:
+    """What a resumed run should keep to continue the same run: the steps its schedule spans and the
+    sequences of one optimizer step (``run_checkpoints.resume`` says when they change)."""
+    train = config.train
+    return {"steps": args.steps, "global_batch": train.micro_batch_size * train.grad_accum_steps * world}
+
+
+def _save(engine, checkpoints: Path, run: _Run, keep: int) -> None:
+    """The periodic save, with room made first and old tags pruned after (run_checkpoints' [Note: pruning])."""
+    if engine.comm.rank == 0:
+        make_room(checkpoints, keep, spare=run.good)
+    run.saved = engine.save_checkpoint(checkpoints, client_state={"next_step": run.last_step, "losses": run.losses,
+                                                                  **run.shape})
+    if engine.skip_streak.length == 0:
+        run.good = run.saved.name
+    if engine.comm.rank == 0:
+        prune(checkpoints, keep, spare=run.good)
 
 
 def _stop_line(run: _Run) -> str:

@@ -76,6 +76,9 @@ class SwapDamage(AioError):
     """A swap entry read back is not what this store wrote: its digest differs, or the file ended
     before it (truncated). ``key`` names the block, ``filename`` and ``offset`` where its bytes lie."""
 
+    advice_included = True
+    """Its message says what to do too: the command line prints it as it is."""
+
     def __init__(self, key: str, problem: str, filename: str, offset: int, length: int):
         super().__init__(errno.EIO, problem, filename, op="read", offset=offset, length=length)
         self.key = key
@@ -226,7 +229,12 @@ class _Stripe:
         return offset
 
     def reserve(self, nbytes: int) -> None:
-        os.posix_fallocate(self.file.fd, 0, nbytes)
+        try:
+            os.posix_fallocate(self.file.fd, 0, nbytes)
+        except OSError as error:  # the system's error names no file
+            raise OSError(error.errno, f"cannot claim {nbytes:,} bytes of swap in {self.path}: {error.strerror}; free "
+                                       "space there, point nvme.path at another disk or keep more state in RAM",
+                          str(self.path)) from error
         self.preallocated = max(self.preallocated, nbytes)
 
     def close(self) -> None:

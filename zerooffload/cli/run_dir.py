@@ -1,0 +1,120 @@
+"""The output directory of ``zerooffload train``: one run owns it, and it is known to be writable first.
+
+[Note: owning --out]
+- *One run at a time.* Rank 0 holds an exclusive ``flock`` on ``OUT/.lock`` for the run's life and
+  writes its PID and host there. The kernel drops the lock when the process ends, however it ends (a
+  SIGKILL, the OOM killer), so a killed run never blocks its own ``--resume``; a second ``train`` on an
+  ``--out`` in use is refused at once, naming the holder.
+- *A fresh run does not take over an old one.* Without ``--resume``, an ``--out`` whose ``checkpoints/``
+  holds a checkpoint is refused, and nothing of the old run changes: continue it with ``--resume``, or
+  pass ``--overwrite``, which removes its checkpoints and ``summary.json`` (under the lock) first.
+- *Every path is checked before the model is built.* ``--out``, ``checkpoints/`` (when the run saves or
+  resumes), ``summary.json`` and ``--trace`` are each written to (a probe file, or an open for append)
+  and refused in one line if they cannot be: a read-only ``--out`` is found in a second, not after the
+  run; an unwritable ``--trace`` before step 1, not at step 3.
+Ranks other than 0 only check their paths (a job's ranks share ``--out``); the lock and the rules about
+old checkpoints are rank 0's, and torchrun stops the other ranks when rank 0 exits with the refusal.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import errno
+import fcntl
+import os
+import shutil
+import socket
+from pathlib import Path
+from typing import Iterator
+
+from ..checkpoint_files import LATEST
+from ..config import ConfigError
+from .run_checkpoints import STEP_TAG
+
+__all__ = ["RunDirError", "owned_out"]
+
+LOCK = ".lock"
+
+
+class RunDirError(OSError):
+    """``--out`` cannot be used by this run: in use, holding another run, or not writable (one line)."""
+
+
+@contextlib.contextmanager
+def owned_out(args: argparse.Namespace, rank: int) -> Iterator[Path]:
+    """``--out``, checked and (on rank 0) locked for the ``with`` block (see [Note: owning --out])."""
+    if args.overwrite and args.resume:
+        raise ConfigError("--overwrite starts afresh and --resume continues: pass one of them")
+    out = Path(args.out)
+    _writable_dir(out, "--out")
+    lock = _lock(out) if rank == 0 else None
+    try:
+        checkpoints = out / "checkpoints"
+        if rank == 0 and not args.resume:
+            _fresh(out, checkpoints, args.overwrite)
+        if args.save_every or args.resume:
+            _writable_dir(checkpoints, "--out's checkpoints directory")
+        _writable_file(out / "summary.json", "summary.json")
+        if args.trace:
+            _writable_file(Path(args.trace), "--trace")
+        yield out
+    finally:
+        if lock is not None:
+            os.close(lock)  # closing the descriptor releases the flock
+
+
+def _lock(out: Path) -> int:
+    """An exclusive flock on ``out/.lock`` with this process's PID and host written in it; refused in
+    one line naming the holder."""
+    fd = os.open(out / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "a process that wrote no PID"
+        os.close(fd)
+        raise RunDirError(errno.EBUSY, f"--out {out} is in use by another zerooffload train ({holder}); wait for "
+                                       "it to finish, or pass another --out") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
+    return fd
+
+
+def _fresh(out: Path, checkpoints: Path, overwrite: bool) -> None:
+    """Refuse to start afresh over an earlier run's checkpoints, or with ``--overwrite`` remove them."""
+    found = sorted(p.name for p in checkpoints.iterdir() if STEP_TAG.fullmatch(p.name) or p.name == LATEST) \
+        if checkpoints.is_dir() else []
+    if not found:
+        return
+    if not overwrite:
+        latest = (checkpoints / LATEST).read_text().strip() if LATEST in found else found[-1]
+        raise RunDirError(errno.EEXIST, f"--out {out} holds the checkpoints of an earlier run (newest: {latest}); "
+                                        "continue it with --resume, or pass --overwrite to remove them and start "
+                                        "afresh, or pass another --out")
+    shutil.rmtree(checkpoints)
+    (out / "summary.json").unlink(missing_ok=True)
+    print(f"zerooffload: --overwrite: removed the earlier run's checkpoints in {checkpoints}")
+
+
+def _writable_dir(path: Path, what: str) -> None:
+    """Create ``path`` if need be and write a probe file in it; one line naming ``what`` if that fails."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / f".probe.{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as error:
+        raise RunDirError(error.errno, f"{what} {path} cannot be written ({error.strerror}); pass a directory you "
+                                       "can write to") from None
+
+
+def _writable_file(path: Path, what: str) -> None:
+    """Open ``path`` for append (created if missing, and then removed again); one line if that fails."""
+    existed = path.exists()
+    try:
+        with open(path, "ab"):
+            pass
+    except OSError as error:
+        raise RunDirError(error.errno, f"{what} {path} cannot be written ({error.strerror}); pass a path you can "
+                                       "write to") from None
+    if not existed:
+        path.unlink()
