@@ -3,7 +3,7 @@
 
 A speculative update (update as gradients land, redo when the norm turns out above the threshold) pays
 its redo on exactly these steps, so their share decides whether speculation can win. Two workloads:
-  gpt    ``zerooffload train``'s built-in default: the nano GPT preset with TRAIN_DEFAULTS (grad_clip
+  gpt    ``zerooffload train``'s built-in default: the nano GPT preset with train_defaults (grad_clip
          1.0, warmup-cosine LR), on the built-in byte corpus;
   zero3  ``bench/zero3_nvme.py``'s MLP (2 blocks, d=2048, ffn=6144, batch 64, MSE, Adam lr 1e-4), fp32.
 Both report ``engine.stats.grad_norm`` per step (the norm before clipping) and the clipped share.
@@ -26,9 +26,9 @@ THRESHOLD = 1.0
 
 
 def gpt_norms(steps: int) -> list[float]:
-    config = load_train_config(None, [], steps)
-    torch.manual_seed(config.train.seed)
     preset = PRESETS["nano"]
+    config = load_train_config(None, [], preset.num_params, steps)
+    torch.manual_seed(config.train.seed)
     engine = zo.initialize(GPT(preset), config)
     corpus = ByteCorpus()
     norms = []

@@ -135,6 +135,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.steps < 1 or args.lora < 0:
         p.error("--steps must be at least 1 and --lora at least 0")
+    if args.model_dir and not (Path(args.model_dir) / "config.json").is_file():
+        raise SystemExit(f"hf_finetune: --model-dir {args.model_dir}: no config.json there; pass a local Hugging Face "
+                         "checkpoint (config.json and *.safetensors), e.g. OUT/model of an earlier run")
+    if args.config_json and not Path(args.config_json).is_file():
+        raise SystemExit(f"hf_finetune: --config-json {args.config_json}: no such file")
     return args
 
 

@@ -7,6 +7,7 @@ that growth without overstating it much.
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -118,22 +119,41 @@ def test_example_inputs_need_a_model_built_under_init_context():
         zo.initialize(nn.Linear(4, 4), {}, example_inputs=(torch.zeros(2, 4),))
 
 
-@pytest.mark.skipif(psutil.virtual_memory().total > 100e9, reason="the 2b preset may fit on this machine")
-def test_train_2b_is_refused_in_seconds_with_a_layout_that_fits(tmp_path):
-    """On a fresh 24 GiB machine with ~35 GB free for swap (this project's), the layout that fits keeps
-    parameters and optimizer on NVMe and checkpoints activations; with less RAM free none may fit."""
-    import shutil
-    import tempfile
+_SLOW_CPU_PROBE = {"machine": {"compute_device": "cpu", "copy_gbps": {"within_device": 10.0, "into_fresh_pages": 3.0},
+                                 "matmul_flops": {"fp32": 0.05e12}, "adam_elements_per_s": {"fp32": 1e9}},
+                   "io": {}}
+"""A cached probe of a CPU slower than any project machine (0.05 TFLOP/s in fp32): a refusal that timed
+blocks would take minutes on it; one that counts FLOPs takes seconds."""
 
+
+@pytest.mark.skipif(psutil.virtual_memory().total > 100e9, reason="the 2b preset may fit on this machine")
+@pytest.mark.parametrize("probe", [None, _SLOW_CPU_PROBE], ids=["no-probe", "slow-cpu-probe"])
+def test_train_2b_is_refused_in_seconds_with_a_layout_that_fits(tmp_path, probe):
+    """Refused in seconds whatever the CPU, with or without a cached machine probe (its own cache
+    directory, so the machine's does not decide); with ~22 GB of RAM and ~40 GB of disk free (this
+    project's machines) the layout that fits keeps parameters and optimizer on NVMe and checkpoints
+    activations; with less, none may fit, and the line says so."""
+    import shutil
+
+    cache = tmp_path / "cache"
+    if probe is not None:
+        probe = {**probe, "io": {os.path.realpath(tmp_path): {"aio": {}, "write_gbps": 2.0, "read_gbps": 2.0,
+                                                               "source": "tune io", "measured_at": 0}}}
+        (cache / "zerooffload").mkdir(parents=True)
+        (cache / "zerooffload" / "probe.json").write_text(json.dumps(probe))
     start = time.monotonic()
     run = subprocess.run([sys.executable, "-m", "zerooffload", "train", "--model", "2b", "--steps", "1",
-                          "--out", str(tmp_path)], capture_output=True, text=True, timeout=120)
+                          "--out", str(tmp_path / "out"), f"nvme.path={tmp_path}"], capture_output=True, text=True,
+                         timeout=120, env={**os.environ, "XDG_CACHE_HOME": str(cache)})
     assert time.monotonic() - start < 30
     assert run.returncode == 2 and len(run.stderr.strip().splitlines()) == 1, run.stderr
     assert "activations 84,9" in run.stderr, run.stderr  # 32 blocks of 16 x 1024 tokens, measured
     assert "a layout that fits: " in run.stderr or "no layout of this model fits here" in run.stderr
     # that layout's plan takes 21.7 GB (and ~33 GB of swap): the room the run was given decides whether it fits
     room = int(re.search(r"this machine has ([\d,]+) for it", run.stderr).group(1).replace(",", ""))
-    if room > 21.8e9 and shutil.disk_usage(tempfile.gettempdir()).free > 40e9:
+    if room > 21.8e9 and shutil.disk_usage(tmp_path).free > 40e9:
         assert ("a layout that fits: zero.stage=3 offload.optimizer.tier=nvme offload.param.tier=nvme "
                 "train.activation_checkpointing=true;") in run.stderr, run.stderr
+        if probe is not None:
+            assert re.search(r"zerooffload plan's best here: .* \(predicted [\d.]+ s/step by its FLOPs\)",
+                             run.stderr), run.stderr

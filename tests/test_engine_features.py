@@ -77,6 +77,34 @@ def test_fp16_world_size_1():
     assert (result["updated"], result["scales"]) == (reference["updated"], reference["scales"])
 
 
+def _matmul_seconds(dtype: torch.dtype, size: int = 1024) -> float:
+    a, b = torch.randn(size, size).to(dtype), torch.randn(size, size).to(dtype)
+    a @ b
+    times = []
+    for _ in range(5):
+        start = time.perf_counter()
+        a @ b
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the warning is about CPUs")
+def test_fp16_on_a_cpu_that_runs_it_slowly_says_so(make_engine, caplog):
+    """Where fp16 matmuls run far slower than bf16's here (timed by the test itself, apart from the
+    engine), ``zo.initialize`` warns once with the fix; where they do not, it says nothing."""
+    slowdown = _matmul_seconds(torch.float16) / _matmul_seconds(torch.bfloat16)
+    if 1.5 < slowdown < 2.5:
+        pytest.skip(f"fp16 runs {slowdown:.1f}x bf16's time here: too near the warning's threshold to judge")
+    with caplog.at_level("WARNING", logger="zerooffload.precision"):
+        make_engine(nn.Linear(8, 8), {"train": {"precision": "fp16"}})
+    warned = [r.getMessage() for r in caplog.records if r.name == "zerooffload.precision"]
+    if slowdown >= 2.5:
+        assert len(warned) == 1 and warned[0].startswith("train.precision = fp16: this CPU runs fp16 matmuls ")
+        assert "train.precision = bf16 keeps the same bytes per value" in warned[0]
+    else:
+        assert warned == []
+
+
 def _train(engine_or_model, optimizer=None, scheduler=None, steps=4, eval_between=False):
     for step in range(steps):
         x = _data(step)

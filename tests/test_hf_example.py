@@ -41,6 +41,14 @@ def _run(launcher: list[str], out: Path, *args: str, timeout: int = 240) -> dict
     return json.loads((out / "summary.json").read_text())
 
 
+def test_a_missing_model_dir_is_one_line(tmp_path):
+    run = subprocess.run([sys.executable, str(EXAMPLE), "--model-dir", str(tmp_path / "missing"), "--out",
+                          str(tmp_path / "out")], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 1 and run.stderr.splitlines() == [
+        f"hf_finetune: --model-dir {tmp_path / 'missing'}: no config.json there; pass a local Hugging Face "
+        "checkpoint (config.json and *.safetensors), e.g. OUT/model of an earlier run"], run.stderr
+
+
 @pytest.fixture(scope="module")
 def full(tmp_path_factory):
     """A full fine-tune of the tiny Llama, one process."""

@@ -26,7 +26,7 @@ import torch
 import zerooffload as zo
 from zerooffload.config import Config
 from zerooffload.models import GPT, PRESETS
-from zerooffload.planning import PlanResult, cached_probe, pinned_keys, plan, probe_machine
+from zerooffload.planning import PlanResult, cached_probe, pinned_keys, plan, probe_machine, read_prediction
 from zerooffload.planning.model_spec import gpt_of_size, load_model, named_gpt
 from zerooffload.planning.search import Candidate, Evaluator, candidates
 from zerooffload.tiers import BudgetError
@@ -161,6 +161,18 @@ def test_a_machine_with_no_room_gets_an_error_naming_the_budgets(cache):
         result.best
 
 
+def test_a_model_too_large_is_refused_once_naming_the_nearest_layout(cache):
+    """A 1T-parameter GPT: one reason, the layout needing the least memory, its parentheses balanced;
+    the model is named by its size, not by a preset it is not."""
+    result = plan("nano", _config(cache), params=1e12, layers=100, batch_size=1)
+    with pytest.raises(zo.ConfigError) as info:
+        result.best
+    message = str(info.value)
+    assert message.startswith("no layout of a GPT of 1e+12 parameters in 100 layers fits this machine (")
+    assert "; the one needing the least memory, stage 3, optimizer nvme, params nvme, checkpointing" in message
+    assert message.count("the run needs") == 1 and message.count("(") == message.count(")"), message
+
+
 @SLOW
 def test_models_by_every_name(cache, tmp_path):
     assert load_model("nano").num_params == PRESETS["nano"].num_params
@@ -251,17 +263,20 @@ def test_plan_auto_under_torchrun_measures_the_collectives_and_trains(cache, tmp
 
 @SLOW
 def test_plan_writes_a_config_that_train_runs_and_reports_against(cache, tmp_path):
+    """Without --batch, plan plans the batch train trains by default (16 of the nano preset); the
+    prediction travels in the file, and train --plan reports that one, not a fresh one."""
     nvme = f"nvme.path={cache / 'nvme'}"
-    done = _cli(["plan", "--model", "nano", "--batch", "4", "--out", "plan.toml", nvme], cache / "cache", tmp_path)
+    done = _cli(["plan", "--model", "nano", "--out", "plan.toml", nvme], cache / "cache", tmp_path)
     assert done.returncode == 0, done.stderr
-    assert "best:" in done.stdout and "step s" in done.stdout
+    assert "best:" in done.stdout and "step s" in done.stdout and "batch 16 x 128 tokens" in done.stdout
     written = Config.load(tmp_path / "plan.toml")
-    assert written.train.micro_batch_size * written.train.grad_accum_steps == 4
+    assert written.train.micro_batch_size * written.train.grad_accum_steps == 16
+    assert written.optimizer.lr == 3e-3  # train's default for the nano preset
     done = _cli(["train", "--steps", "3", "--plan", "plan.toml", "--out", "run"], cache / "cache", tmp_path)
     assert done.returncode == 0, done.stderr
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["stage"] == written.zero.stage
-    assert summary["predicted"]["step_seconds"] > 0
+    assert summary["predicted"] == read_prediction(str(tmp_path / "plan.toml")).as_json()
     assert set(summary["predicted"]["peak_bytes"]) == set(summary["measured"]["peak_bytes"]) == {
         "device", "host", "nvme"}
     assert summary["measured"]["step_seconds"] > 0 and summary["measured"]["rss_peak_above_start_bytes"] > 0

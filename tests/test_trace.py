@@ -8,6 +8,7 @@ import time
 import torch.distributed as dist
 
 import zerooffload as zo
+from zerooffload.trace import memory_series
 from reference import make_batches, make_model
 
 CONFIG = {"zero": {"stage": 3}, "offload": {"param": {"tier": "nvme"}, "optimizer": {"tier": "nvme"}},
@@ -70,6 +71,11 @@ def test_a_trace_covers_each_step_and_counts_the_nvme_bytes_the_engine_counts(tm
     assert nvme == result["io_bytes"] > 0
     assert any(e["ph"] == "C" and e["name"] == "host bytes" for e in events)
     assert (tmp_path / "trace.json.memory.png").stat().st_size > 0
+    series = memory_series([{k: v for k, v in e.items() if k != "pid"} for e in events if "ts" in e])
+    end = max(points[-1][0] for points in series.values())
+    assert {"device bytes", "host bytes", "nvme bytes"} <= set(series)
+    for name, points in series.items():  # the swap files' bytes never change here: one sample, held to the end
+        assert len(points) >= 2 and points[-1][0] == end and points[0][0] < end, name
 
 
 def test_a_trace_at_world_2_is_one_file_with_a_process_per_rank(rank_pools, tmp_path):

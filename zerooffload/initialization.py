@@ -12,6 +12,7 @@ from .config import Config, dtype_bytes
 from .engine import Engine
 from .host_allocator import release_freed_memory, return_free_heap
 from .lazy_init import is_lazy, swap_in_placeholders
+from .precision import warn_if_fp16_is_slow
 from .telemetry import Prediction
 from .threads import set_threads
 from .zero.placement import streams_state
@@ -44,6 +45,7 @@ def initialize(model: nn.Module, config: Config | dict | str | None = None, para
     """
     config = Config.load(config if config is not None else {})
     set_threads(config.train.threads)
+    warn_if_fp16_is_slow(config.train, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
     if _releases_freed(config):
         release_freed_memory()  # before the first buffer: host_allocator's [Note: RSS that follows the accounting]
     lazy = is_lazy(model)

@@ -11,13 +11,20 @@ A static scale never changes, and overflowing steps are still skipped.
 """
 from __future__ import annotations
 
+import logging
+import time
 from typing import Any
 
 import torch
 
 from .config import TrainConfig
 
-__all__ = ["COMPUTE_DTYPES", "LossScaler", "cast_floats"]
+__all__ = ["COMPUTE_DTYPES", "LossScaler", "cast_floats", "fp16_slowdown", "warn_if_fp16_is_slow"]
+
+logger = logging.getLogger(__name__)
+SLOW_FP16 = 2.0
+"""fp16 matmuls this many times slower than bf16's are worth a warning: many CPUs have bf16 units
+(AVX512-BF16, AMX) and convert fp16 through fp32, or run it in scalar code."""
 
 COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -71,3 +78,31 @@ def cast_floats(value: Any, dtype: torch.dtype) -> Any:
     if isinstance(value, dict):
         return {k: cast_floats(v, dtype) for k, v in value.items()}
     return value
+
+
+def fp16_slowdown(device: torch.device, size: int = 512, repeats: int = 3) -> float:
+    """How many times longer an fp16 matmul of ``size``² takes than a bf16 one on ``device`` (best of
+    ``repeats`` each, after a warm-up): a few milliseconds."""
+    def best(dtype: torch.dtype) -> float:
+        a, b = (torch.randn(size, size, device=device).to(dtype) for _ in range(2))
+        a @ b
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            a @ b
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            times.append(time.perf_counter() - start)
+        return min(times)
+    return best(torch.float16) / best(torch.bfloat16)
+
+
+def warn_if_fp16_is_slow(config: TrainConfig, device: torch.device) -> None:
+    """One warning when an fp16 run's matmuls here are much slower than bf16's (``SLOW_FP16``)."""
+    if config.precision != "fp16" or device.type != "cpu":
+        return
+    slowdown = fp16_slowdown(device)
+    if slowdown >= SLOW_FP16:
+        logger.warning("train.precision = fp16: this CPU runs fp16 matmuls %.1fx slower than bf16's (measured "
+                       "now); train.precision = bf16 keeps the same bytes per value, needs no loss scale and "
+                       "runs at the CPU's bf16 rate", slowdown)

@@ -226,16 +226,24 @@ def write_trace(path: str | os.PathLike, events_by_rank: list[list[dict]]) -> No
         _plot_memory(f"{path}.memory.png", events_by_rank[0])
 
 
+def memory_series(events: list[dict]) -> dict[str, list[tuple[float, int]]]:
+    """Each counter's (ms, bytes) points, each held on to the trace's last moment: a tier whose bytes
+    never change in the traced steps (the swap files') is one sample, which a step plot cannot draw."""
+    series: dict[str, list[tuple[float, int]]] = {}
+    for event in events:
+        if event["ph"] == "C":
+            series.setdefault(event["name"], []).append((event["ts"] / 1e3, event["args"]["bytes"]))
+    end = max((event["ts"] + event.get("dur", 0)) / 1e3 for event in events) if events else 0.0
+    return {name: points + [(end, points[-1][1])] for name, points in series.items()}
+
+
 def _plot_memory(path: str, events: list[dict]) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    series: dict[str, list[tuple[float, int]]] = {}
-    for event in events:
-        if event["ph"] == "C":
-            series.setdefault(event["name"], []).append((event["ts"] / 1e3, event["args"]["bytes"]))
+    series = memory_series(events)
     if not series:
         return
     fig, ax = plt.subplots(figsize=(9, 3.5))

@@ -28,6 +28,7 @@ from ..deepspeed_config import DeepSpeedConfigWarning
 from ..errors import CheckpointError, EngineGroupEnded, SkipStreakError
 from ..log import configure_logging, current_rank
 from .estimate import parse_count
+from .train_config import DEFAULT_STEPS
 
 __all__ = ["main"]
 
@@ -176,7 +177,7 @@ def _add_tune(commands) -> None:
     io.add_argument("--path", metavar="DIR", help="directory on the disk to tune (default: nvme.path)")
     io.add_argument("--out", metavar="FILE", help="write a config whose only section is the tuned [aio]")
     io.add_argument("--size", default="256MiB", help="bytes each run writes and reads back (default 256MiB)")
-    io.add_argument("--budget", type=float, default=100.0, metavar="S",
+    io.add_argument("--budget", type=_number(float, 1, "seconds, at least 1"), default=100.0, metavar="S",
                     help="seconds the search may take; it stops where it is then (default 100)")
     io.add_argument("--compare", action="store_true",
                     help="also run the full bench io --sweep grid and compare its best with the tuned setting")
@@ -189,7 +190,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
     if args.params is not None and args.layers is None:
         args.usage_error("--params needs --layers (the model's shape: a GPT that deep, as wide as the count gives)")
-    return run_plan(args, _load_config(args))
+    return run_plan(args)
 
 
 def _add_plan(commands) -> None:
@@ -240,7 +241,7 @@ def _add_train(commands) -> None:
     from ..models import PRESETS
 
     train = commands.add_parser("train", help="train the built-in GPT on the offline byte corpus")
-    train.add_argument("--steps", type=_number(int, 1, "a whole number of steps >= 1"), default=300,
+    train.add_argument("--steps", type=_number(int, 1, "a whole number of steps >= 1"), default=DEFAULT_STEPS,
                        help="optimizer steps in all, the resumed ones included (default 300)")
     train.add_argument("--model", default="nano", choices=list(PRESETS), help="GPT preset (default nano)")
     train.add_argument("--out", default="zerooffload-out", help="directory for summary.json and checkpoints/")

@@ -3,7 +3,9 @@
 It probes the machine once (``plan.probe``'s cache; ``--refresh`` measures again), prints the top
 candidates with their predicted step split and peak memory per tier, says what bounds the best one,
 and with ``--out`` writes it as a complete config that ``zerooffload train --plan FILE`` (or
-``--config FILE``) runs.
+``--config FILE``) runs, its prediction inside (``PlanResult.to_toml``). Without ``--config`` it plans
+over the defaults ``train`` would use for the model (train_config's [Note: defaults by model size]),
+so the batch it plans is the batch ``train`` trains.
 """
 from __future__ import annotations
 
@@ -13,18 +15,21 @@ import sys
 from pathlib import Path
 
 from ..config import Config
-from ..planning import PlanResult, plan
+from ..planning import PlanResult, model_spec, plan
 from ..planning.search import Candidate
+from .train_config import load_train_config
 
 __all__ = ["format_plan", "run_plan"]
 
 _GB = 1e9
 
 
-def run_plan(args: argparse.Namespace, config: Config) -> int:
-    result = plan(args.model, config, pinned=_pinned(args), world_size=args.world, batch_size=args.batch,
-                  seq_len=args.seq, params=args.params, layers=args.layers, refresh=args.refresh,
-                  progress=lambda text: print(f"plan: {text}", file=sys.stderr))
+def run_plan(args: argparse.Namespace) -> int:
+    """Plan ``--model`` over ``train``'s defaults for its size (or ``--config``) and the overrides."""
+    model = model_spec(args.model, args.seq, args.params, args.layers)
+    config = load_train_config(args.config, args.overrides, model.num_params)
+    result = plan(model, config, pinned=_pinned(args), world_size=args.world, batch_size=args.batch,
+                  refresh=args.refresh, progress=lambda text: print(f"plan: {text}", file=sys.stderr))
     if args.json:
         print(json.dumps([_as_json(c) for c in result.fitting[:args.top]], indent=1))
     else:

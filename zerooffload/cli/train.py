@@ -1,8 +1,8 @@
 """``zerooffload train``: the built-in GPT on the offline byte corpus, read top to bottom.
 
-Without ``--config`` the run uses ``TRAIN_DEFAULTS`` (``train_config``) over the library defaults: a batch and
-learning rate that make the small preset's loss fall visibly within a minute or two on a laptop
-CPU. With ``--config`` the file alone decides (library defaults for what it leaves out). Overrides
+Without ``--config`` the run uses ``train_defaults`` for the model's size over the library defaults
+(train_config's [Note: defaults by model size]): the nano preset's loss falls visibly within a minute
+on a laptop CPU, and every preset up to 350m trains stably. With ``--config`` the file alone decides (library defaults for what it leaves out). Overrides
 (``key.path=value``) apply last either way. ``scheduler.total_steps = 0`` with a decaying schedule
 means "the run's ``--steps``". Under ``torchrun`` every rank trains its slice and rank 0 reports.
 
@@ -34,10 +34,10 @@ from .progress import Progress, engine_postfix
 from .run_checkpoints import make_room, prune, resume, resume_tag
 from .run_dir import owned_out
 from .stop_signal import StopOnSignal
-from .train_config import TRAIN_DEFAULTS, load_train_config
+from .train_config import load_train_config, train_defaults
 from .train_plan import format_prediction, planned_config, planned_layout, predicted_and_measured
 
-__all__ = ["TRAIN_DEFAULTS", "load_train_config", "run_training"]
+__all__ = ["load_train_config", "run_training", "train_defaults"]
 
 
 def run_training(args: argparse.Namespace) -> int:

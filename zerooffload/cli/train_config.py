@@ -1,25 +1,62 @@
-"""The config of ``zerooffload train``: ``TRAIN_DEFAULTS`` without ``--config``, then overrides and ``--steps``.
+"""The config of ``zerooffload train`` and ``zerooffload plan``: ``train_defaults`` for the model without
+``--config``, then overrides, and for ``train`` the schedule's length from ``--steps``.
+
+[Note: defaults by model size]
+One learning rate does not suit models from 1M to 2B parameters: the first Adam steps move every
+weight by about the learning rate, and what that does to a layer's output grows with its width.
+So the peak learning rate follows GPT-3's table by size (Brown et al. 2020, Table 2.1: 6e-4 at 125M,
+3e-4 at 350M, 2.5e-4 at 760M, 2e-4 at 1.3B, 1.6e-4 at 2.7B, 1.2e-4 at 6.7B), on a log-log line
+between its rows and, below 125M, on to 3e-3 at 1M (the tiny presets, whose loss must fall visibly in
+a minute); the warmup starts at a tenth of it (``min_lr``, also where the cosine ends) and lasts
+``WARMUP_STEPS``. The initialization is GPT-2's (``models.gpt``: residual projections scaled by
+1/sqrt(2 x layers)). ``plan`` starts from the same defaults, so a plan it writes trains the batch
+``train`` would have trained.
 """
 from __future__ import annotations
 
 import json
+import math
 
 from ..config import Config, apply_override
 
-__all__ = ["TRAIN_DEFAULTS", "load_train_config"]
+__all__ = ["DEFAULT_STEPS", "WARMUP_STEPS", "learning_rate", "load_train_config", "train_defaults"]
+
+_LR_BY_SIZE = ((1e6, 3e-3), (125e6, 6e-4), (350e6, 3e-4), (760e6, 2.5e-4), (1.3e9, 2e-4), (2.7e9, 1.6e-4),
+               (6.7e9, 1.2e-4))
+"""(parameters, peak learning rate): GPT-3's table, and 3e-3 for a model of 1M (see the note)."""
+WARMUP_STEPS = 20
+DEFAULT_STEPS = 300
+"""``train``'s ``--steps`` by default; the schedule length ``plan`` writes (``train --plan`` replaces it)."""
 
 
-TRAIN_DEFAULTS = {
-    "train": {"micro_batch_size": 16, "grad_clip": 1.0},
-    "optimizer": {"lr": 3e-3, "weight_decay": 0.1, "betas": [0.9, 0.95]},
-    "scheduler": {"type": "warmup_cosine", "warmup_steps": 20, "min_lr": 3e-4},
-}
-"""What ``zerooffload train`` uses when no ``--config`` is given (fp32: faster than bf16 at this size)."""
+def learning_rate(params: float) -> float:
+    """The peak learning rate for a model of ``params`` parameters (see the note), log-log between rows."""
+    sizes, rates = zip(*_LR_BY_SIZE)
+    if params <= sizes[0] or params >= sizes[-1]:
+        return rates[0] if params <= sizes[0] else rates[-1]
+    upper = next(i for i, size in enumerate(sizes) if size >= params)
+    share = math.log(params / sizes[upper - 1]) / math.log(sizes[upper] / sizes[upper - 1])
+    return math.exp(math.log(rates[upper - 1]) + share * math.log(rates[upper] / rates[upper - 1]))
 
 
-def load_train_config(config_path: str | None, overrides: list[str], steps: int) -> Config:
-    """The run's config: file or TRAIN_DEFAULTS, overrides, and total_steps filled from ``--steps``."""
-    data = Config.load(config_path).to_dict() if config_path else json.loads(json.dumps(TRAIN_DEFAULTS))
+def train_defaults(params: float) -> dict:
+    """What ``train`` and ``plan`` use without ``--config`` for a model of ``params`` parameters: a batch
+    of 16, clipping at 1.0, AdamW at ``learning_rate(params)`` with a warmup-cosine schedule (fp32:
+    faster than bf16 at the small presets' sizes)."""
+    lr = learning_rate(params)
+    return {"train": {"micro_batch_size": 16, "grad_clip": 1.0},
+            "optimizer": {"lr": float(f"{lr:.3g}"), "weight_decay": 0.1, "betas": [0.9, 0.95]},
+            "scheduler": {"type": "warmup_cosine", "warmup_steps": WARMUP_STEPS, "min_lr": float(f"{lr / 10:.3g}")}}
+
+
+def load_train_config(config_path: str | None, overrides: list[str], params: float, steps: int = DEFAULT_STEPS, *,
+                      plan_file: bool = False) -> Config:
+    """The run's config: the file or ``train_defaults(params)``, then overrides; a decaying schedule
+    without ``total_steps`` spans ``steps`` (train's ``--steps``). A ``plan_file``'s ``total_steps`` is
+    the length plan assumed, not the run's: it is replaced the same way."""
+    data = Config.load(config_path).to_dict() if config_path else json.loads(json.dumps(train_defaults(params)))
+    if plan_file:
+        data.get("scheduler", {}).pop("total_steps", None)
     for override in overrides:
         data = apply_override(data, override)
     scheduler = data.get("scheduler", {})

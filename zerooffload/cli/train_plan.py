@@ -11,6 +11,7 @@ import sys
 
 from ..config import Config, ConfigError
 from ..models import PRESETS
+from ..log import current_rank
 from ..telemetry import PHASES, Prediction
 from .train_config import load_train_config
 
@@ -19,15 +20,17 @@ __all__ = ["best_layout", "format_prediction", "on_rank_zero", "pinned", "planne
 
 def planned_config(args: argparse.Namespace) -> tuple[Config, Prediction | None]:
     """The run's config and the plan's prediction of its step: ``--plan auto`` searches the layouts the
-    user left free (``--config`` and overrides pin the rest), ``--plan FILE`` runs a written plan, and a
-    plain run is predicted only when the machine's probe is cached (it never measures the disk)."""
-    from ..planning import cached_probe, plan, predict_config, probe_machine
+    user left free (``--config`` and overrides pin the rest), ``--plan FILE`` runs a written plan with the
+    prediction inside it, and a plain run is predicted only when the machine's probe is cached (it never
+    measures the disk; the block it times is said)."""
+    from ..planning import cached_probe, plan, predict_config, probe_machine, read_prediction
     from ..planning.model_spec import named_gpt
 
     if args.plan not in (None, "auto") and args.config:
         args.usage_error("--plan FILE is the run's config: leave --config out (or use --plan auto with it)")
-    config = load_train_config(args.plan if args.plan not in (None, "auto") else args.config, args.overrides,
-                               args.steps)
+    plan_file = args.plan not in (None, "auto")
+    config = load_train_config(args.plan if plan_file else args.config, args.overrides, PRESETS[args.model].num_params,
+                               args.steps, plan_file=plan_file)
     world = int(os.environ.get("WORLD_SIZE", 1))
     if args.plan == "auto":
         chosen = on_rank_zero(world, lambda: best_layout(plan(
@@ -35,16 +38,23 @@ def planned_config(args: argparse.Namespace) -> tuple[Config, Prediction | None]
             world_size=world, progress=lambda text: print(f"plan: {text}", file=sys.stderr))))
         config = Config.load(config, overrides=chosen[0])
         return config, chosen[1]
+    if args.plan is not None:  # a plan file: the prediction it was chosen by (a fresh one for a file without)
+        prediction = read_prediction(args.plan)
+        if prediction is not None:
+            return config, prediction
     cached = None if args.plan else cached_probe(config, world)
     if args.plan is None and cached is None:
         return config, None  # a plain run without a cached probe: nothing to predict, nothing measured
+    progress = (lambda text: print(f"plan: {text}", file=sys.stderr)) if current_rank() == 0 else (lambda text: None)
     return config, on_rank_zero(world, lambda: predict_config(
-        named_gpt(args.model, PRESETS[args.model]), config, cached or probe_machine(config, world_size=world), world))
+        named_gpt(args.model, PRESETS[args.model]), config, cached or probe_machine(config, world_size=world), world,
+        progress))
 
 
 def planned_layout(args: argparse.Namespace, config: Config) -> str:
-    """What the plan would train instead of a refused config, from the cached probe (a refusal never
-    measures the disk); without one, how to have it chosen."""
+    """What the plan would train instead of a refused config, from the cached probe and the model's FLOPs
+    (a refusal measures nothing, so it comes in seconds on any machine); without a probe, how to have it
+    chosen."""
     from ..planning import cached_probe, plan
     from ..planning.model_spec import named_gpt
 
@@ -52,19 +62,20 @@ def planned_layout(args: argparse.Namespace, config: Config) -> str:
     if probe is None or int(os.environ.get("WORLD_SIZE", 1)) > 1:
         return "or let zerooffload choose: train --plan auto (zerooffload plan lists the layouts that fit)"
     try:
-        best = plan(named_gpt(args.model, PRESETS[args.model]), config, pinned=pinned(args), probe=probe).best
+        best = plan(named_gpt(args.model, PRESETS[args.model]), config, pinned=pinned(args), probe=probe,
+                    timed=False).best
     except ConfigError as error:
         return f"zerooffload plan finds none either ({error})"
     overrides = " ".join(f"{k}={json.dumps(v)}" for k, v in best.overrides.items())
-    return (f"zerooffload plan's best here: {overrides} (predicted {best.prediction.step_seconds:.2f} s/step); "
-            "train it with --plan auto")
+    return (f"zerooffload plan's best here: {overrides} (predicted {best.prediction.step_seconds:.2f} s/step by "
+            "its FLOPs); train it with --plan auto")
 
 
 def pinned(args: argparse.Namespace) -> set[str]:
-    """The searched keys the user set: in ``--config`` or as overrides (never TRAIN_DEFAULTS' choices)."""
+    """The searched keys the user set: in ``--config`` or as overrides (never ``train_defaults``' choices)."""
     from ..planning import pinned_keys
 
-    user = load_train_config(args.config, [], args.steps) if args.config else Config.load({})
+    user = load_train_config(args.config, [], PRESETS[args.model].num_params) if args.config else Config.load({})
     return pinned_keys(user, args.overrides)
 
 

@@ -8,16 +8,19 @@ beside what it measures.
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
 from ..config import Config, ConfigError
+from ..telemetry import Prediction
 from .model_spec import ModelSpec, gpt_of_size, load_model, named_gpt
 from .predict import predict
 from .probe import Probe, cached_probe, probe_machine
 from .search import SEARCHED, Candidate, Evaluator, candidates, rank
 
-__all__ = ["PlanResult", "Probe", "SEARCHED", "cached_probe", "pinned_keys", "plan", "predict", "predict_config"]
+__all__ = ["PREDICTION", "PlanResult", "Probe", "SEARCHED", "cached_probe", "model_spec", "pinned_keys", "plan",
+           "predict", "predict_config", "read_prediction"]
 
 
 @dataclass
@@ -40,21 +43,36 @@ class PlanResult:
     @property
     def best(self) -> Candidate:
         if not self.fitting:
-            reasons = sorted({c.refusal for c in self.refused})[:3]
-            raise ConfigError(f"no layout of {self.model.name} fits this machine ({len(self.refused)} tried): "
-                              + "; ".join(reasons))
+            nearest = min(self.refused, key=lambda c: c.memory_need)
+            raise ConfigError(f"no layout of {self.model.name} fits this machine ({len(self.refused)} tried); the one "
+                              f"needing the least memory, {nearest.describe()}, is refused: {nearest.refusal}")
         return self.fitting[0]
 
     def to_toml(self) -> str:
-        """The best layout as a complete config, its prediction in the header."""
+        """The best layout as a complete config, its prediction in the header: in words, and whole on the
+        ``PREDICTION`` line (``read_prediction``), which ``train --plan FILE`` prints beside what it measures."""
         best = self.best
         p = best.prediction
         header = [f"# zerooffload plan: {self.model.name}, batch {self.batch_size}, world size {self.world_size}",
                   f"# layout: {best.describe()}",
                   f"# predicted step {p.step_seconds:.2f} s; " + ", ".join(
                       f"{tier} {n / 1e9:.2f} GB" for tier, n in p.peak_bytes.items()),
-                  f"# {p.bottleneck}"]
+                  f"# {p.bottleneck}",
+                  f"{PREDICTION}{json.dumps(p.as_json())}"]
         return "\n".join(header) + "\n" + best.config.to_toml()
+
+
+PREDICTION = "# prediction: "
+"""The plan file's line holding its prediction as JSON (a comment: the file stays a plain config)."""
+
+
+def read_prediction(path: str) -> Prediction | None:
+    """The prediction a plan file carries (``PlanResult.to_toml``), or None for a file without one."""
+    with open(path) as file:
+        for line in file:
+            if line.startswith(PREDICTION):
+                return Prediction.from_json(json.loads(line[len(PREDICTION):]))
+    return None
 
 
 def pinned_keys(config: Config, overrides: Iterable[str] = ()) -> set[str]:
@@ -78,7 +96,7 @@ def _flat(data: dict, prefix: str = "") -> dict:
 def plan(model: str | ModelSpec, config: Config | dict | str | None = None, *, pinned: Iterable[str] | None = None,
          world_size: int = 1, batch_size: int | None = None, seq_len: int | None = None,
          params: float | None = None, layers: int | None = None, refresh: bool = False,
-         progress: Callable[[str], None] | None = None, probe: Probe | None = None) -> PlanResult:
+         progress: Callable[[str], None] | None = None, probe: Probe | None = None, timed: bool = True) -> PlanResult:
     """Probe the machine (cached), enumerate the layouts of ``model`` that fit and rank them by predicted
     step time (search's [Note: the search]).
 
@@ -87,11 +105,11 @@ def plan(model: str | ModelSpec, config: Config | dict | str | None = None, *, p
     precision); its ``pinned`` keys stay as set (default: ``pinned_keys(config)``). ``batch_size``:
     sequences per optimizer step over all ranks (default: the config's micro × accumulation × world).
     ``probe``: the machine's, when the caller has one (nothing is then measured but one block).
+    ``timed=False``: not even that; blocks are counted in FLOPs (a refusal's suggestion, in seconds).
     """
     config = Config.load(config if config is not None else {})
     progress = progress or (lambda text: None)
-    spec = model if isinstance(model, ModelSpec) else (
-        named_gpt(model, gpt_of_size(params, layers, seq_len or 1024)) if params else load_model(model, seq_len))
+    spec = model if isinstance(model, ModelSpec) else model_spec(model, seq_len, params, layers)
     batch = batch_size or config.train.micro_batch_size * config.train.grad_accum_steps * world_size
     if batch % world_size:
         raise ConfigError(f"batch size {batch} is not a multiple of the world size {world_size}")
@@ -99,9 +117,18 @@ def plan(model: str | ModelSpec, config: Config | dict | str | None = None, *, p
     pool = candidates(config, pinned_keys(config) if pinned is None else pinned, batch, world_size, probe.device,
                       _unit_bytes(spec, config, world_size))
     progress(f"predicting {len(pool)} layouts")
-    evaluator = Evaluator(spec, probe, world_size, progress)
+    evaluator = Evaluator(spec, probe, world_size, progress, timed=timed)
     fitting, refused = rank(evaluator, pool)
     return PlanResult(spec, probe, fitting, refused, batch, world_size, evaluator)
+
+
+def model_spec(model: str, seq_len: int | None = None, params: float | None = None,
+               layers: int | None = None) -> ModelSpec:
+    """The ``ModelSpec`` ``plan`` takes for ``model`` (see ``plan``), built on the meta device."""
+    if params:
+        return named_gpt(f"a GPT of {params:.3g} parameters in {layers} layers",
+                         gpt_of_size(params, layers, seq_len or 1024))
+    return load_model(model, seq_len)
 
 
 def _unit_bytes(spec: ModelSpec, config: Config, world_size: int) -> tuple[int, int]:
@@ -115,9 +142,12 @@ def _unit_bytes(spec: ModelSpec, config: Config, world_size: int) -> tuple[int, 
     return root, max((u.padded_numel for u in layouts if u.name), default=0) * cb
 
 
-def predict_config(model: ModelSpec, config: Config, probe: Probe, world_size: int = 1):
-    """The ``Prediction`` of ``config`` as it is (``train`` with a cached probe or ``--plan FILE``)."""
-    return Evaluator(model, probe, world_size, lambda text: None).evaluate(Candidate({}, config)).prediction
+def predict_config(model: ModelSpec, config: Config, probe: Probe, world_size: int = 1,
+                   progress: Callable[[str], None] | None = None):
+    """The ``Prediction`` of ``config`` as it is (``train`` with a cached probe or a ``--plan FILE``
+    without one); ``progress`` hears the block it times."""
+    return Evaluator(model, probe, world_size, progress or (lambda text: None)).evaluate(
+        Candidate({}, config)).prediction
 
 
 

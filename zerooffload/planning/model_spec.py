@@ -12,9 +12,11 @@ A transformer's time goes to its blocks, and what a block costs depends on its c
 norms, activations), not only on its matmuls. So the compute of a step is measured, not derived:
 one block unit, taken from a meta forward with the inputs it really receives (their shapes and
 dtypes), is materialized alone on the device in the compute dtype and timed through forward and
-forward + backward at the micro-batch. The rest of the model (the root unit: embeddings, head, loss)
-is counted in floating-point operations (``FlopCounterMode`` on the same meta forward) at the
-probe's matmul rate. A block costs a few hundred MB at most, whatever the model's size.
+forward + backward at the micro-batch (a smaller one, scaled, where that would take long:
+``PROXY_SECONDS``). The rest of the model (the root unit: embeddings, head, loss) is counted in
+floating-point operations (``FlopCounterMode`` on the same meta forward) at the probe's matmul rate.
+A block costs a few hundred MB at most, whatever the model's size. Where nothing may be run (the
+layout a refusal suggests, which must come in seconds), the blocks are counted in FLOPs as well.
 """
 from __future__ import annotations
 
@@ -148,12 +150,40 @@ def _factory(spec: str, seq_len: int | None) -> ModelSpec:
 
 
 # --------------------------------------------------------------------------------------- measured compute
+PROXY_SECONDS = 0.5
+"""Longest a timed block's forward + backward should take by its FLOPs at the probe's rate: past it the
+block is timed at a smaller micro-batch (a block's time grows with the micro-batch in proportion) and
+scaled, so that planning a large model (a 2B block at 16 x 1024 tokens: ~45 s in fp32 here) takes
+seconds, not minutes."""
+
+
 def measure_compute(model: ModelSpec, layouts: list[UnitLayout], micro_batch: int, precision: str,
-                    matmul_flops: float, device: torch.device) -> BlockTimes:
-    """One micro-batch's forward, backward and recompute seconds ([Note: measured compute])."""
+                    matmul_flops: float, device: torch.device, *, timed: bool = True) -> BlockTimes:
+    """One micro-batch's forward, backward and recompute seconds ([Note: measured compute]); with
+    ``timed=False`` the blocks are counted in FLOPs too (backward: twice the forward), nothing is run."""
+    blocks = [layout for layout in layouts if layout.name]
+    total, block_flops, _ = _flops(model, blocks, micro_batch)
+    if not blocks:
+        seconds = total / matmul_flops
+        return BlockTimes(forward=seconds, backward=2 * seconds, recompute=0.0)
+    root_seconds = max(total - block_flops * len(blocks), 0) / matmul_flops
+    if timed:
+        proxy = max(1, min(micro_batch, int(micro_batch * PROXY_SECONDS * matmul_flops / (3 * block_flops or 1))))
+        _, _, inputs = _flops(model, blocks, proxy)
+        forward, both = (t * micro_batch / proxy for t in _time_block(blocks[0].module, inputs,
+                                                                       COMPUTE_DTYPES[precision], device))
+    else:
+        forward = block_flops / matmul_flops
+        both = 3 * forward
+    n = len(blocks)
+    return BlockTimes(forward=n * forward + root_seconds, backward=n * (both - forward) + 2 * root_seconds,
+                      recompute=n * forward)
+
+
+def _flops(model: ModelSpec, blocks: list[UnitLayout], micro_batch: int) -> tuple[int, int, Any]:
+    """A meta forward at ``micro_batch``: its FLOPs, one block's, and that block's inputs (shapes, dtypes)."""
     from torch.utils.flop_counter import FlopCounterMode  # here: it costs every command importing this 0.5 s
 
-    blocks = [layout for layout in layouts if layout.name]
     args, kwargs = model.inputs(micro_batch)
     captured: dict[str, Any] = {}
     hooks = [layout.module.register_forward_pre_hook(
@@ -166,18 +196,12 @@ def measure_compute(model: ModelSpec, layouts: list[UnitLayout], micro_batch: in
     finally:
         for hook in hooks:
             hook.remove()
-    total = counter.get_total_flops()
     if not blocks:
-        seconds = total / matmul_flops
-        return BlockTimes(forward=seconds, backward=2 * seconds, recompute=0.0)
+        return counter.get_total_flops(), 0, None
     per_module = counter.get_flop_counts()
     block_key = next((k for k in per_module if k.split(".", 1)[-1] == blocks[0].name), None)
     block_flops = sum(per_module[block_key].values()) if block_key else 0
-    root_seconds = max(total - block_flops * len(blocks), 0) / matmul_flops
-    forward, both = _time_block(blocks[0].module, captured[blocks[0].name], COMPUTE_DTYPES[precision], device)
-    n = len(blocks)
-    return BlockTimes(forward=n * forward + root_seconds, backward=n * (both - forward) + 2 * root_seconds,
-                      recompute=n * forward)
+    return counter.get_total_flops(), block_flops, captured[blocks[0].name]
 
 
 def _time_block(meta_block: nn.Module, meta_inputs: tuple[tuple, dict], dtype: torch.dtype,

@@ -55,6 +55,8 @@ class Candidate:
     prediction: Prediction | None = None
     refusal: str | None = None
     """Why it does not fit (the engine's own refusal), or None."""
+    memory_need: int = 0
+    """Bytes its memory plan asks of RAM and the device (activations included; swap files not)."""
 
     def describe(self) -> str:
         c = self.config
@@ -146,8 +148,11 @@ def _toml(value: object) -> str:
 class Evaluator:
     """Predictions of candidates for one model: layouts, activations and compute measured once each."""
 
-    def __init__(self, model: ModelSpec, probe: Probe, world_size: int, progress: Callable[[str], None]):
+    def __init__(self, model: ModelSpec, probe: Probe, world_size: int, progress: Callable[[str], None], *,
+                 timed: bool = True):
         self.model, self.probe, self.world_size, self.progress = model, probe, world_size, progress
+        self.timed = timed
+        """Whether a block is timed (``measure_compute``), or counted in FLOPs alone."""
         self.device = torch.device(probe.device)
         self._layouts: dict[tuple, list[UnitLayout]] = {}
         self._activations: dict[tuple, ActivationProfile] = {}
@@ -173,21 +178,32 @@ class Evaluator:
             if key[1] not in self.probe.matmul_flops:
                 raise ConfigError(f"train.precision = {key[1]!r}: the machine's probe has no {key[1]} rates yet; "
                                   f"plan with train.precision={key[1]} once to measure them")
-            self.progress(f"timing a block at micro-batch {key[0]}")
+            if self.timed:
+                self.progress(f"timing a block at micro-batch {key[0]} ({key[1]})")
             layouts = find_units(self.model.module, config.zero.unit_modules, 1)
             self._times[key] = measure_compute(self.model, layouts, *key, self.probe.matmul_flops[key[1]],
-                                               self.device)
+                                               self.device, timed=self.timed)
         return self._times[key]
 
     def evaluate(self, candidate: Candidate) -> Candidate:
         """Fill in ``candidate``'s refusal, or else its prediction."""
         config = candidate.config
         layouts, activations = self.layouts(config), self.activations(config)
-        candidate.refusal = refusal(config, layouts, activations, self.world_size, self.device)
+        candidate.refusal, candidate.memory_need = refusal(config, layouts, activations, self.world_size, self.device)
         if candidate.refusal is None:
             candidate.prediction = predict(config, layouts, self.probe, self.times(config), activations,
                                            self.world_size)
         return candidate
+
+
+def _first_clause(text: str) -> str:
+    """``text`` up to its first ``;`` outside parentheses: a refusal without its suggested fix."""
+    depth = 0
+    for index, char in enumerate(text):
+        depth += {"(": 1, ")": -1}.get(char, 0)
+        if char == ";" and depth == 0:
+            return text[:index]
+    return text
 
 
 def rank(evaluator: Evaluator, pool: list[Candidate]) -> tuple[list[Candidate], list[Candidate]]:
@@ -204,15 +220,18 @@ def rank(evaluator: Evaluator, pool: list[Candidate]) -> tuple[list[Candidate], 
 
 
 def refusal(config: Config, layouts: list[UnitLayout], activations: ActivationProfile | None, world_size: int,
-            device: torch.device) -> str | None:
-    """Why the engine would refuse ``config`` at start (its own checks, in its order), or None."""
+            device: torch.device) -> tuple[str | None, int]:
+    """Why the engine would refuse ``config`` at start (its own checks, in its order), or None; and the
+    bytes its plan asks of memory (``Candidate.memory_need``)."""
     tiers = make_tiers(config.memory, device)
     _, plan = plan_for_machine(layouts, config, world_size, device, activations, tiers=tiers)
+    need = sum(sum(kinds.values()) for tier, kinds in plan.items() if tier != SWAP) + (
+        activations.bytes(config.train.activation_checkpointing) if activations is not None else 0)
     try:
         check_fits(plan, config, tiers, activations, device, world_size)
     except BudgetError as exc:
-        return str(exc).split(";")[0]
+        return _first_clause(str(exc)), need
     swap = swap_bytes(plan) * local_ranks(world_size)
     if swap and swap > swap_free_bytes(config):
-        return f"the swap files need {swap:,} bytes but {config.nvme.paths} has {swap_free_bytes(config):,} free"
-    return None
+        return f"the swap files need {swap:,} bytes but {config.nvme.paths} has {swap_free_bytes(config):,} free", need
+    return None, need
