@@ -49,3 +49,11 @@ def in_a_tmpfs(options: str, point: Path, *args: str) -> subprocess.CompletedPro
     if "mount:" in run.stderr or "unshare:" in run.stderr:
         pytest.skip(f"cannot mount a private tmpfs here: {run.stderr.strip()}")
     return run
+
+
+def finished_run(tmp_path_factory, name: str, *args: str) -> Path:
+    """The ``--out`` of a finished ``zerooffload ARGS`` run in a fresh directory named ``name``."""
+    out = tmp_path_factory.mktemp(name) / "out"
+    run = run_in_process(*args, "--out", str(out))
+    assert run.returncode == 0, run.stderr[-4000:]
+    return out

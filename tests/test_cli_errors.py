@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from cli_helpers import in_a_tmpfs, run_in_process
+from cli_helpers import finished_run, in_a_tmpfs, run_in_process
 
 _TRAIN = ["train", "train.micro_batch_size=4", "scheduler.type=constant"]
 _ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -71,10 +71,7 @@ def test_a_bad_override_value_is_a_config_error():
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory) -> Path:
     """The --out of a 2-step run saved at step 2 (tag step00000002); tests copy it before changing it."""
-    out = tmp_path_factory.mktemp("saved") / "out"
-    run = _cli(*_TRAIN, "--steps", "2", "--save-every", "2", "--out", str(out))
-    assert run.returncode == 0, run.stderr[-4000:]
-    return out
+    return finished_run(tmp_path_factory, "saved", *_TRAIN, "--steps", "2", "--save-every", "2")
 
 
 def _corrupt_copy(saved: Path, tmp_path: Path, name: str) -> Path:

@@ -277,9 +277,10 @@ def test_plan_writes_a_config_that_train_runs_and_reports_against(cache, tmp_pat
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["stage"] == written.zero.stage
     assert summary["predicted"] == read_prediction(str(tmp_path / "plan.toml")).as_json()
-    assert set(summary["predicted"]["peak_bytes"]) == set(summary["measured"]["peak_bytes"]) == {
-        "device", "host", "nvme"}
-    assert summary["measured"]["step_seconds"] > 0 and summary["measured"]["rss_peak_above_start_bytes"] > 0
+    assert set(summary["predicted"]["peak_bytes"]) == {"device", "host", "nvme"}
+    assert set(summary["measured"]["peak_bytes"]) == ({"device", "host", "nvme"} if torch.cuda.is_available() else
+                                                      {"device+host", "nvme"})
+    assert summary["measured"]["step_seconds"] > 0 and summary["measured"]["peak_bytes"]["nvme"] >= 0
     assert "predicted vs measured" in done.stdout
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from aio_helpers import run_python
-from cli_helpers import in_a_tmpfs, run_in_process
+from cli_helpers import finished_run, in_a_tmpfs, run_in_process
 
 _TRAIN = ["train", "train.micro_batch_size=4", "scheduler.type=constant"]
 _ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -38,10 +38,7 @@ def _tree(path: Path) -> dict[str, bytes]:
 @pytest.fixture(scope="module")
 def old_run(tmp_path_factory) -> Path:
     """The --out of a finished 2-step run, saved at steps 1 and 2."""
-    out = tmp_path_factory.mktemp("old") / "out"
-    run = run_in_process(*_TRAIN, "--steps", "2", "--save-every", "1", "--out", str(out))
-    assert run.returncode == 0, run.stderr[-4000:]
-    return out
+    return finished_run(tmp_path_factory, "old", *_TRAIN, "--steps", "2", "--save-every", "1")
 
 
 def test_a_fresh_run_into_an_old_out_is_refused_and_changes_nothing(old_run, tmp_path):

@@ -23,6 +23,7 @@ shards wait changes its own reads and writes only, nothing any collective depend
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -39,7 +40,7 @@ from .zero.reduction import MAX_BUCKETS_IN_FLIGHT, REDUCE_DTYPE
 from .zero.unit_layout import UnitLayout, find_units
 
 __all__ = ["plan_memory", "plan_for_config", "plan_for_machine", "check_fits", "check_memory", "fitting_layout",
-           "place_activations", "local_ranks", "LAYOUTS_TO_TRY"]
+           "place_activations", "local_ranks", "temporaries", "Temporaries", "LAYOUTS_TO_TRY"]
 
 LAYOUTS_TO_TRY = (
     ("offload.optimizer.tier=host",),
@@ -182,6 +183,33 @@ def _with_overrides(config: Config, overrides: tuple[str, ...]) -> Config | None
         return None
 
 
+@dataclass(frozen=True, slots=True)
+class Temporaries:
+    """The engine's bounded temporaries (``Kind.BUFFER``) by purpose, bytes per rank: ``plan_memory``
+    adds them up per tier (a bound); a prediction lines them up by phase (an expected peak)."""
+
+    staged_shards: int = 0
+    """Host: stage 3's off-device shards read or copied ahead of their gathers (forward and backward)."""
+    grad_stream: int = 0
+    """Host: kept gradient shards written through host buffers in backward, read back ahead in the step."""
+    reduce: int = 0
+    """Device: backward's reduction staging, reduce-scatter outputs, and full gradients waiting to reduce."""
+    step: int = 0
+    """Device: the step's scaled fp32 gradients and all-gather inputs."""
+    update_grad: int = 0
+    """Host: one offloaded unit's fp32 gradient for its update (in backward or in the step)."""
+    block_stream: int = 0
+    """Host: the host buffers optimizer blocks stream through (``block_stream``), for whole blocks."""
+
+    @property
+    def host(self) -> int:
+        return self.staged_shards + self.grad_stream + self.update_grad + self.block_stream
+
+    @property
+    def device(self) -> int:
+        return max(self.reduce, self.step)
+
+
 def plan_memory(layouts: list[UnitLayout], placement: Placement, *, stage: int, compute_bytes: int, moments: int,
                 bucket_bytes: int, world_size: int, max_live_bytes: int, prefetch_bytes: int,
                 stream_buffers: int = STREAM_BUFFERS, grad_reads: int = GRAD_READS) -> Plan:
@@ -190,18 +218,16 @@ def plan_memory(layouts: list[UnitLayout], placement: Placement, *, stage: int, 
     optimizer blocks on their tiers (no master for units whose master is the weights; twice for tentative
     updates, stored aside); gradients by stage, a shard that leaves on its grad home when kept for the step;
     an offloaded partitioned unit's shard in its block's master segment takes no space of its own;
-    temporaries per phase, with ``stream_buffers`` host buffers per block stream or writer and
-    ``grad_reads`` for gradients read back (``block_stream``)."""
+    temporaries (``temporaries``) with ``stream_buffers`` host buffers per block stream or writer and
+    ``grad_reads`` for gradients read back (``block_stream``), each phase's on the device, all of them on
+    the host."""
     units = list(zip(layouts, placement.units))
     device, staging = placement.compute, placement.staging
     plan: Plan = {name: {k: 0 for k in Kind} for name in placement.tiers()}
     full = sum(u.padded_numel for u in layouts) * compute_bytes
     shard = sum(u.shard_numel for u in layouts)
-    largest = max(u.padded_numel for u in layouts) * compute_bytes
-    partitioned = [u for u, p in units if p.partitioned]
-    partitioned_full = sum(u.padded_numel for u in partitioned) * compute_bytes
-    moved_units = [(u, p) for u, p in units if p.offloaded]
-    moved = sum(u.shard_numel for u, _ in moved_units)
+    partitioned_full = sum(u.padded_numel for u, p in units if p.partitioned) * compute_bytes
+    moved = sum(u.shard_numel for u, p in units if p.offloaded)
     plan[device][Kind.PARAM] = full - partitioned_full
     for u, p in units:
         in_masters = p.params_in_masters and p.offloaded and u.trainable_numel == u.padded_numel  # no frozen values
@@ -210,18 +236,40 @@ def plan_memory(layouts: list[UnitLayout], placement: Placement, *, stage: int, 
         versions = 2 if p.updates_tentatively else 1  # a tentative update's block is stored aside until the step
         plan[p.optimizer][Kind.OPTIMIZER] += versions * u.shard_numel * 4 * (moments + (0 if p.master_is_param else 1))
     plan[device][Kind.GATHERED] = min(max_live_bytes, partitioned_full)
+    plan[device][Kind.GRAD] = (shard - moved) * compute_bytes if stage >= 2 else full
+    for u, p in units:  # reduced shards kept for the step wait on their grad home (offloaded_grads)
+        if stage >= 2 and p.offloaded and p.grads_kept:
+            plan[p.grad_home][Kind.GRAD] += u.shard_numel * compute_bytes
+    buffers = temporaries(layouts, placement, stage=stage, compute_bytes=compute_bytes, moments=moments,
+                          bucket_bytes=bucket_bytes, world_size=world_size, max_live_bytes=max_live_bytes,
+                          prefetch_bytes=prefetch_bytes, stream_buffers=stream_buffers, grad_reads=grad_reads)
+    plan[device][Kind.BUFFER] = buffers.device
+    plan[staging][Kind.BUFFER] += buffers.host
+    return _drop_empty(plan, device)
+
+
+def temporaries(layouts: list[UnitLayout], placement: Placement, *, stage: int, compute_bytes: int, moments: int,
+                bucket_bytes: int, world_size: int, max_live_bytes: int, prefetch_bytes: int,
+                stream_buffers: int = STREAM_BUFFERS, grad_reads: int = GRAD_READS) -> Temporaries:
+    """The bounds on each purpose's temporaries (``Temporaries``) for ``plan_memory``'s arguments."""
+    units = list(zip(layouts, placement.units))
+    full = sum(u.padded_numel for u in layouts) * compute_bytes
+    shard = sum(u.shard_numel for u in layouts)
+    largest = max(u.padded_numel for u in layouts) * compute_bytes
+    partitioned = [u for u, p in units if p.partitioned]
+    moved_units = [(u, p) for u, p in units if p.offloaded]
+    moved = sum(u.shard_numel for u, _ in moved_units)
+    staged_shards = 0
     if partitioned and placement.shards_off_device:  # shards staged in host memory (scheduler's note)
         largest_shard = max(u.shard_numel for u in partitioned) * compute_bytes
         staged = (2 * prefetch_bytes + max_live_bytes) // world_size + largest_shard
-        plan[staging][Kind.BUFFER] += min(staged, partitioned_full // world_size + largest_shard)
-    plan[device][Kind.GRAD] = (shard - moved) * compute_bytes if stage >= 2 else full
-    kept = [(u, p) for u, p in moved_units if p.grads_kept] if stage >= 2 else []
-    for u, p in kept:  # reduced shards wait on their grad home (offloaded_grads)
-        plan[p.grad_home][Kind.GRAD] += u.shard_numel * compute_bytes
-    streamed_grads = [u for u, p in kept if p.grads_streamed]
+        staged_shards = min(staged, sum(u.padded_numel for u in partitioned) * compute_bytes // world_size
+                            + largest_shard)
+    streamed_grads = [u for u, p in moved_units if stage >= 2 and p.grads_kept and p.grads_streamed]
+    grad_stream = 0
     if streamed_grads:  # written and read through host buffers: the writer's, and the reads ahead, one of
         buffers = stream_buffers + grad_reads - 1  # which the update holds (not both at once)
-        plan[staging][Kind.BUFFER] += buffers * max(u.shard_numel for u in streamed_grads) * compute_bytes
+        grad_stream = buffers * max(u.shard_numel for u in streamed_grads) * compute_bytes
     reduce_bytes = REDUCE_DTYPE.itemsize
     in_flight = (MAX_BUCKETS_IN_FLIGHT + 1) * (bucket_bytes + largest // compute_bytes * reduce_bytes)
     full_reduce = full // compute_bytes * reduce_bytes
@@ -239,13 +287,11 @@ def plan_memory(layouts: list[UnitLayout], placement: Placement, *, stage: int, 
     # stage 1's reduced shards land in the full buffers themselves (partition's add_grad_shard)
     step_fp32 = 0 if compute_bytes == 4 else (shard - moved) * 4  # scaled fp32 gradients of one unit at most
     gather = sum(u.shard_numel for u, _ in gathered_after_step) * compute_bytes  # all-gather inputs, all at once
-    plan[device][Kind.BUFFER] = max(reduce_phase, step_fp32 + gather)
-    if moved:
-        largest_moved = max(u.shard_numel for u, _ in moved_units)
-        plan[staging][Kind.BUFFER] += largest_moved * 4  # one offloaded unit's fp32 gradient for its update
-        if any(p.streamed for _, p in moved_units):  # blocks stream through host buffers (block_stream)
-            plan[staging][Kind.BUFFER] += stream_buffers * largest_moved * 4 * (moments + 1)
-    return _drop_empty(plan, device)
+    largest_moved = max((u.shard_numel for u, _ in moved_units), default=0)
+    streams = any(p.streamed for _, p in moved_units)  # blocks stream through host buffers (block_stream)
+    return Temporaries(staged_shards=staged_shards, grad_stream=grad_stream, reduce=reduce_phase,
+                       step=step_fp32 + gather, update_grad=largest_moved * 4,
+                       block_stream=stream_buffers * largest_moved * 4 * (moments + 1) if streams else 0)
 
 
 def _waiting_grads(layouts: list[UnitLayout], compute_bytes: int, bucket_bytes: int, world_size: int) -> int:

@@ -75,11 +75,15 @@ class Prediction:
     """Bytes a step moves: ``nvme_read``, ``nvme_write`` (what ``StepStats.io`` counts) and ``host_device``."""
     bottleneck: str = ""
     """One line saying what bounds the step, e.g. ``disk-bound: 3.1 GB read per step at 2.0 GB/s``."""
+    ram_peak_bytes: int | None = None
+    """On a CPU device, where the device and host tiers are one RAM: their expected peak together. Each
+    tier's peak comes in its own phase (the host's streaming buffers in the step, the device's
+    activations at the end of forward), so this is less than their sum (predict's note)."""
 
     def as_json(self) -> dict:
         return {"step_seconds": self.step_seconds, "phases": dict(self.phases), "work": dict(self.work),
                 "peak_bytes": dict(self.peak_bytes), "moved_bytes": dict(self.moved_bytes),
-                "bottleneck": self.bottleneck}
+                "bottleneck": self.bottleneck, "ram_peak_bytes": self.ram_peak_bytes}
 
     @classmethod
     def from_json(cls, data: dict) -> Prediction:

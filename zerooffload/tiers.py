@@ -51,7 +51,7 @@ from .trace import RECORDER
 
 __all__ = ["Kind", "Tier", "DeviceTier", "HostTier", "NvmeTier", "Block", "IOStats", "LinkStats", "DeviceCopier",
            "BudgetError", "make_tiers", "open_swap", "close_tiers", "release_idle", "swap_bytes", "check_plan",
-           "check_ram", "Plan"]
+           "check_ram", "Plan", "swap_paths"]
 
 
 class BudgetError(ConfigError):
@@ -404,7 +404,7 @@ class NvmeTier(Tier):
         self.io = IOStats()
         self._aio = AsyncIO(config.aio)
         try:
-            self.swap = SwapStore(_swap_paths(config), self._aio, rank=rank, reserve=reserve,
+            self.swap = SwapStore(swap_paths(config), self._aio, rank=rank, reserve=reserve,
                                   checksum=config.nvme.checksum, direct=config.aio.direct)
         except BaseException:
             self._aio.close()
@@ -429,7 +429,7 @@ class NvmeTier(Tier):
         return _SwappedPrefix(self.swap, key, numel, dtype, self.io)
 
 
-def _swap_paths(config: Config) -> list[str]:
+def swap_paths(config: Config) -> list[str]:
     """``nvme.path``, or the ``offload.*.path`` that overrides it for the states that live on NVMe."""
     offload = config.offload
     chosen = {section.path for section in (offload.param, offload.optimizer) if section.tier == "nvme" and section.path}
@@ -443,7 +443,7 @@ def swap_free_bytes(config: Config) -> int:
     """Free bytes where ``config``'s swap files would go, each filesystem counted once (a missing
     directory holds nothing)."""
     filesystems: dict[int, int] = {}
-    for path in _swap_paths(config):
+    for path in swap_paths(config):
         with contextlib.suppress(OSError):
             filesystems[os.stat(path).st_dev] = shutil.disk_usage(path).free
     return sum(filesystems.values())

@@ -20,7 +20,6 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import psutil
 import torch
 
 from ..config import Config
@@ -30,6 +29,7 @@ from ..lazy_init import init_context
 from ..log import current_rank
 from ..models import GPT, PRESETS
 from ..tiers import BudgetError
+from .measured import RunMemory
 from .progress import Progress, engine_postfix
 from .run_checkpoints import make_room, prune, resume, resume_tag
 from .run_dir import owned_out
@@ -59,7 +59,8 @@ def _run(args: argparse.Namespace) -> int:
     with init_context(config):  # nothing is allocated before the engine checks that the run fits
         model = GPT(model_config)
     batch = torch.zeros(config.train.micro_batch_size, model_config.block_size, dtype=torch.long, device="meta")
-    rss_at_start = psutil.Process().memory_info().rss
+    corpus = ByteCorpus()  # before the measurement starts: the data is the user's memory, not the run's
+    memory = RunMemory()
     try:
         engine = initialize(model, config, init_fn=model.init_fn(), example_inputs=(batch, batch),
                             prediction=prediction)
@@ -73,9 +74,9 @@ def _run(args: argparse.Namespace) -> int:
             if engine.comm.rank == 0:
                 print(f"nothing to train: {checkpoints} is at step {first_step} and --steps is {args.steps}")
             return 0
-        run = _train(args, engine, config, model_config.block_size, (first_step, losses, shape), checkpoints, stop)
+        run = _train(args, engine, config, corpus, (first_step, losses, shape), checkpoints, stop)
         summary = _summary(args, engine, run, model_config)
-        summary.update(predicted_and_measured(engine, run.step_seconds, run.phases, rss_at_start))
+        summary.update(predicted_and_measured(engine, run.step_seconds, run.phases, memory))
         engine.close()
         if engine.comm.rank == 0:  # before the handlers go back: torchrun may SIGTERM a rank that is finishing
             _print_summary(summary)
@@ -114,12 +115,12 @@ class _Run:
     """The tag of the last checkpoint saved outside a skip streak: never pruned (run_checkpoints' note)."""
 
 
-def _train(args, engine, config: Config, seq: int, resumed: tuple[int, list[float]], checkpoints: Path,
-           stop: "StopOnSignal") -> _Run:
-    """The loop: steps ``first_step`` .. ``--steps`` - 1 (``resumed``: the first step and the losses
-    before it), each followed by the periodic save when due, until the steps are done or the ranks
-    agree that a signal stops them (see the notes)."""
-    corpus = ByteCorpus()
+def _train(args, engine, config: Config, corpus: ByteCorpus, resumed: tuple[int, list[float], dict],
+           checkpoints: Path, stop: "StopOnSignal") -> _Run:
+    """The loop: steps ``first_step`` .. ``--steps`` - 1 (``resumed``: the first step, the losses before
+    it and the run's shape), each followed by the periodic save when due, until the steps are done or
+    the ranks agree that a signal stops them (stop_signal's note)."""
+    seq = PRESETS[args.model].block_size
     rank, world = engine.comm.rank, engine.comm.world_size
     micro, accum = config.train.micro_batch_size, config.train.grad_accum_steps
     first_step, losses, shape = resumed

@@ -7,10 +7,16 @@ weight by about the learning rate, and what that does to a layer's output grows 
 So the peak learning rate follows GPT-3's table by size (Brown et al. 2020, Table 2.1: 6e-4 at 125M,
 3e-4 at 350M, 2.5e-4 at 760M, 2e-4 at 1.3B, 1.6e-4 at 2.7B, 1.2e-4 at 6.7B), on a log-log line
 between its rows and, below 125M, on to 3e-3 at 1M (the tiny presets, whose loss must fall visibly in
-a minute); the warmup starts at a tenth of it (``min_lr``, also where the cosine ends) and lasts
-``WARMUP_STEPS``. The initialization is GPT-2's (``models.gpt``: residual projections scaled by
-1/sqrt(2 x layers)). ``plan`` starts from the same defaults, so a plan it writes trains the batch
-``train`` would have trained.
+a minute). Adam's first update moves every weight by the full learning rate (its moments' ratio is
+the gradient's sign), which a deep, wide model does not survive at its peak rate: on the 350m preset
+(16 x 1024 tokens a step) a first update at 1e-5 already raised the loss from 5.4 to 6.7, at 3e-6 it
+fell to 4.6; yet the nano preset, started at a hundredth of its peak, spiked from 3.3 to 6.2 at the
+end of its warmup, and not from a tenth. So the warmup starts at a tenth of the peak up to 10M
+parameters and at a hundredth from 300M on, log-linearly between (``min_lr``, also where the cosine
+ends), and lasts longer the larger the model: ``warmup_steps`` (20, or one per 3M parameters). The
+initialization is GPT-2's (``models.gpt``: residual projections scaled by 1/sqrt(2 x layers)).
+``plan`` starts from the same defaults, so a plan it writes trains the batch ``train`` would have
+trained.
 """
 from __future__ import annotations
 
@@ -19,12 +25,14 @@ import math
 
 from ..config import Config, apply_override
 
-__all__ = ["DEFAULT_STEPS", "WARMUP_STEPS", "learning_rate", "load_train_config", "train_defaults"]
+__all__ = ["DEFAULT_STEPS", "WARMUP_STEPS", "learning_rate", "load_train_config", "train_defaults", "warmup_start", "warmup_steps"]
 
 _LR_BY_SIZE = ((1e6, 3e-3), (125e6, 6e-4), (350e6, 3e-4), (760e6, 2.5e-4), (1.3e9, 2e-4), (2.7e9, 1.6e-4),
                (6.7e9, 1.2e-4))
 """(parameters, peak learning rate): GPT-3's table, and 3e-3 for a model of 1M (see the note)."""
 WARMUP_STEPS = 20
+"""The shortest warmup (``warmup_steps``)."""
+WARMUP_PARAMS_PER_STEP = 3e6
 DEFAULT_STEPS = 300
 """``train``'s ``--steps`` by default; the schedule length ``plan`` writes (``train --plan`` replaces it)."""
 
@@ -39,14 +47,27 @@ def learning_rate(params: float) -> float:
     return math.exp(math.log(rates[upper - 1]) + share * math.log(rates[upper] / rates[upper - 1]))
 
 
+def warmup_steps(params: float) -> int:
+    """Steps of warmup for a model of ``params`` parameters (see the note)."""
+    return max(WARMUP_STEPS, round(params / WARMUP_PARAMS_PER_STEP))
+
+
+def warmup_start(params: float) -> float:
+    """The share of the peak learning rate the warmup starts from (see the note): 1/10 up to 10M
+    parameters, 1/100 from 300M, log-linear between."""
+    position = min(max(math.log(params / 1e7) / math.log(30), 0.0), 1.0)
+    return 10 ** (-1 - position)
+
+
 def train_defaults(params: float) -> dict:
     """What ``train`` and ``plan`` use without ``--config`` for a model of ``params`` parameters: a batch
-    of 16, clipping at 1.0, AdamW at ``learning_rate(params)`` with a warmup-cosine schedule (fp32:
-    faster than bf16 at the small presets' sizes)."""
+    of 16, clipping at 1.0, AdamW at ``learning_rate(params)`` with a warmup-cosine schedule from and
+    to ``warmup_start(params)`` of it (fp32: faster than bf16 at the small presets' sizes)."""
     lr = learning_rate(params)
     return {"train": {"micro_batch_size": 16, "grad_clip": 1.0},
             "optimizer": {"lr": float(f"{lr:.3g}"), "weight_decay": 0.1, "betas": [0.9, 0.95]},
-            "scheduler": {"type": "warmup_cosine", "warmup_steps": WARMUP_STEPS, "min_lr": float(f"{lr / 10:.3g}")}}
+            "scheduler": {"type": "warmup_cosine", "warmup_steps": warmup_steps(params),
+                          "min_lr": float(f"{lr * warmup_start(params):.3g}")}}
 
 
 def load_train_config(config_path: str | None, overrides: list[str], params: float, steps: int = DEFAULT_STEPS, *,

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
 import sys
 
@@ -13,9 +12,13 @@ from ..config import Config, ConfigError
 from ..models import PRESETS
 from ..log import current_rank
 from ..telemetry import PHASES, Prediction
+from ..tiers import swap_paths
+from ..zero.placement import TIER_NAMES
+from .measured import RunMemory
 from .train_config import load_train_config
 
-__all__ = ["best_layout", "format_prediction", "on_rank_zero", "pinned", "planned_config", "planned_layout", "predicted_and_measured"]
+__all__ = ["best_layout", "format_prediction", "on_rank_zero", "pinned", "planned_config", "planned_layout",
+           "predicted_and_measured", "predicted_peaks"]
 
 
 def planned_config(args: argparse.Namespace) -> tuple[Config, Prediction | None]:
@@ -99,31 +102,38 @@ def on_rank_zero(world: int, decide):
 
 
 def predicted_and_measured(engine, step_seconds: list[float], step_phases: list[dict[str, float]],
-                           rss_at_start: int) -> dict:
-    """summary.json's ``predicted`` (the plan's) and ``measured`` (the median of this process's steps
-    after the first; the engine's peak bytes per tier, and the process's peak RSS above its RSS before
-    the engine was built: the independent figure for the device and host tiers on a CPU device)."""
+                           memory: RunMemory) -> dict:
+    """summary.json's ``predicted`` (the plan's) and ``measured``: the median of this process's steps
+    after the first, and the peak bytes per tier measured apart from the engine (``measured``'s note:
+    the process's RAM, the device's own peak, the swap files' blocks); the engine's own accounting
+    beside them as ``engine_peak_bytes``."""
     steps = step_seconds[1:] or step_seconds
     phases = step_phases[1:] or step_phases
     peaks = engine.memory_report().peaks
-    rss_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     measured = {"step_seconds": statistics.median(steps) if steps else None,
                 "phases": {k: statistics.median(p[k] for p in phases) for k in PHASES} if phases else {},
-                "peak_bytes": {tier: peaks.get(tier, 0) for tier in ("device", "host", "nvme")},
-                "rss_peak_above_start_bytes": rss_peak - rss_at_start}
+                "peak_bytes": memory.peaks(swap_paths(engine.config)),
+                "engine_peak_bytes": {tier: peaks.get(tier, 0) for tier in TIER_NAMES}}
     predicted = engine.stats.predicted if engine.stats else None
     return {"measured": measured, **({"predicted": predicted.as_json()} if predicted else {})}
 
 
+def predicted_peaks(predicted: dict, measured: dict) -> dict[str, int]:
+    """The prediction's peaks per measured tier: ``device+host``, where the two are one RAM, is their
+    peak together (``Prediction.ram_peak_bytes``)."""
+    peaks = predicted["peak_bytes"]
+    return {tier: predicted.get("ram_peak_bytes") or sum(peaks[part] for part in tier.split("+")) if "+" in tier
+            else peaks[tier] for tier in measured["peak_bytes"]}
+
+
 def format_prediction(s: dict) -> str:
-    """The plan's step split next to the one measured, and the peak bytes per tier."""
+    """The plan's step split next to the one measured, and the peak bytes per tier (see predicted_peaks)."""
     p, m = s["predicted"], s["measured"]
     lines = [f"{'predicted vs measured':<24}{'plan':>10}{'measured':>10}"]
     for phase in PHASES:
         lines.append(f"{phase + ' s':<24}{p['phases'][phase]:>10.3f}{m['phases'].get(phase, 0.0):>10.3f}")
     ratio = m["step_seconds"] / p["step_seconds"] if p["step_seconds"] else float("nan")
     lines.append(f"{'step s (wall)':<24}{p['step_seconds']:>10.3f}{m['step_seconds']:>10.3f}  (x{ratio:.2f})")
-    for tier in ("device", "host", "nvme"):
-        lines.append(f"{tier + ' peak MB':<24}{p['peak_bytes'][tier] / 1e6:>10.1f}{m['peak_bytes'][tier] / 1e6:>10.1f}")
-    lines.append(f"{'RSS above start MB':<24}{'':>10}{m['rss_peak_above_start_bytes'] / 1e6:>10.1f}")
+    for tier, bytes_ in predicted_peaks(p, m).items():
+        lines.append(f"{tier + ' peak MB':<24}{bytes_ / 1e6:>10.1f}{m['peak_bytes'][tier] / 1e6:>10.1f}")
     return "\n".join(lines + [f"plan: {p['bottleneck']}"])

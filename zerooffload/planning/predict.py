@@ -3,7 +3,12 @@
 [Note: the step model]
 Memory is the engine's own plan (``memory_plan.plan_for_config``: exact steady-state bytes, bounded
 temporaries) plus the activations measured on the meta device, with one unit's worth of backward
-temporaries where the memory check counts three (a peak to expect, not a bound to refuse by).
+temporaries where the memory check counts three (a peak to expect, not a bound to refuse by). Each
+tier's peak comes in a phase of its own, so on a CPU device, whose device and host tiers are one RAM,
+their peak together is lined up by phase (``ram_peak_bytes``): the steady state, plus the larger of
+the start of backward (the activations, the gathered units and their staged shards, and where units
+update in backward the first optimizer block read ahead with its fp32 gradient) and the step (its
+temporaries and the host buffers optimizer blocks stream through).
 Time follows the engine's schedule, phase by phase ([Note: phases] in telemetry), per rank and optimizer step:
 - *forward*, per micro-batch: the measured compute ([Note: measured compute]); stage 3's partitioned
   shards read from NVMe (fp32 from the masters where they live there) and copied in from off the device
@@ -42,7 +47,9 @@ import torch
 
 from ..activations import ActivationProfile
 from ..config import Config, dtype_bytes
-from ..memory_plan import place_activations, plan_for_machine
+from ..block_stream import grad_read_depth, stream_depth
+from ..kinds import Kind
+from ..memory_plan import place_activations, plan_for_machine, temporaries
 from ..optim.optimizer import moment_names
 from ..telemetry import Prediction
 from ..tiers import Plan
@@ -98,12 +105,13 @@ def predict(config: Config, layouts: list[UnitLayout], probe: Probe, times: Bloc
     seconds = {name: _seconds(phase, probe, config) for name, phase in phases.items()}
     work = {k: sum(p.work[k] for p in phases.values()) for k in WORK}
     peaks = _peaks(plan, config, activations, device)
+    ram_peak = _ram_peak(plan, config, layouts, placement, activations, world_size) if device.type == "cpu" else None
     moved = {"nvme_read": sum(p.read for p in phases.values()), "nvme_write": sum(p.write for p in phases.values()),
              "host_device": sum(p.link + p.gathered for p in phases.values())}
     return Prediction(step_seconds=sum(seconds.values()), phases=MappingProxyType(seconds),
                       work=MappingProxyType(work), peak_bytes=MappingProxyType(peaks),
                       moved_bytes=MappingProxyType({k: int(v) for k, v in moved.items()}),
-                      bottleneck=_bottleneck(phases, work, probe, config))
+                      bottleneck=_bottleneck(phases, work, probe, config), ram_peak_bytes=ram_peak)
 
 
 def _peaks(plan: Plan, config: Config, activations: ActivationProfile | None, device: torch.device
@@ -114,6 +122,25 @@ def _peaks(plan: Plan, config: Config, activations: ActivationProfile | None, de
     peaks = {name: sum(kinds.values()) for name, kinds in plan.items()}
     peaks[COMPUTE] = peaks.get(COMPUTE, 0) + on_device
     return {tier: peaks.get(tier, 0) for tier in TIER_NAMES}
+
+
+def _ram_peak(plan: Plan, config: Config, layouts: list[UnitLayout], placement: Placement,
+              activations: ActivationProfile | None, world_size: int) -> int:
+    """The device and host tiers' expected peak together on a CPU device (see the note)."""
+    tiers = [tier for tier in (placement.compute, placement.staging) if tier in plan]
+    steady = sum(n for tier in tiers for kind, n in plan[tier].items() if kind not in (Kind.BUFFER, Kind.GATHERED))
+    buffers = temporaries(layouts, placement, stage=config.zero.stage, compute_bytes=dtype_bytes(config.train.precision),
+                          moments=len(moment_names(config.optimizer)), bucket_bytes=config.zero.bucket_size,
+                          world_size=world_size, max_live_bytes=config.zero.max_live_size,
+                          prefetch_bytes=config.zero.prefetch_size, stream_buffers=stream_depth(config.aio),
+                          grad_reads=grad_read_depth(config.aio))
+    saved = activations.bytes(config.train.activation_checkpointing) - activations.bound_excess if activations else 0
+    first_update = 0
+    if placement.updates_in_backward:  # its block read ahead, and its fp32 gradient
+        first_update = buffers.block_stream // stream_depth(config.aio) + buffers.update_grad
+    backward_start = saved + plan[placement.compute][Kind.GATHERED] + buffers.staged_shards + first_update
+    step = buffers.step + buffers.grad_stream + buffers.update_grad + buffers.block_stream
+    return steady + max(backward_start, step)
 
 
 def _phases(config: Config, layouts: list[UnitLayout], placement: Placement, probe: Probe, times: BlockTimes,
