@@ -21,7 +21,7 @@ from cli_helpers import run_in_process
 from zerooffload.cli import doctor
 from zerooffload.io.backends import BACKENDS
 from zerooffload.io.probe import native_aio
-from zerooffload.io.swapfile import PRIVATE_DIR
+from zerooffload.io.swap_space import PRIVATE_DIR
 
 
 def _doctor(*args: str) -> subprocess.CompletedProcess:

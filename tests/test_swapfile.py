@@ -17,7 +17,9 @@ import pytest
 import torch
 
 from zerooffload.io import AsyncIO
-from zerooffload.io.swapfile import CHUNK, PRIVATE_DIR, SwapDamage, SwapSpaceError, SwapStore
+from zerooffload.io.swap_digests import CHUNK
+from zerooffload.io.swap_space import PRIVATE_DIR
+from zerooffload.io.swapfile import SwapDamage, SwapSpaceError, SwapStore
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from ..config import Config
 from ..io.probe import mount_of, native_aio, probe_io_uring, probe_o_direct
-from ..io.swapfile import PRIVATE_DIR
+from ..io.swap_space import PRIVATE_DIR
 
 __all__ = ["Status", "Check", "run_checks"]
 
