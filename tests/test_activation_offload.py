@@ -17,6 +17,7 @@ from zerooffload.activations import ActivationProfile, checkpoint_forward
 from zerooffload.config import ConfigError
 from zerooffload.memory_plan import place_activations
 from zerooffload.tiers import HostTier, Kind
+from zerooffload.tiers.streams import SideStreams
 
 WIDTH, BATCH, BLOCKS = 32, 8, 4
 
@@ -44,7 +45,7 @@ def _grads(offload: HostActivations | None, during_backward=lambda: None) -> tup
 
 def test_checkpointed_inputs_wait_in_the_host_tier_and_return_in_backward_order():
     host = HostTier("host", torch.device("cpu"), None)
-    offload = HostActivations(host, torch.device("cpu"))
+    offload = HostActivations(host, torch.device("cpu"), SideStreams(torch.device("cpu")))
     plain, _ = _grads(None)
     grads, held = _grads(offload)
     assert all(torch.equal(grads[k], plain[k]) for k in plain)

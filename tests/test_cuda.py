@@ -59,10 +59,11 @@ def test_side_stream_copies_arrive_before_their_use_and_free_the_host_buffer_aft
     """DeviceCopier: the copy runs on its own stream; the current stream sees the whole tensor; once
     released, the pinned host buffer can be overwritten without touching what the device used."""
     from zerooffload.tiers import DeviceCopier, LinkStats, make_tiers
+    from zerooffload.tiers.streams import SideStreams
 
     tiers = make_tiers(zo.Config().memory, torch.device("cuda"))
     link = LinkStats()
-    copier = DeviceCopier(tiers["device"], link)
+    copier = DeviceCopier(tiers["device"], link, SideStreams(tiers["device"].device))
     host = torch.randn(1 << 24).pin_memory()
     expected = host.clone()
     on_device, release = copier.to_device(host)

@@ -16,7 +16,7 @@ import pytest
 
 CHILD = """
 import json, torch
-from zerooffload.host_allocator import release_freed_memory
+from zerooffload.tiers.host_allocator import release_freed_memory
 
 def rss():
     return next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmRSS")) * 1024

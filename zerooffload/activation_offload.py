@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from .kinds import Kind
+from .tiers.streams import SideStreams, side_copy
 
 __all__ = ["HostActivations"]
 
@@ -41,10 +42,11 @@ class _Packed:
 class HostActivations:
     """Saved-tensor hooks that keep checkpointed inputs in ``host`` memory (see the note)."""
 
-    def __init__(self, host: Any, device: torch.device):
-        """``host``: the host tier (``tiers.Tier``); ``device``: where the compute runs."""
+    def __init__(self, host: Any, device: torch.device, streams: SideStreams):
+        """``host``: the host tier (``tiers.Tier``); ``device``: where the compute runs; the copies run on
+        the ``activations`` side stream (streams' note)."""
         self.host, self.device = host, device
-        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.stream = streams.get("activations")
         self._packed: list[_Packed] = []
         """This forward's saved inputs, in the order they were packed."""
         self.trace: list[tuple[str, int]] = []
@@ -68,13 +70,9 @@ class HostActivations:
         if tensor.device != self.device:
             return tensor
         host = self.host.empty(Kind.ACTIVATION, tensor.numel(), tensor.dtype).view(tensor.shape)
-        copied = None
-        with self._side_stream():
-            host.copy_(tensor, non_blocking=self.stream is not None)
-            if self.stream is not None:
-                tensor.record_stream(self.stream)  # its memory is not reused before the copy has read it
-                copied = torch.cuda.Event()
-                copied.record(self.stream)
+        copied = side_copy(self.stream, host, tensor)
+        if self.stream is not None:
+            tensor.record_stream(self.stream)  # its memory is not reused before the copy has read it
         packed = _Packed(len(self._packed), host, copied)
         self._packed.append(packed)
         return packed
@@ -98,14 +96,10 @@ class HostActivations:
         if packed.back is not None or packed.host is None:
             return
         self.trace.append(("fetch", packed.index))
-        with self._side_stream():
-            if packed.copied is not None:
-                self.stream.wait_event(packed.copied)
-            packed.back = torch.empty_like(packed.host, device=self.device)
-            packed.back.copy_(packed.host, non_blocking=self.stream is not None)
-            if self.stream is not None:
-                packed.arrived = torch.cuda.Event()
-                packed.arrived.record(self.stream)
+        packed.back = torch.empty_like(packed.host, device=self.device)
+        packed.arrived = side_copy(self.stream, packed.back, packed.host, after=packed.copied)
+        if self.stream is not None:
+            packed.back.record_stream(self.stream)  # not reused before the copy into it is done
 
     def _release(self, packed: _Packed) -> None:
         """The input is on the device again: its host buffer goes back (after the copy has read it)."""
@@ -115,10 +109,3 @@ class HostActivations:
             packed.arrived.synchronize()
         self.host.free(Kind.ACTIVATION, packed.host.view(-1))
         packed.host = None
-
-    def _side_stream(self) -> contextlib.AbstractContextManager:
-        if self.stream is None:
-            return contextlib.nullcontext()
-        self.stream.wait_stream(torch.cuda.current_stream(self.device))
-        return torch.cuda.stream(self.stream)
-

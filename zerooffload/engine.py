@@ -51,6 +51,7 @@ from .precision import COMPUTE_DTYPES, LossScaler, cast_floats
 from .skip_streak import SkipStreak
 from .telemetry import MemoryReport, Prediction, StepStats, WindowMeter, memory_report
 from .tiers import DeviceCopier, LinkStats, close_tiers, make_tiers, open_swap, release_idle
+from .tiers.streams import SideStreams
 from .trace import RECORDER, ArmedTrace, forward_segments, segment
 from .zero.backward_updates import BackwardUpdates
 from .zero.param_hooks import register_param_hooks
@@ -103,10 +104,11 @@ class Engine:
         self.state = ShardedState(module, config, comm, self.units, self.placement, self.tiers, self._link,
                                   param_groups, lazy_init_fn)
         self.opt_states, self.optimizer = self.state.opt_states, self.state.optimizer
+        streams = SideStreams(comm.device)  # every side stream the engine's copies use (streams' note)
         self.param_scheduler = ParamScheduler(
             comm, partitioned, self.state.compute, self.state.staging, prefetch_bytes=config.zero.prefetch_size,
             max_live_bytes=config.zero.max_live_size,
-            copier=DeviceCopier(self.state.compute, self._link) if self.placement.shards_off_device else None)
+            copier=DeviceCopier(self.state.compute, self._link, streams) if self.placement.shards_off_device else None)
         self._updater = Updater(self.state, self.param_scheduler, self.stage)
         self._state_dicts = StateDicts(self.state, self.param_scheduler, self._updater)
         self.scheduler = build_scheduler(self.optimizer, config.scheduler)
@@ -121,7 +123,7 @@ class Engine:
         if partitioned:
             self._hooks += register_param_hooks(module, partitioned, self.param_scheduler)
         self._hooks += forward_segments([(unit.layout.name, unit.layout.module) for unit in self.units])
-        self._activations = (HostActivations(self.state.staging, comm.device)
+        self._activations = (HostActivations(self.state.staging, comm.device, streams)
                              if activations_leave_device(config, comm.device) else None)
         if config.train.activation_checkpointing:  # block units; the root unit holds the embeddings and head
             for unit in (u for u in self.units if u.layout.name):

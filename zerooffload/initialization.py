@@ -10,7 +10,7 @@ from .activations import ActivationProfile, measure_activations
 from .comm import failing_together, init_comm
 from .config import Config, dtype_bytes
 from .engine import Engine
-from .host_allocator import release_freed_memory, return_free_heap
+from .tiers.host_allocator import release_freed_memory, return_free_heap
 from .lazy_init import is_lazy, swap_in_placeholders
 from .precision import warn_if_fp16_is_slow
 from .telemetry import Prediction

@@ -28,7 +28,7 @@ from pathlib import Path
 import psutil
 import torch
 
-from ..host_allocator import return_free_heap
+from ..tiers.host_allocator import return_free_heap
 
 __all__ = ["RunMemory"]
 

@@ -34,7 +34,7 @@ import ctypes.util
 import functools
 from typing import TYPE_CHECKING
 
-from .io.buffers import HUGE_PAGE, advise_huge_pages
+from ..io.buffers import HUGE_PAGE, advise_huge_pages
 
 if TYPE_CHECKING:
     import torch

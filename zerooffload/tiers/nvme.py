@@ -1,0 +1,92 @@
+"""The NVMe tier: swap files on the directories ``nvme.path`` names, holding blocks only.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+
+import torch
+
+from ..config import Config, ConfigError
+from ..io.aio import AsyncIO
+from ..io.swapfile import SwapStore
+from ..kinds import Kind
+from .blocks import Block, IOStats, SwappedBlock, SwappedPrefix
+from .tier import Plan, Tier
+
+__all__ = ["NvmeTier", "open_swap", "swap_bytes", "swap_free_bytes", "swap_paths"]
+
+
+class NvmeTier(Tier):
+    """Swap files on NVMe (``nvme.path``, striped over a list): blocks only, never addressable tensors.
+
+    Its space is checked and preallocated when it opens (``reserve``), so a disk too small refuses
+    the run at start with the numbers; ``close`` removes the files.
+    """
+
+    budget_key = "nvme.path free space"
+    resident = False
+
+    def __init__(self, config: Config, rank: int, reserve: int):
+        super().__init__("nvme", torch.device("cpu"), None)
+        self.io = IOStats()
+        self._aio = AsyncIO(config.aio)
+        try:
+            self.swap = SwapStore(swap_paths(config), self._aio, rank=rank, reserve=reserve,
+                                  checksum=config.nvme.checksum, direct=config.aio.direct)
+        except BaseException:
+            self._aio.close()
+            raise
+
+    def close(self) -> None:
+        self.swap.close()
+        self._aio.close()
+
+    def _allocate(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        raise TypeError("the nvme tier holds blocks (Tier.block), not tensors the compute can address")
+
+    def block(self, kind: Kind, key: str, numel: int, dtype: torch.dtype, *, aside: bool = False,
+              segments: int = 1) -> Block:
+        """``aside``: the block may keep a second version while its stores are held (``hold``), so its
+        space is counted twice."""
+        self._account(kind, numel * dtype.itemsize * (2 if aside else 1))
+        return SwappedBlock(self.swap, key, numel, dtype, self.io, segments)
+
+    def prefix_block(self, key: str, numel: int, dtype: torch.dtype) -> Block:
+        """A read-only view of the first ``numel`` elements of block ``key`` (no space of its own)."""
+        return SwappedPrefix(self.swap, key, numel, dtype, self.io)
+
+
+def swap_paths(config: Config) -> list[str]:
+    """``nvme.path``, or the ``offload.*.path`` that overrides it for the states that live on NVMe."""
+    offload = config.offload
+    chosen = {section.path for section in (offload.param, offload.optimizer) if section.tier == "nvme" and section.path}
+    if len(chosen) > 1:
+        raise ConfigError(f"offload.param.path and offload.optimizer.path differ ({sorted(chosen)}): one swap "
+                          "directory set per run in this version; set nvme.path (a list stripes) instead")
+    return [chosen.pop()] if chosen else config.nvme.paths
+
+
+def swap_free_bytes(config: Config) -> int:
+    """Free bytes where ``config``'s swap files would go, each filesystem counted once (a missing
+    directory holds nothing)."""
+    filesystems: dict[int, int] = {}
+    for path in swap_paths(config):
+        with contextlib.suppress(OSError):
+            filesystems[os.stat(path).st_dev] = shutil.disk_usage(path).free
+    return sum(filesystems.values())
+
+
+def open_swap(tiers: dict[str, Tier], plan: Plan, config: Config, rank: int) -> IOStats:
+    """Add the ``nvme`` tier when ``plan`` puts state there, its swap space reserved for the plan's
+    bytes; returns the I/O counters the run reports (empty without NVMe)."""
+    if "nvme" not in plan:
+        return IOStats()
+    tiers["nvme"] = NvmeTier(config, rank, reserve=swap_bytes(plan))
+    return tiers["nvme"].io
+
+
+def swap_bytes(plan: Plan) -> int:
+    """The swap space ``plan`` needs on NVMe (per rank)."""
+    return sum(plan.get("nvme", {}).values())
