@@ -14,7 +14,7 @@ __version__ = "0.1.0"
 
 _PUBLIC = {
     "CheckpointError": "checkpoint", "Config": "config", "ConfigError": "config",
-    "DeepSpeedConfigWarning": "deepspeed_config", "Engine": "engine", "initialize": "initialization",
+    "DeepSpeedConfigWarning": "config", "Engine": "engine", "initialize": "initialization",
     "init_context": "lazy_init", "load_safetensors": "pretrained", "plan": "planning", "Prediction": "telemetry",
     "SkipStreakError": "errors",
 }

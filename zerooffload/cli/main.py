@@ -23,8 +23,7 @@ import traceback
 import warnings
 from typing import Callable
 
-from ..config import Config, ConfigError
-from ..deepspeed_config import DeepSpeedConfigWarning
+from ..config import Config, ConfigError, DeepSpeedConfigWarning
 from ..errors import CheckpointError, EngineGroupEnded, SkipStreakError
 from ..log import configure_logging, current_rank
 from .estimate import parse_count

@@ -23,7 +23,7 @@
 config classes drop it, so the key counts as absent. zerooffload does the same, and lists each ``"auto"``
 in the warning with the value it resolved to. An absent key takes zerooffload's default, except where
 DeepSpeed's default would change what training computes; there DeepSpeed's default applies, as a run
-under DeepSpeed would get it (``_DEEPSPEED_DEFAULTS``): clipping at 1.0 (DeepSpeed >= 0.19.3), no weight
+under DeepSpeed would get it (``DEEPSPEED_DEFAULTS``): clipping at 1.0 (DeepSpeed >= 0.19.3), no weight
 decay in the optimizers DeepSpeed builds (torch's 0.01 for ``torch_adam`` AdamW), fp16's
 ``loss_scale_window`` 1000, and the schedulers' 1000 warmup steps and WarmupDecayLR's peak 0.001. Sizes
 of buckets, prefetch and persistence keep zerooffload's defaults: they size zerooffload's own buffers.
@@ -37,12 +37,11 @@ import os
 import re
 import warnings
 from functools import reduce
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from .deepspeed_keys import (ALIASES, DEEPSPEED_DEFAULTS, DIRECT, ELEMENTS, NOT_NEEDED, OFFLOAD_DEVICES, OPTIMIZERS,
+                             PREFIX_ALIASES, SCHEDULERS, SIZES, SPECIAL, TARGETS, Z)
 from .values import ConfigError, dtype_bytes, format_size
-
-if TYPE_CHECKING:
-    from .config import Config
 
 __all__ = ["DeepSpeedConfigWarning", "is_deepspeed", "from_deepspeed"]
 
@@ -53,86 +52,6 @@ class DeepSpeedConfigWarning(UserWarning):
     """Keys of a DeepSpeed config that zerooffload reads differently or not at all."""
 
 
-_Z = "zero_optimization."
-_DIRECT = {
-    "train_micro_batch_size_per_gpu": "train.micro_batch_size",
-    "gradient_accumulation_steps": "train.grad_accum_steps",
-    "gradient_clipping": "train.grad_clip",
-    "fp16.loss_scale": "train.loss_scale",
-    "fp16.initial_scale_power": "train.initial_scale_power",
-    "fp16.loss_scale_window": "train.loss_scale_window",
-    "fp16.hysteresis": "train.hysteresis",
-    "fp16.min_loss_scale": "train.min_loss_scale",
-    "bf16.check_grad_overflow": "train.skip_nonfinite",
-    "optimizer.params.lr": "optimizer.lr",
-    "optimizer.params.betas": "optimizer.betas",
-    "optimizer.params.eps": "optimizer.eps",
-    "optimizer.params.weight_decay": "optimizer.weight_decay",
-    "optimizer.params.momentum": "optimizer.momentum",
-    "scheduler.params.warmup_num_steps": "scheduler.warmup_steps",
-    "scheduler.params.total_num_steps": "scheduler.total_steps",
-    "scheduler.params.warmup_min_lr": "scheduler.min_lr",
-    "scheduler.params.warmup_max_lr": "optimizer.lr",
-    _Z + "stage": "zero.stage",
-    _Z + "overlap_comm": "zero.overlap_comm",
-    _Z + "stage3_param_persistence_threshold": "zero.persist_threshold",
-    _Z + "offload_optimizer.ratio": "offload.optimizer.fraction",
-    "aio.block_size": "aio.block_size",
-    "aio.queue_depth": "aio.queue_depth",
-    "aio.intra_op_parallelism": "aio.threads",
-}
-_ELEMENTS = {
-    _Z + "reduce_bucket_size": "zero.bucket_size",
-    _Z + "allgather_bucket_size": "zero.bucket_size",
-    _Z + "stage3_prefetch_bucket_size": "zero.prefetch_size",
-    _Z + "stage3_max_live_parameters": "zero.max_live_size",
-}
-_ALIASES = {
-    **{_Z + name: _Z + "stage3_" + name for name in (
-        "prefetch_bucket_size", "param_persistence_threshold", "model_persistence_threshold", "max_live_parameters",
-        "max_reuse_distance", "gather_16bit_weights_on_model_save", "module_granularity_threshold",
-        "use_all_reduce_for_fetch_params", "allgather_sequential")},
-    "aio.thread_count": "aio.intra_op_parallelism",  # its name before DeepSpeed 0.16.4 (#7056)
-}
-"""Second spellings DeepSpeed reads: pydantic field names beside their ``stage3_`` aliases, old names."""
-_PREFIX_ALIASES = {"bfloat16.": "bf16.", _Z + "aio.": "aio."}
-_NOT_NEEDED = {
-    "steps_per_print", "wall_clock_breakdown", "memory_breakdown", "dump_state", "zero_allow_untested_optimizer",
-    "zero_force_ds_cpu_optimizer", "fp16.auto_cast", "bf16.immediate_grad_update", "aio.single_submit",
-    "aio.overlap_events", "aio.use_gds", "scheduler.params.last_batch_iteration",
-    *(_Z + k for k in (
-        "contiguous_gradients", "sub_group_size", "reduce_scatter", "allgather_partitions", "round_robin_gradients",
-        "stage3_max_reuse_distance", "stage3_gather_16bit_weights_on_model_save",
-        "stage3_gather_fp16_weights_on_model_save", "stage3_module_granularity_threshold",
-        "stage3_use_all_reduce_for_fetch_params", "stage3_allgather_sequential", "elastic_checkpoint",
-        "load_from_fp32_weights", "ignore_unused_parameters", "use_multi_rank_bucket_allreduce",
-        "memory_efficient_linear", "override_module_apply", "log_trace_cache_warnings", "enable_sanity_checks",
-        "cpu_offload", "cpu_offload_params", "cpu_offload_use_pin_memory")),
-    *(f"{_Z}offload_{s}.{k}" for s in ("param", "optimizer") for k in (
-        "buffer_count", "buffer_size", "max_in_cpu", "pin_memory", "pipeline", "pipeline_read", "pipeline_write",
-        "fast_init", "super_offload", "cpuadam_cores_perc")),
-}
-_OPTIMIZERS = {"adam": "adam", "adamw": "adamw", "sgd": "sgd"}
-_SCHEDULERS = {"warmuplr": "constant", "warmupdecaylr": "warmup_linear", "warmupcosinelr": "warmup_cosine"}
-_OFFLOAD_DEVICES = {"none": "device", "cpu": "host", "nvme": "nvme"}
-_SPECIAL = {"train_batch_size", "bf16.enabled", "fp16.enabled", "optimizer.type", "optimizer.params.adam_w_mode",
-            "optimizer.params.torch_adam", "scheduler.type", "scheduler.params.warmup_type",
-            "scheduler.params.cos_min_ratio", "scheduler.params.warmup_min_ratio",
-            *(f"{_Z}offload_{s}.{k}" for s in ("param", "optimizer") for k in ("device", "nvme_path"))}
-_TARGETS = {**_DIRECT, **_ELEMENTS, "train_batch_size": "train.micro_batch_size", "bf16.enabled": "train.precision",
-            "fp16.enabled": "train.precision", "optimizer.type": "optimizer.type",
-            _Z + "offload_param.device": "offload.param.tier",
-            _Z + "offload_optimizer.device": "offload.optimizer.tier"}
-"""The key of ours each DeepSpeed key sets: where an ``"auto"`` is reported as resolved."""
-_DEEPSPEED_DEFAULTS = {
-    "gradient_clipping": 1.0,  # DeepSpeed >= 0.19.3 (#8068); 0 (off) before
-    "fp16.loss_scale_window": 1000,
-    "optimizer.params.weight_decay": 0.0,  # FusedAdam, DeepSpeedCPUAdam, torch Adam and SGD; not torch AdamW
-    "scheduler.params.warmup_num_steps": 1000,
-    "scheduler.params.warmup_max_lr": 0.001,  # WarmupDecayLR's; WarmupLR's is the optimizer's lr
-}
-"""DeepSpeed's defaults that change what training computes where ours differ ([Note: "auto" and absent keys])."""
-_SIZES = {"zero.bucket_size", "zero.prefetch_size", "zero.max_live_size"}
 
 
 def is_deepspeed(data: dict) -> bool:
@@ -153,10 +72,10 @@ def _leaves(data: dict, prefix: str = "") -> dict[str, Any]:
 
 
 def _canonical(path: str) -> str:
-    for old, new in _PREFIX_ALIASES.items():
+    for old, new in PREFIX_ALIASES.items():
         if path.startswith(old):
             path = new + path[len(old):]
-    return _ALIASES.get(path, path)
+    return ALIASES.get(path, path)
 
 
 def _set(tree: dict, path: str, value: Any) -> None:
@@ -170,7 +89,7 @@ class _Mapping:
     """One DeepSpeed config being translated: the flat input by canonical key, our nested output, where
     each of our values came from, and the notes for the warning."""
 
-    def __init__(self, data: dict, schema: type[Config]):
+    def __init__(self, data: dict, schema: type):
         self.schema = schema
         """Our config class: its defaults, and the check of the result."""
         self.ds: dict[str, Any] = {}
@@ -205,7 +124,7 @@ class _Mapping:
 
     def default(self, ds_key: str, value: Any) -> None:
         """DeepSpeed's own default for an absent (or "auto") key, where it differs from ours."""
-        our_key = _TARGETS[ds_key]
+        our_key = TARGETS[ds_key]
         self.put(our_key, value, ds_key)
         self.defaults[our_key] = f"{ds_key} = {value!r}"
 
@@ -241,7 +160,7 @@ def _map_precision(m: _Mapping) -> str:
     precision = "bf16" if bf16 else "fp16" if fp16 else "fp32"
     m.put("train.precision", precision, "bf16.enabled" if bf16 else "fp16.enabled")
     if fp16 and "fp16.loss_scale_window" not in m.ds:
-        m.default("fp16.loss_scale_window", _DEEPSPEED_DEFAULTS["fp16.loss_scale_window"])
+        m.default("fp16.loss_scale_window", DEEPSPEED_DEFAULTS["fp16.loss_scale_window"])
     return precision
 
 
@@ -272,26 +191,26 @@ def _map_optimizer(m: _Mapping) -> None:
             m.approximated.append("optimizer (absent: DeepSpeed trains with the optimizer the script passes; "
                                   "zerooffload builds the one optimizer.* describes)")
         return
-    kind = m.choice("optimizer.type", _OPTIMIZERS, "adamw")
+    kind = m.choice("optimizer.type", OPTIMIZERS, "adamw")
     torch_adam = m.flag("optimizer.params.torch_adam", False)
     if kind == "adam" and m.flag("optimizer.params.adam_w_mode", True):
         kind = "adamw"  # DeepSpeed's "Adam" decouples weight decay unless adam_w_mode is false
     m.put("optimizer.type", kind, "optimizer.type")
     if "optimizer.params.weight_decay" not in m.ds:
         torch_adamw = torch_adam and kind == "adamw"
-        m.default("optimizer.params.weight_decay", 0.01 if torch_adamw else _DEEPSPEED_DEFAULTS[
+        m.default("optimizer.params.weight_decay", 0.01 if torch_adamw else DEEPSPEED_DEFAULTS[
             "optimizer.params.weight_decay"])
 
 
 def _map_scheduler(m: _Mapping) -> None:
     if "scheduler.type" not in m.ds:
         return
-    kind = m.choice("scheduler.type", _SCHEDULERS, "warmuplr")
+    kind = m.choice("scheduler.type", SCHEDULERS, "warmuplr")
     m.put("scheduler.type", kind, "scheduler.type")
     if "scheduler.params.warmup_num_steps" not in m.ds:
-        m.default("scheduler.params.warmup_num_steps", _DEEPSPEED_DEFAULTS["scheduler.params.warmup_num_steps"])
+        m.default("scheduler.params.warmup_num_steps", DEEPSPEED_DEFAULTS["scheduler.params.warmup_num_steps"])
     if kind == "warmup_linear" and "scheduler.params.warmup_max_lr" not in m.ds:
-        m.default("scheduler.params.warmup_max_lr", _DEEPSPEED_DEFAULTS["scheduler.params.warmup_max_lr"])
+        m.default("scheduler.params.warmup_max_lr", DEEPSPEED_DEFAULTS["scheduler.params.warmup_max_lr"])
     if kind != "constant" and "scheduler.params.total_num_steps" not in m.ds:
         m.put("scheduler.type", "constant", "scheduler.params.total_num_steps")
         m.approximated.append(f"{m.name('scheduler.type')} = {m.ds['scheduler.type']!r} without "
@@ -313,7 +232,7 @@ def _map_scheduler(m: _Mapping) -> None:
 def _map_sizes(m: _Mapping, precision: str) -> None:
     """Element counts as bytes; the live bound caps prefetching, as DeepSpeed's does."""
     nbytes = dtype_bytes(precision)
-    for ds_key, our_key in _ELEMENTS.items():
+    for ds_key, our_key in ELEMENTS.items():
         elements = m.count(ds_key)
         if elements is not None and our_key not in m.source:  # reduce_bucket_size before allgather_bucket_size
             m.put(our_key, elements * nbytes, ds_key)
@@ -321,7 +240,7 @@ def _map_sizes(m: _Mapping, precision: str) -> None:
         m.put("zero.bucket_size", 1, m.source["zero.bucket_size"])
         m.approximated.append(f"{m.name(m.source['zero.bucket_size'])} = 0 (DeepSpeed reduces each gradient alone, "
                               "zerooffload each unit alone: zero.bucket_size = 1 byte)")
-    live_key = _Z + "stage3_max_live_parameters"
+    live_key = Z + "stage3_max_live_parameters"
     live = m.count(live_key)
     if live == 0:
         del m.ours["zero"]["max_live_size"], m.source["zero.max_live_size"]
@@ -335,7 +254,7 @@ def _map_sizes(m: _Mapping, precision: str) -> None:
         m.approximated.append(f"{m.name(live_key)} = {_shown(m.ds[live_key])} (zero.max_live_size = "
                               f"{_size(live * nbytes)}: a bound zerooffload keeps, refusing at initialize a "
                               "unit that alone needs more; DeepSpeed gathers the module in use regardless)")
-    threshold_key = _Z + "stage3_param_persistence_threshold"
+    threshold_key = Z + "stage3_param_persistence_threshold"
     if m.get(threshold_key):
         m.approximated.append(f"{m.name(threshold_key)} = {_shown(m.ds[threshold_key])} (zerooffload counts the "
                               "parameters of a unit, DeepSpeed those of each tensor)")
@@ -346,8 +265,8 @@ def _map_offload(m: _Mapping, stage: int) -> None:
     and an nvme_path for a device other than nvme is unused, as in DeepSpeed."""
     paths: dict[str, str] = {}
     for kind in ("param", "optimizer"):
-        device_key, path_key = f"{_Z}offload_{kind}.device", f"{_Z}offload_{kind}.nvme_path"
-        tier = m.choice(device_key, _OFFLOAD_DEVICES, "none")
+        device_key, path_key = f"{Z}offload_{kind}.device", f"{Z}offload_{kind}.nvme_path"
+        tier = m.choice(device_key, OFFLOAD_DEVICES, "none")
         if kind == "param" and stage < 3 and tier != "device":
             m.ignored.append(f"{m.name(device_key)} = {m.ds[device_key]!r} (parameters are offloaded only at "
                              "stage 3)")
@@ -370,34 +289,34 @@ def _map_offload(m: _Mapping, stage: int) -> None:
             m.put(f"offload.{key.split('.')[1].removeprefix('offload_')}.path", path, key)
 
 
-def from_deepspeed(data: dict, *, schema: type[Config], world_size: int | None = None) -> dict:
-    """Our config dict from a DeepSpeed one, checked against ``schema`` (``config.Config``, which calls
+def from_deepspeed(data: dict, *, schema: type, world_size: int | None = None) -> dict:
+    """Our config dict from a DeepSpeed one, checked against ``schema`` (``root.Config``, which calls
     this: passed in, so the two modules do not import each other); warns once about every key not
     mapped exactly."""
     world_size = world_size or int(os.environ.get("WORLD_SIZE", "1"))
     if isinstance(data.get("zero_optimization"), bool):  # DeepSpeed's oldest form: true = stage 1
         data = {**data, "zero_optimization": {"stage": int(data["zero_optimization"])}}
     m = _Mapping(data, schema)
-    for ds_key, our_key in _DIRECT.items():
+    for ds_key, our_key in DIRECT.items():
         if ds_key in m.ds:
             m.put(our_key, m.ds[ds_key], ds_key)
     if "gradient_clipping" not in m.ds:
-        m.default("gradient_clipping", _DEEPSPEED_DEFAULTS["gradient_clipping"])
+        m.default("gradient_clipping", DEEPSPEED_DEFAULTS["gradient_clipping"])
     precision = _map_precision(m)
     _map_sizes(m, precision)
     _map_batch(m, world_size)
     _map_optimizer(m)
     _map_scheduler(m)
-    stage = m.count(_Z + "stage")
+    stage = m.count(Z + "stage")
     _map_offload(m, m.schema().zero.stage if stage is None else stage)
-    if any(m.written[k] != k and m.written[k].startswith(_Z + "aio.") for k in m.written):
-        m.approximated.append(f"{_Z}aio (DeepSpeed reads aio at the top level only; read as aio)")
+    if any(m.written[k] != k and m.written[k].startswith(Z + "aio.") for k in m.written):
+        m.approximated.append(f"{Z}aio (DeepSpeed reads aio at the top level only; read as aio)")
     config = _validated(m)
     _warn(m, config)
     return m.ours
 
 
-def _validated(m: _Mapping) -> Config:
+def _validated(m: _Mapping) -> Any:
     """The mapped config validated now, so that an error names the DeepSpeed key it came from."""
     try:
         return m.schema.from_dict(m.ours)
@@ -421,24 +340,24 @@ def _mention(name: str, message: str) -> re.Match | None:
     return re.search(rf"(?<![\w.]){re.escape(name)}(?!\w)", message)
 
 
-def _resolved_autos(m: _Mapping, config: Config) -> list[str]:
+def _resolved_autos(m: _Mapping, config: Any) -> list[str]:
     """``"auto"`` keys grouped by the key of ours they set, with the value it holds now."""
     by_target: dict[str, list[str]] = {}
     for key in sorted(m.auto):
-        if key in _TARGETS:
-            by_target.setdefault(_TARGETS[key], []).append(m.name(key))
+        if key in TARGETS:
+            by_target.setdefault(TARGETS[key], []).append(m.name(key))
     out = []
     for target, keys in by_target.items():
         value = reduce(getattr, target.split("."), config)
-        out.append(f"{', '.join(keys)} -> {target} = {_size(value) if target in _SIZES else repr(value)}")
+        out.append(f"{', '.join(keys)} -> {target} = {_size(value) if target in SIZES else repr(value)}")
     return out
 
 
-def _warn(m: _Mapping, config: Config) -> None:
-    mapped = set(_DIRECT) | set(_ELEMENTS) | _SPECIAL
-    keys = [k for k in m.written if k not in mapped and not (k in m.auto and k in _TARGETS)]
-    not_needed = sorted(m.name(k) for k in keys if k in _NOT_NEEDED) + m.unused
-    unsupported = m.ignored + sorted(_near_miss(m.name(k), mapped | _NOT_NEEDED) for k in keys if k not in _NOT_NEEDED)
+def _warn(m: _Mapping, config: Any) -> None:
+    mapped = set(DIRECT) | set(ELEMENTS) | SPECIAL
+    keys = [k for k in m.written if k not in mapped and not (k in m.auto and k in TARGETS)]
+    not_needed = sorted(m.name(k) for k in keys if k in NOT_NEEDED) + m.unused
+    unsupported = m.ignored + sorted(_near_miss(m.name(k), mapped | NOT_NEEDED) for k in keys if k not in NOT_NEEDED)
     autos = _resolved_autos(m, config)
     parts = [f"{title} ({len(items)}): {', '.join(items)}" for title, items in (
         ("not supported, ignored", unsupported), ("approximated", m.approximated),

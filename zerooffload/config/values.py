@@ -1,6 +1,6 @@
 """The config's vocabulary of values: byte sizes, compute dtypes, and the error a bad value raises.
 
-Its own module so that ``config`` and ``deepspeed_config`` (which translates into it) share them
+Its own module so that the sections and the DeepSpeed reader (which translates into them) share them
 without importing each other.
 """
 from __future__ import annotations
