@@ -15,50 +15,8 @@ instead of crashing or looking like real weights.
 On NVMe a shard with both trainable and frozen elements is stored as two blocks
 (``SplitShardBlock``), so that a step rewrites its trainable span alone.
 
-[Note: unit states]
-A unit's life on this rank is two small state machines, ``param_state`` and ``grad_state``. Only the
-unit's own methods change them (and its fields), and each checks its move: one this note does not
-list raises ``UnitStateError``, naming the unit, the move and both states.
-
-Parameters (``ParamState``; FSDP2's unshard/reshard, with the all-gather's flight in view)::
-
-    SHARDED --begin_gather--> GATHERING --finish_gather--> GATHERED --reshard--> SHARDED
-
-A unit that is not partitioned is GATHERED for good; a partitioned one is SHARDED between uses, and
-the ``scheduler`` moves it (GATHERING while its all-gather is in flight: ``begin_gather`` restores
-the storage the collective writes into, ``finish_gather`` attaches the parameters once it has
-arrived). Gathering a unit that is not SHARDED, or resharding one that is not GATHERED, is an error
-rather than a no-op, both ways alike: each move is paired with a collective every rank issues and
-with the scheduler's byte count, so a repeated one is a bug to see, not to absorb.
-
-Gradients (``GradState``), over one accumulation window::
-
-    EMPTY/ACCUMULATING --accumulate--> ACCUMULATING
-    EMPTY/ACCUMULATING --begin_reduction--> REDUCING --add_grad_shard, reduced_in_place--> REDUCED
-                                                     --mark_updated_in_backward---------> UPDATED
-                                                     --release_flat_grad, nothing kept--> DISCARDED
-    UPDATED --undo_update_in_backward--> REDUCED                          (a tentative update, redone)
-    REDUCED --accumulate--> ACCUMULATING, --begin_reduction--> REDUCING   (stages 2–3 only)
-    any --clear_grads--> EMPTY                                            (the window's end: the step)
-
-- ACCUMULATING: ``accumulate`` adds each parameter's gradient into the full ``flat_grad``. At stages
-  0–1 that buffer persists and takes the whole window; it is reduced once, as the backward that closes
-  the window completes the unit (all-reduced in place at stage 0: ``reduced_in_place``; at stage 1
-  reduce-scattered into this rank's range of the buffer itself: ``add_grad_shard``), so a REDUCED unit
-  takes no more gradients there.
-- At stages 2–3 a unit is reduced each micro-batch, as soon as its gradients are complete: the next
-  micro-batch's gradients move it from REDUCED back to ACCUMULATING, and its reduced part adds into
-  the window's shard. A unit with no gradient on this rank in a micro-batch is reduced all the same
-  (zeros: its peers may have some), from EMPTY or REDUCED.
-- REDUCING: ``begin_reduction`` has handed the full gradient to the reducer; ``note_nonfinite`` reads
-  it then. The hand-off ends it: the shard kept (``add_grad_shard``: REDUCED), used by an update in
-  backward (``mark_updated_in_backward``: UPDATED, no gradient may follow in the window; nothing kept,
-  but for a tentative update, whose shard stays on the optimizer's tier in case the step undoes the
-  update to redo it: REDUCED again), or dropped because the window is being skipped (``release_flat_grad`` finds it still REDUCING:
-  DISCARDED).
-- ``begin_backward`` needs EMPTY, ACCUMULATING or (stages 2–3) REDUCED: a unit still REDUCING, or
-  UPDATED or DISCARDED, waits for the step. ``local_grad`` (the optimizer's read) needs REDUCED.
-- ``clear_grads`` ends every window, updated or skipped: EMPTY again.
+A unit's states and the moves between them are ``unit_states``' [Note: unit states]; its gradient
+moves are ``unit_grads.UnitGradients``, mixed into ``FlatUnit``.
 """
 from __future__ import annotations
 
@@ -68,51 +26,19 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..optim.cpu_adam import sum_squares
 from ..tiers import Block, Kind, Tier
 from .offloaded_grads import OffloadedGrad
+from .unit_grads import UnitGradients
 from .unit_layout import ALIGN_ELEMENTS, Piece, UnitLayout
+from .unit_states import GradState, ParamState, UnitStateError
 
 if TYPE_CHECKING:
     from .placement import UnitPlacement
 
-__all__ = ["FlatUnit", "ParamState", "GradState", "UnitStateError"]
+__all__ = ["FlatUnit", "GradState", "ParamState", "UnitStateError"]
 
 
-class ParamState(enum.Enum):
-    """Where a unit's parameters are on this rank (see [Note: unit states])."""
-
-    SHARDED = "sharded"
-    """A partitioned unit between uses: only its shard (``param_block``); parameters are placeholders."""
-    GATHERING = "gathering"
-    """``flat_param``'s storage restored, its all-gather in flight: parameters not attached yet."""
-    GATHERED = "gathered"
-    """``flat_param`` holds the full weights and the module's parameters are views of it."""
-
-
-class GradState(enum.Enum):
-    """Where a unit's gradient of the accumulation window is on this rank (see [Note: unit states])."""
-
-    EMPTY = "empty"
-    """No gradient yet this window."""
-    ACCUMULATING = "accumulating"
-    """Gradients being added into the full ``flat_grad``, not yet reduced."""
-    REDUCING = "reducing"
-    """The full gradient handed to the reducer: its collective launched or about to be."""
-    REDUCED = "reduced"
-    """The window's gradient so far reduced and kept: the shard (here or on the optimizer's tier), or
-    at stage 0 the all-reduced full buffer."""
-    UPDATED = "updated"
-    """Updated in backward from its reduced gradient (``backward_updates``): nothing is kept."""
-    DISCARDED = "discarded"
-    """Reduced in a window that will not update (the engine skips it): nothing is kept."""
-
-
-class UnitStateError(RuntimeError):
-    """A unit was asked for a move its state does not allow (see [Note: unit states])."""
-
-
-class FlatUnit:
+class FlatUnit(UnitGradients):
     """Every tensor of one unit on this rank, and the moves between them (see the notes above).
 
     Built from the unit's ``placement.UnitPlacement``, which decides once which gradient buffers
@@ -216,23 +142,10 @@ class FlatUnit:
         return UnitStateError(f"unit {self.name!r}: cannot {action}: its {what} are {current.name}, and {action} "
                               f"{does} (partition's [Note: unit states])")
 
-    def _move_grads(self, action: str, to: GradState | None, *allowed: GradState) -> None:
-        """Check that ``action`` may run in the current gradient state, then enter ``to`` (None: stay)."""
-        if self._grad_state not in allowed:
-            raise self._refuse("gradients", action, self._grad_state, to, allowed)
-        if to is not None:
-            self._grad_state = to
-
     def _move_params(self, action: str, to: ParamState, allowed: ParamState) -> None:
         if self._param_state is not allowed:
             raise self._refuse("parameters", action, self._param_state, to, (allowed,))
         self._param_state = to
-
-    @property
-    def _reduced_again(self) -> tuple[GradState, ...]:
-        """REDUCED, when a reduced unit may take more gradients: at stages 2–3, reduced per micro-batch
-        (at stages 0–1 it is reduced once, at the step, and its full buffer holds the result)."""
-        return () if self.keep_full_grad else (GradState.REDUCED,)
 
     # ---------------------------------------------------------------- construction
     @property
@@ -261,14 +174,6 @@ class FlatUnit:
         for slot in self.layout.slots:
             flat[slot.offset:slot.offset + slot.numel] = slot.param.detach().reshape(-1).float().cpu()
         return flat
-
-    def keep_grads_on(self, offloaded_grad: OffloadedGrad) -> None:
-        """Before ``materialize``: the reduced shard waits for the step in ``offloaded_grad``, on the
-        placement's ``grad_home`` (``offloaded_grads``), as the placement says (``grads_kept``)."""
-        if not self.placement.grads_kept or self.flat_param is not None or self._offloaded_grad is not None:
-            raise UnitStateError(f"unit {self.name!r}: keep_grads_on needs a unit whose placement keeps its "
-                                 "gradients off the device (grads_kept), once, before materialize")
-        self._offloaded_grad = offloaded_grad
 
     def materialize(self, full_fp32: torch.Tensor, device_tier: Tier, param_block: Block | None = None) -> None:
         """Move the parameters into ``flat_param`` (the module's tensors become views) and make the
@@ -303,152 +208,6 @@ class FlatUnit:
         self.master = master
 
     # ---------------------------------------------------------------- gradients
-    def begin_backward(self) -> None:
-        """Expect one gradient from every trainable slot before the unit counts as complete."""
-        self._move_grads("begin_backward", None, GradState.EMPTY, GradState.ACCUMULATING, *self._reduced_again)
-        self.pending = sum(1 for s in self.layout.slots if s.trainable)
-
-    def _ensure_flat_grad(self, tier: Tier) -> torch.Tensor:
-        """The full gradient buffer, made (temporary) when this pass has none yet.
-
-        Only the padding is zeroed here: slots are overwritten by their first gradient, and
-        ``begin_reduction`` clears the rest before the buffer is reduced.
-        """
-        if self.flat_grad is None:
-            self.flat_grad = tier.empty(Kind.BUFFER, self.layout.padded_numel, self.compute_dtype)
-            self.flat_grad[self.layout.numel:].zero_()
-            self._written = [False] * len(self.layout.slots)
-        return self.flat_grad
-
-    def accumulate(self, slot_index: int, grad: torch.Tensor, tier: Tier) -> bool:
-        """Put one parameter's gradient into ``flat_grad``; True once every trainable slot has reported.
-
-        The first gradient of a window is copied over whatever the buffer held, later ones added, so a
-        persistent buffer is never zero-filled; ``begin_reduction`` clears the slots nobody wrote.
-        """
-        self._move_grads("accumulate", GradState.ACCUMULATING, GradState.EMPTY, GradState.ACCUMULATING,
-                         *self._reduced_again)
-        slot = self.layout.slots[slot_index]
-        view = self._ensure_flat_grad(tier)[slot.offset:slot.offset + slot.numel]
-        if self._written[slot_index]:
-            view.add_(grad.reshape(-1))
-        else:
-            view.copy_(grad.reshape(-1))
-            self._written[slot_index] = True
-        self.has_grad[slot_index] = True
-        self.pending -= 1
-        return self.pending == 0
-
-    def begin_reduction(self, tier: Tier) -> torch.Tensor:
-        """The full gradient, handed to the reducer: made of zeros when this rank had none (the peers
-        may have some), the slots that got no gradient this window zeroed."""
-        self._move_grads("begin_reduction", GradState.REDUCING, GradState.EMPTY, GradState.ACCUMULATING,
-                         *self._reduced_again)
-        flat_grad = self._ensure_flat_grad(tier)
-        for slot, written in zip(self.layout.slots, self._written):
-            if not written:
-                flat_grad[slot.offset:slot.offset + slot.numel].zero_()
-        return flat_grad
-
-    def note_nonfinite(self) -> bool:
-        """Whether a full gradient of this window was non-finite on this rank, the current one included
-        (for flags that must agree over ranks before the step: reduction's [Note: flags in the payload]).
-        One read of the buffer: its sum of squares is finite exactly when every element is."""
-        self._move_grads("note_nonfinite", None, GradState.REDUCING)
-        self._nonfinite = self._nonfinite or not math.isfinite(sum_squares(self.flat_grad).item())
-        return self._nonfinite
-
-    def reduced_in_place(self) -> None:
-        """Stage 0: the all-reduce's result is in ``flat_grad`` itself."""
-        self._move_grads("reduced_in_place", GradState.REDUCED, GradState.REDUCING)
-
-    def add_grad_shard(self, reduced: torch.Tensor, tier: Tier) -> None:
-        """Accumulate a reduced gradient shard (stage 2 adds one per micro-batch), on the device or,
-        offloaded, on the optimizer's tier. The window's first part is copied (nothing is zero-filled),
-        later ones added; at stages 0–1 the part lands in this rank's range of the full buffer itself,
-        where at world size 1 it already is (no copy at all)."""
-        self._move_grads("add_grad_shard", GradState.REDUCED, GradState.REDUCING)
-        self._grad_sumsq = None
-        if self._offloaded_grad is not None:
-            self._offloaded_grad.add(reduced)
-            return
-        if self.keep_full_grad:
-            home = self.flat_grad[self.shard_range]
-        else:  # placed to leave, yet kept until the step (its update in backward did not run): made for the window
-            if self.grad_shard is None:
-                self.grad_shard = tier.empty(Kind.BUFFER, self.layout.shard_numel, self.compute_dtype)
-            home = self.grad_shard
-        if self._shard_written:
-            home.add_(reduced)
-        elif home.data_ptr() != reduced.data_ptr():
-            home.copy_(reduced)
-        self._shard_written = True
-
-    def mark_updated_in_backward(self, sumsq: torch.Tensor) -> None:
-        """Its last reduced shard went straight into its update (``backward_updates``); ``sumsq`` is the
-        squared norm of the window's gradient that update used (for the step's reported norm)."""
-        self._move_grads("mark_updated_in_backward", GradState.UPDATED, GradState.REDUCING)
-        self._grad_sumsq = sumsq
-
-    def undo_update_in_backward(self) -> None:
-        """Its tentative update in backward was undone (backward_updates' [Note: tentative updates]): the
-        window's gradient, kept on the optimizer's tier, waits for the step's update again."""
-        if self._offloaded_grad is None or not self._offloaded_grad.written:
-            raise UnitStateError(f"unit {self.name!r}: cannot undo its update in backward: its gradient was not "
-                                 "kept (only tentative updates keep it)")
-        self._move_grads("undo_update_in_backward", GradState.REDUCED, GradState.UPDATED)
-
-    def release_flat_grad(self, tier: Tier) -> None:
-        """The reduced shard was handed on: drop a temporary full gradient (a persistent one stays). A
-        hand-off that kept nothing (a window being skipped) leaves the gradients DISCARDED."""
-        self._move_grads("release_flat_grad", None, GradState.REDUCING, GradState.REDUCED, GradState.UPDATED)
-        if self._grad_state is GradState.REDUCING:
-            self._grad_state = GradState.DISCARDED
-        if not self.keep_full_grad:
-            tier.free(Kind.BUFFER, self.flat_grad)
-            self.flat_grad = None
-
-    def local_grad(self) -> torch.Tensor:
-        """What the optimizer reads: the reduced shard (at stages 0–1 this rank's range of the full
-        buffer: the whole all-reduced buffer at stage 0)."""
-        self._move_grads("local_grad", None, GradState.REDUCED)
-        return self.flat_grad[self.shard_range] if self.keep_full_grad else self.grad_shard
-
-    def grad_sumsq(self) -> torch.Tensor:
-        """This rank's squared norm of the window's reduced gradient (float64; 0 for a frozen unit), taken
-        once where the gradient is: by its update in backward, as an offloaded shard was written home, or
-        here in one native read, which the engine runs as the unit's reduction completes in the backward
-        that closes the window, so that the step reads no gradient for its norm."""
-        if not self.layout.trainable:
-            return torch.zeros((), dtype=torch.float64)
-        if self._grad_sumsq is None:
-            if self._offloaded_grad is not None:
-                self._grad_sumsq = self._offloaded_grad.sumsq
-            else:
-                self._grad_sumsq = sum_squares(self.local_grad())
-        return self._grad_sumsq
-
-    def clear_grads(self, tier: Tier) -> None:
-        """End of an accumulation window (whatever state it left): forget persistent gradients, free
-        temporary ones; the gradients are EMPTY again.
-
-        Persistent buffers are not zero-filled: the next window's first gradients overwrite them.
-        """
-        if not self.keep_full_grad and self.flat_grad is not None:
-            tier.free(Kind.BUFFER, self.flat_grad)
-            self.flat_grad = None
-        if not self.keep_grad_shard and self.grad_shard is not None:
-            tier.free(Kind.BUFFER, self.grad_shard)
-            self.grad_shard = None
-        if self._offloaded_grad is not None:
-            self._offloaded_grad.clear()
-        self._shard_written = False
-        self._grad_sumsq = None
-        self._nonfinite = False
-        self.has_grad = [False] * len(self.layout.slots)
-        self._written = [False] * len(self.layout.slots)
-        self._grad_state = GradState.EMPTY
-
     # ---------------------------------------------------------------- parameters
     def _attach_params(self) -> None:
         """Make the module's parameters views of ``flat_param`` (whose storage must be present)."""
