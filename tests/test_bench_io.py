@@ -14,6 +14,7 @@ import torch
 
 from cli_helpers import run_in_process
 from zerooffload.cli import bench
+from zerooffload.planning import scratch_disk
 
 KEYS = {"backend", "op", "block_size", "queue_depth", "threads", "bytes", "seconds", "gbps"}
 SIZE = 8 << 20
@@ -81,13 +82,13 @@ def test_mismatch_names_first_bad_offset():
     read = written.clone()
     read[5000] += 1
     read[9000] += 1
-    with pytest.raises(bench.BenchError, match="first at byte offset 5000"):
-        bench._verify("uring", written, read, chunk=4096)
+    with pytest.raises(scratch_disk.BenchError, match="first at byte offset 5000"):
+        scratch_disk._verify("uring", written, read, chunk=4096)
 
 
 def test_test_file_removed_on_error(tmp_path):
     with pytest.raises(KeyboardInterrupt):
-        with bench._test_file(str(tmp_path), SIZE) as file:
+        with scratch_disk._test_file(str(tmp_path), SIZE) as file:
             assert os.path.getsize(file.path) == SIZE  # preallocated: writes overwrite
             raise KeyboardInterrupt
     assert leftovers(tmp_path) == []

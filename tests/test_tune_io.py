@@ -16,7 +16,7 @@ import tomllib
 import pytest
 
 import zerooffload as zo
-from zerooffload.cli.bench import Unavailable
+from zerooffload.planning.scratch_disk import Unavailable
 from zerooffload.cli.tune_io import Point, search
 
 OPTIMUM = Point("uring", 2 << 20, 16)

@@ -59,7 +59,7 @@ from .zero.partition import FlatUnit
 from .zero.placement import activations_leave_device
 from .zero.reduction import GradReducer, Mode, reduction_order
 from .zero.scheduler import ParamScheduler, check_live_bound
-from .zero.sharded_state import ShardedState, make_units
+from .zero.sharded_state import ShardedState, Values, eager_values, make_units
 from .zero.state_dicts import StateDicts
 from .zero.unit_layout import find_units
 from .zero.update import Updater, grad_scale
@@ -84,7 +84,7 @@ class Engine:
     """Trains one module with ZeRO stages 0–3; see [Note: a step]."""
 
     def __init__(self, module: nn.Module, config: Config, comm: Comm, param_groups: list[dict] | None,
-                 lazy_init_fn: Any = None, activations: ActivationProfile | None = None,
+                 values: Values = eager_values, activations: ActivationProfile | None = None,
                  prediction: Prediction | None = None):
         self.module = module
         self.config = config
@@ -102,7 +102,7 @@ class Engine:
         check_live_bound(partitioned, config.zero.max_live_size)
         self._io, self._link = open_swap(self.tiers, plan, config, comm.rank), LinkStats()
         self.state = ShardedState(module, config, comm, self.units, self.placement, self.tiers, self._link,
-                                  param_groups, lazy_init_fn)
+                                  param_groups, values)
         self.opt_states, self.optimizer = self.state.opt_states, self.state.optimizer
         streams = SideStreams(comm.device)  # every side stream the engine's copies use (streams' note)
         self.param_scheduler = ParamScheduler(

@@ -11,12 +11,12 @@ from .comm import failing_together, init_comm
 from .config import Config, dtype_bytes
 from .engine import Engine
 from .tiers.host_allocator import release_freed_memory, return_free_heap
-from .lazy_init import is_lazy, swap_in_placeholders
+from .lazy_init import initial_values, is_lazy, swap_in_placeholders
 from .precision import warn_if_fp16_is_slow
 from .telemetry import Prediction
 from .threads import set_threads
 from .zero.placement import streams_state
-from .zero.sharded_state import EAGER
+from .zero.sharded_state import eager_values
 from .zero.unit_layout import find_units
 
 __all__ = ["initialize"]
@@ -59,7 +59,8 @@ def initialize(model: nn.Module, config: Config | dict | str | None = None, para
         with torch.no_grad():
             init_fn(model)
     with failing_together(comm):
-        engine = Engine(model, config, comm, param_groups, lazy_init_fn=init_fn if lazy else EAGER,
+        values = (lambda units: initial_values(model, units, init_fn)) if lazy else eager_values
+        engine = Engine(model, config, comm, param_groups, values=values,
                         activations=activations, prediction=prediction)
     return_free_heap()  # what the meta forward and the unit-by-unit initialization freed
     return engine

@@ -13,43 +13,32 @@
   seconds and ``gbps`` (GB = 1e9 bytes, the unit disks are sold in).
 
 Transfers use ``AsyncIO(raw=True)`` on an O_DIRECT file, so no page cache and no bounce copy is ever
-measured. This module is a face (DESIGN §3): it parses, measures through the public I/O layer,
-prints and plots; it holds no I/O logic of its own.
+measured (``planning.scratch_disk``, where the runs happen, for the probe too). This module is a face
+(DESIGN §3): it parses, measures, prints and plots; it holds no I/O logic of its own.
 """
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import difflib
 import importlib
 import json
 import logging
-import os
-import shutil
 import sys
-import tempfile
-import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable
 
-import psutil
-import torch
 from tqdm import tqdm
 
 from ..config import ALIGNMENT, AioConfig, Config, ConfigError, format_size, parse_size
-from ..io import AioError, AioFile, AsyncIO, aligned_empty, open_file
+from ..planning.scratch_disk import QUEUE_BACKENDS, BenchError, Record, Unavailable, preflight, scratch_disk
 
-__all__ = ["BenchError", "Record", "ScratchDisk", "Unavailable", "exit_status", "run_io_bench", "scratch_disk",
-           "sweep_grid"]
+__all__ = ["SWEEP_BLOCK_SIZES", "exit_status", "parse_total", "run_io_bench", "sweep_grid"]
 
 log = logging.getLogger("zerooffload.cli.bench")
 
 BACKENDS = ("uring", "pool", "python", "aiofiles")
 """Every backend ``bench io`` knows, in the order they are measured (fastest expected first)."""
 
-QUEUE_BACKENDS = frozenset({"uring"})
-"""Backends whose in-flight bound is ``queue_depth``; the others are bounded by ``threads``."""
 
 SWEEP_BLOCK_SIZES = (256 << 10, 1 << 20, 4 << 20)
 SWEEP_QUEUE_DEPTHS = (4, 16, 32)
@@ -59,34 +48,6 @@ SWEEP_NATIVE_THREADS = (4, 16, 32)
 """The native pool's analogue of queue depth (one piece in flight per worker)."""
 SWEEP_PYTHON_THREADS = (1, 4)
 """The Python baselines' grid: 1 shows the single-stream cost, 4 what the GIL lets threads overlap."""
-
-
-class BenchError(Exception):
-    """A run that cannot start or a check that failed; ``code`` is the exit status (2 usage, 1 failure)."""
-
-    def __init__(self, message: str, code: int = 1):
-        super().__init__(message)
-        self.code = code
-
-
-@dataclass(frozen=True, slots=True)
-class Record:
-    """One op of one run; ``as_json`` gives exactly the keys the ``--json`` output promises."""
-
-    backend: str
-    op: str
-    block_size: int
-    queue_depth: int | None
-    threads: int | None
-    bytes: int
-    seconds: float
-
-    @property
-    def gbps(self) -> float:
-        return self.bytes / self.seconds / 1e9
-
-    def as_json(self) -> dict:
-        return {**dataclasses.asdict(self), "gbps": self.gbps}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -204,70 +165,8 @@ def _require_matplotlib() -> None:
         raise BenchError("--plot needs matplotlib: pip install 'zerooffload[plot]'", code=2) from None
 
 
-def preflight(directory: str, size: int) -> None:
-    """Refuse up front what would fail half way: no directory, too little disk or memory."""
-    if not os.path.isdir(directory):
-        raise BenchError(f"--path {directory}: not a directory", code=2)
-    free = shutil.disk_usage(directory).free
-    if free < size:
-        raise BenchError(f"--size {format_size(size)} ({size} bytes) does not fit in {directory}: only "
-                         f"{free} bytes free; pass a smaller --size or another --path", code=2)
-    memory = psutil.virtual_memory().available
-    if memory < 2 * size:  # the payload and the readback buffer
-        raise BenchError(f"--size {size} bytes needs twice that in host memory (payload and readback); "
-                         f"only {memory} bytes are available", code=2)
-
-
 # ------------------------------------------------------------------------------------------------
 # Measuring
-
-
-@contextlib.contextmanager
-def _test_file(directory: str, size: int) -> Iterator[AioFile]:
-    """A fresh O_DIRECT file of ``size`` bytes, deleted on leaving (also on error and Ctrl-C).
-
-    The file is preallocated once with posix_fallocate, so every timed write lands inside the file
-    size: ext4 serializes writes that extend a file (they take the inode lock exclusively), which
-    would measure the filesystem's lock rather than the backend's parallelism.
-    """
-    fd, path = tempfile.mkstemp(prefix="zerooffload-bench-", suffix=".dat", dir=directory)
-    try:
-        os.close(fd)
-        try:
-            with open_file(path, "rw", direct=True) as file:
-                os.posix_fallocate(file.fd, 0, size)
-                yield file
-        except AioError as exc:  # open, or a transfer: the message names the file, offset and errno
-            hint = " (choose a --path on a filesystem with O_DIRECT)" if exc.op == "open" else ""
-            raise BenchError(f"{exc}{hint}") from None
-        except OSError as exc:  # posix_fallocate, fsync
-            raise BenchError(f"{path}: [Errno {exc.errno}] {exc.strerror}") from None
-    finally:
-        os.unlink(path)
-
-
-@dataclass
-class ScratchDisk:
-    """A test file with its payload and readback buffers: where runs happen (``bench io``, ``tune io``)."""
-
-    file: AioFile
-    payload: torch.Tensor
-    readback: torch.Tensor
-
-    def run(self, setting: AioConfig) -> list[Record]:
-        """One run of ``setting`` on fresh bytes: its write and read records (``Unavailable`` when the
-        backend cannot start here)."""
-        self.payload.add_(1)  # new bytes each run: a write that moved nothing would read back stale
-        return _run(setting, self.file, self.payload, self.readback)
-
-
-@contextlib.contextmanager
-def scratch_disk(directory: str, size: int) -> Iterator[ScratchDisk]:
-    """A ``ScratchDisk`` of ``size`` bytes in ``directory``, its file deleted on leaving."""
-    payload, readback = aligned_empty(size), aligned_empty(size)
-    payload.random_(0, 256, generator=torch.Generator().manual_seed(0))
-    with _test_file(directory, size) as file:
-        yield ScratchDisk(file, payload, readback)
 
 
 def _measure(settings: list[AioConfig], directory: str, size: int) -> list[Record]:
@@ -287,51 +186,6 @@ def _measure(settings: list[AioConfig], directory: str, size: int) -> list[Recor
     if not records:
         raise BenchError(f"no backend could run here (skipped: {', '.join(sorted(skipped))})")
     return records
-
-
-class Unavailable(Exception):
-    """The backend cannot start on this machine (the reason is the message)."""
-
-
-def _run(setting: AioConfig, file: AioFile, payload: torch.Tensor, readback: torch.Tensor) -> list[Record]:
-    """One timed write (with fsync) and one timed read of the whole file, then the byte check."""
-    try:
-        aio = AsyncIO(setting, raw=True)
-    except RuntimeError as exc:
-        raise Unavailable(str(exc)) from None
-    readback.zero_()
-    with aio:
-        start = time.perf_counter()
-        aio.write(file, payload, 0).wait()
-        os.fsync(file.fd)
-        wrote = time.perf_counter() - start
-        start = time.perf_counter()
-        aio.read(file, readback, 0).wait()
-        read = time.perf_counter() - start
-    _verify(setting.backend, payload, readback)
-    return [_record(setting, "write", payload.numel(), wrote), _record(setting, "read", payload.numel(), read)]
-
-
-def _record(setting: AioConfig, op: str, nbytes: int, seconds: float) -> Record:
-    queued = setting.backend in QUEUE_BACKENDS
-    return Record(setting.backend, op, setting.block_size, setting.queue_depth if queued else None,
-                  None if queued else setting.threads, nbytes, seconds)
-
-
-def _verify(backend: str, written: torch.Tensor, read: torch.Tensor, chunk: int = 64 << 20) -> None:
-    """Every byte read back equals the byte written, or BenchError naming the first bad offset.
-
-    Compared chunk by chunk so that locating a mismatch never needs a mask as large as the file.
-    """
-    if torch.equal(written, read):
-        return
-    for start in range(0, written.numel(), chunk):
-        diff = (written[start:start + chunk] != read[start:start + chunk]).nonzero()
-        if diff.numel():
-            offset = start + int(diff[0])
-            raise BenchError(f"{backend}: data read back differs from what was written, first at byte offset "
-                             f"{offset} (wrote {int(written[offset])}, read {int(read[offset])})")
-    raise AssertionError("torch.equal found a difference that no chunk shows")
 
 
 # ------------------------------------------------------------------------------------------------

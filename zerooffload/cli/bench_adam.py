@@ -36,7 +36,7 @@ import torch
 
 from ..optim import fused_adam_step, simd_level
 from ..precision import COMPUTE_DTYPES
-from .bench import BenchError
+from ..planning.scratch_disk import BenchError
 from .peer_process import PeerError, PeerProcess
 
 __all__ = ["run_adam_bench"]

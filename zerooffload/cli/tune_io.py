@@ -32,8 +32,8 @@ from tqdm import tqdm
 
 from ..config import AioConfig, Config, format_size
 from ..planning.probe import record_disk
-from .bench import (QUEUE_BACKENDS, SWEEP_BLOCK_SIZES, BenchError, Unavailable, exit_status, parse_total,
-                    preflight, scratch_disk, sweep_grid)
+from ..planning.scratch_disk import QUEUE_BACKENDS, BenchError, Unavailable, preflight, scratch_disk
+from .bench import SWEEP_BLOCK_SIZES, exit_status, parse_total, sweep_grid
 
 __all__ = ["Point", "TuneResult", "search", "run_tune_io"]
 

@@ -4,7 +4,7 @@
 - A unit's *optimizer block* holds ``[master | moment_1 | moment_2 ...]`` in fp32 over this rank's
   shard's *trainable part* (unit_layout's [Note: unit vocabulary]), one segment each, sized to its
   span (rounded up to ``ALIGN_ELEMENTS`` for O_DIRECT); the master is left out when it is a view of
-  fp32 weights already (``memory_plan.master_is_param``). The block's home is
+  fp32 weights already (``placement.UnitPlacement.master_is_param``). The block's home is
   ``offload.optimizer.tier``: device or host memory, or a swap file on NVMe paged through host
   buffers (``block_stream.stream_blocks``).
 - *Frozen prefix rule*: trainable parameters come first in a unit, so a shard's trainable part is
@@ -29,19 +29,7 @@ from ..zero.partition import FlatUnit
 from ..zero.shard_blocks import span_block
 from ..zero.unit_layout import Piece
 
-__all__ = ["UnitOptimizerState", "units_to_offload"]
-
-
-def units_to_offload(layouts: list, fraction: float) -> list[bool]:
-    """Which units' optimizer states go to ``offload.optimizer.tier`` for ``offload.optimizer.fraction``:
-    units in order while their shards stay within ``fraction`` of all (whole units: the share is at
-    most ``fraction``, short of it by less than one unit)."""
-    total = sum(layout.shard_numel for layout in layouts)
-    chosen, taken = [], 0
-    for layout in layouts:
-        taken += layout.shard_numel
-        chosen.append(taken <= fraction * total + 1e-9 * total)
-    return chosen
+__all__ = ["UnitOptimizerState"]
 
 
 def _point(tensor: torch.Tensor, source: torch.Tensor | None, start: int = 0, stop: int = 0) -> None:

@@ -227,7 +227,7 @@ def _adam_rate(dtype: torch.dtype) -> float:
 
 def _disk_entry(path: str, config: Config) -> dict:
     """One write and read of ``DISK_PROBE_BYTES`` through ``bench io`` at the config's ``[aio]`` settings."""
-    from ..cli.bench import preflight, scratch_disk
+    from .scratch_disk import preflight, scratch_disk
 
     preflight(path, DISK_PROBE_BYTES)
     with scratch_disk(path, DISK_PROBE_BYTES) as disk:

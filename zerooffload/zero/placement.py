@@ -9,7 +9,7 @@ what it can do. The rules:
 - parameters: full on the device, except stage 3's *partitioned* units (at least
   ``zero.persist_threshold`` parameters), whose shard lives on ``offload.param.tier``;
 - optimizer blocks: on ``offload.optimizer.tier`` for the share of units ``offload.optimizer.fraction``
-  sends there (``optim.state.units_to_offload``), on the device for the rest;
+  sends there (``units_to_offload``), on the device for the rest;
 - the update runs in the optimizer block's memory, or in host memory when the block is on NVMe;
 - gradients: full buffers over the window at stages 0–1, reduced shards at stages 2–3; a shard whose
   optimizer block is off the device *leaves* it, for that tier until the step (*kept*) or straight
@@ -31,10 +31,9 @@ from dataclasses import dataclass
 import torch
 
 from ..config import Config
-from ..optim.state import units_to_offload
 from .unit_layout import UnitLayout
 
-__all__ = ["Placement", "UnitPlacement", "activations_leave_device", "place", "streams_state",
+__all__ = ["Placement", "UnitPlacement", "activations_leave_device", "place", "streams_state", "units_to_offload",
            "updates_in_backward"]
 
 COMPUTE = "device"
@@ -144,6 +143,18 @@ def updates_in_backward(config: Config) -> bool:
     if mode == "auto":
         return config.train.precision != "fp16"
     return mode == "on"
+
+
+def units_to_offload(layouts: list, fraction: float) -> list[bool]:
+    """Which units' optimizer states go to ``offload.optimizer.tier`` for ``offload.optimizer.fraction``:
+    units in order while their shards stay within ``fraction`` of all (whole units: the share is at
+    most ``fraction``, short of it by less than one unit)."""
+    total = sum(layout.shard_numel for layout in layouts)
+    chosen, taken = [], 0
+    for layout in layouts:
+        taken += layout.shard_numel
+        chosen.append(taken <= fraction * total + 1e-9 * total)
+    return chosen
 
 
 def place(layouts: list[UnitLayout], config: Config, *, grads_wait_in_host: bool = True) -> Placement:

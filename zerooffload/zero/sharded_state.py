@@ -1,14 +1,15 @@
 """The sharded training state: every unit's flat tensors on their tiers, its optimizer block, the optimizer.
 
 ``ShardedState`` is built once from a ``Placement`` ([Note: placement]): unit by unit, rank 0's values
-are broadcast (as DDP does), flattened onto their tiers, and the unit's optimizer block written
-(a lazily built model's values are made here, unit by unit: ``lazy_init``). Afterwards it pages the
+are broadcast (as DDP does), flattened onto their tiers, and the unit's optimizer block written (the
+values come from ``values``: the eager model's weights, or a lazily built model's, made unit by unit
+by its construction layer, ``lazy_init``, which this layer does not import). Afterwards it pages the
 optimizer blocks in for whoever works on them (``visit``): the step, updates in backward, state dicts
 and checkpoints.
 """
 from __future__ import annotations
 
-from typing import Any, Iterator
+from typing import Callable, Iterator
 
 import torch
 from torch import nn
@@ -16,7 +17,6 @@ from torch import nn
 from ..block_stream import BlockReader, BlockWriter, grad_read_depth, stream_blocks, stream_depth, write_block
 from ..comm import Comm, broadcast
 from ..config import Config
-from ..lazy_init import initial_values
 from ..optim import ZeroOptimizer, moment_names
 from ..optim.state import UnitOptimizerState
 from ..param_groups import normalize_param_groups
@@ -27,10 +27,15 @@ from .placement import Placement
 from .shard_blocks import SplitShardBlock, span_block
 from .unit_layout import UnitLayout
 
-__all__ = ["ShardedState", "make_units", "EAGER"]
+__all__ = ["ShardedState", "Values", "eager_values", "make_units"]
 
-EAGER = object()
-"""``lazy_init_fn`` of a model built eagerly: its parameters already hold their values."""
+Values = Callable[[list[FlatUnit]], Iterator[tuple[FlatUnit, torch.Tensor]]]
+"""Where a state's first values come from: (unit, its flat padded fp32 values) for each unit, in turn."""
+
+
+def eager_values(units: list[FlatUnit]) -> Iterator[tuple[FlatUnit, torch.Tensor]]:
+    """The ``Values`` of a model built eagerly: its parameters already hold them."""
+    return ((unit, unit.full_fp32()) for unit in units)
 
 
 def make_units(layouts: list[UnitLayout], placement: Placement, rank: int, compute_dtype: torch.dtype
@@ -43,7 +48,7 @@ class ShardedState:
     """Units, their optimizer states and the optimizer over this rank's master pieces."""
 
     def __init__(self, module: nn.Module, config: Config, comm: Comm, units: list[FlatUnit], placement: Placement,
-                 tiers: dict[str, Tier], link: LinkStats, param_groups: list[dict] | None, lazy_init_fn: Any):
+                 tiers: dict[str, Tier], link: LinkStats, param_groups: list[dict] | None, values: Values):
         self.module = module
         self.config = config
         self.comm = comm
@@ -59,7 +64,7 @@ class ShardedState:
         """Host buffers of each block stream and writer (``aio.blocks_in_flight``)."""
         self.grad_writer = BlockWriter(self.staging, depth=self.depth)  # offloaded gradient shards on their way home
         self.grad_reader = BlockReader(self.staging, depth=grad_read_depth(config.aio))  # and back, read ahead
-        self.opt_states = self._materialize(lazy_init_fn)
+        self.opt_states = self._materialize(values)
         self.optimizer = ZeroOptimizer(self._groups(param_groups), config.optimizer)
         self._attach_optimizer_state()
 
@@ -85,14 +90,12 @@ class ShardedState:
         return SplitShardBlock(home.block(Kind.PARAM, f"param.{index}", span, unit.compute_dtype),
                                home.block(Kind.PARAM, f"param.{index}.frozen", size - span, unit.compute_dtype))
 
-    def _materialize(self, lazy_init_fn: Any) -> list[UnitOptimizerState]:
+    def _materialize(self, values: Values) -> list[UnitOptimizerState]:
         """Unit by unit: values broadcast, flattened onto their tiers, optimizer block written; returns
         the optimizer states in unit order."""
         states: dict[int, UnitOptimizerState] = {}
         names = moment_names(self.config.optimizer)
-        values = (((u, u.full_fp32()) for u in self.units) if lazy_init_fn is EAGER
-                  else initial_values(self.module, self.units, lazy_init_fn))
-        for unit, full in values:
+        for unit, full in values(self.units):
             index = unit.index
             place = unit.placement
             full = full.to(self.comm.device)
