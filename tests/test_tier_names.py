@@ -1,8 +1,10 @@
 """Placement is data: no module but the config, the placement and the tier classes names a tier.
 
-Read from the source (AST), so later work cannot bring back ``if tier == "nvme"`` or
-``isinstance(t, NvmeTier)`` in the engine, the memory plan or the sharded state: they ask a
-``UnitPlacement`` which tier, and the tier object what it can do.
+Read from the source (AST), so later work cannot bring back ``if tier == "nvme"``,
+``p.optimizer != COMPUTE`` or ``isinstance(t, NvmeTier)`` in the engine, the memory plan, the
+planner or the sharded state: they ask a ``UnitPlacement`` which tier (and placement's ``addressable``
+or ``leaves_device`` what a tier's name means), and the tier object what it can do. The planner may
+still give the constants as values when it builds candidate configs.
 """
 from __future__ import annotations
 
@@ -14,6 +16,8 @@ import pytest
 PACKAGE = Path(__file__).resolve().parent.parent / "zerooffload"
 TIER_NAMES = {"device", "host", "nvme"}
 TIER_CLASSES = {"DeviceTier", "HostTier", "NvmeTier"}
+TIER_CONSTANTS = {"COMPUTE", "STAGING", "SWAP", "TIER_NAMES", "_NOT_ADDRESSABLE"}
+"""placement's names for the tiers: a comparison against one is a branch on a tier."""
 ALLOWED = {"config/sections.py", "config/root.py", "config/deepspeed.py", "config/deepspeed_keys.py", "zero/placement.py"}
 TIERS = "tiers"
 """The tier classes and the refusals that name them: the tiers' own folder."""
@@ -40,6 +44,10 @@ def offences(source: str) -> list[str]:
             found.append(f"line {node.lineno}: concrete tier class {node.id}")
         elif isinstance(node, ast.alias) and node.name in TIER_CLASSES:
             found.append(f"line {getattr(node, 'lineno', '?')}: imports {node.name}")
+        elif isinstance(node, ast.Compare) and any(isinstance(name, ast.Name) and name.id in TIER_CONSTANTS
+                                                   for side in (node.left, *node.comparators)
+                                                   for name in ast.walk(side)):
+            found.append(f"line {node.lineno}: compares against a tier constant")
     return found
 
 
@@ -58,6 +66,9 @@ def test_no_module_outside_placement_and_tiers_names_a_tier(path: Path) -> None:
     'x = tiers["host"]\n',
     'ok = isinstance(t, NvmeTier)\n',
     'from .tiers import DeviceTier\n',
+    'if p.optimizer != COMPUTE:\n    pass\n',
+    'streams = home in _NOT_ADDRESSABLE\n',
+    'moved = tier in (STAGING, SWAP)\n',
 ])
 def test_the_check_finds_each_kind_of_offence(snippet: str) -> None:
     assert offences(snippet), snippet

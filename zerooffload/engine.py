@@ -56,7 +56,7 @@ from .trace import RECORDER, ArmedTrace, forward_segments, segment
 from .zero.backward_updates import BackwardUpdates
 from .zero.param_hooks import register_param_hooks
 from .zero.partition import FlatUnit
-from .zero.placement import activations_leave_device
+from .zero.placement import activations_leave_device, shard_count
 from .zero.reduction import GradReducer, Mode, reduction_order
 from .zero.scheduler import ParamScheduler, check_live_bound
 from .zero.sharded_state import ShardedState, Values, eager_values, make_units
@@ -91,7 +91,7 @@ class Engine:
         self.comm = comm
         self.stage = config.zero.stage
         self.compute_dtype = COMPUTE_DTYPES[config.train.precision]
-        layouts = find_units(module, config.zero.unit_modules, comm.world_size if self.stage >= 1 else 1)
+        layouts = find_units(module, config.zero.unit_modules, shard_count(config, comm.world_size))
         if not layouts:
             raise ValueError("the model has no parameters to train")
         self.tiers = make_tiers(config.memory, comm.device)
@@ -109,11 +109,11 @@ class Engine:
             comm, partitioned, self.state.compute, self.state.staging, prefetch_bytes=config.zero.prefetch_size,
             max_live_bytes=config.zero.max_live_size,
             copier=DeviceCopier(self.state.compute, self._link, streams) if self.placement.shards_off_device else None)
-        self._updater = Updater(self.state, self.param_scheduler, self.stage)
+        self._updater = Updater(self.state, self.param_scheduler)
         self._state_dicts = StateDicts(self.state, self.param_scheduler, self._updater)
         self.scheduler = build_scheduler(self.optimizer, config.scheduler)
         self.scaler = LossScaler(config.train)
-        mode = Mode.ALL_REDUCE if self.stage == 0 else Mode.REDUCE_SCATTER
+        mode = Mode.REDUCE_SCATTER if self.placement.reduce_scatters else Mode.ALL_REDUCE
         self.reducer = GradReducer(comm, reduction_order(self.units), mode, config.zero.bucket_size,
                                    self.state.compute, on_reduced=self._on_reduced,
                                    flagged=lambda unit: unit.placement.updates_in_backward)
@@ -160,7 +160,7 @@ class Engine:
         if not complete:
             return
         RECORDER.finish_as(f"backward {unit.name}", then="backward: reduce")
-        if (self.stage >= 2 or self._backward.closes_window) and self.config.zero.overlap_comm:
+        if (self.placement.reduces_every_backward or self._backward.closes_window) and self.config.zero.overlap_comm:
             self.reducer.mark_ready(unit)  # without overlap_comm, flush() reduces after backward
 
     def _on_reduced(self, unit: FlatUnit, shard: torch.Tensor, flags: torch.Tensor | None) -> None:
@@ -200,7 +200,7 @@ class Engine:
             self._activations.prefetch_last()
         try:
             (loss * (self.scaler.scale / self.config.train.grad_accum_steps)).backward()
-            if self.stage >= 2 or self._backward.closes_window:
+            if self.placement.reduces_every_backward or self._backward.closes_window:
                 self.reducer.flush()
                 self.state.grad_writer.finish()
         except BaseException:

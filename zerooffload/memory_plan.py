@@ -35,7 +35,7 @@ from .config import Config, ConfigError, dtype_bytes
 from .optim.optimizer import moment_names
 from .tiers import (BudgetError, Kind, Plan, Tier, check_plan, check_ram, make_tiers, swap_bytes,
                     swap_free_bytes)
-from .zero.placement import STAGING, Placement, activations_leave_device, place
+from .zero.placement import STAGING, Placement, activations_leave_device, place, shard_count
 from .zero.reduction import MAX_BUCKETS_IN_FLIGHT, REDUCE_DTYPE
 from .zero.unit_layout import UnitLayout, find_units
 
@@ -55,15 +55,9 @@ def plan_for_config(layouts: list[UnitLayout], config: Config, world_size: int,
                     fits: Callable[[Plan], bool]) -> tuple[Placement, Plan]:
     """The placement ``config`` makes of ``layouts`` and its ``plan_memory``: kept gradient shards of blocks
     on NVMe in host memory when that plan ``fits``, else on NVMe when that one does ([Note: where kept
-    gradients wait])."""
-    placement = place(layouts, config)
-    plan = _plan(layouts, placement, config, world_size)
-    if any(p.grads_kept and p.grad_home != p.optimizer for p in placement.units) and not fits(plan):
-        beside = place(layouts, config, grads_wait_in_host=False)
-        planned = _plan(layouts, beside, config, world_size)
-        if fits(planned):  # when neither fits, the refusal names the first one's bytes
-            return beside, planned
-    return placement, plan
+    gradients wait]; ``place`` decides, asking ``fits``)."""
+    placement = place(layouts, config, fits=lambda candidate: fits(_plan(layouts, candidate, config, world_size)))
+    return placement, _plan(layouts, placement, config, world_size)
 
 
 def plan_for_machine(layouts: list[UnitLayout], config: Config, world_size: int, device: torch.device,
@@ -96,7 +90,7 @@ def check_fits(plan: Plan, config: Config, tiers: dict[str, Tier], activations: 
 
 def _plan(layouts: list[UnitLayout], placement: Placement, config: Config, world_size: int) -> Plan:
     """``plan_memory`` of ``placement`` with ``config``'s sizes."""
-    return plan_memory(layouts, placement, stage=config.zero.stage,
+    return plan_memory(layouts, placement,
                        compute_bytes=dtype_bytes(config.train.precision), moments=len(moment_names(config.optimizer)),
                        bucket_bytes=config.zero.bucket_size, world_size=world_size,
                        max_live_bytes=config.zero.max_live_size, prefetch_bytes=config.zero.prefetch_size,
@@ -124,8 +118,7 @@ def fitting_layout(module: nn.Module, config: Config, world_size: int, fits: Cal
             candidate = _with_overrides(config, overrides)
             if candidate is None:
                 continue
-            shards = world_size if candidate.zero.stage >= 1 else 1
-            layouts = find_units(module, candidate.zero.unit_modules, shards)
+            layouts = find_units(module, candidate.zero.unit_modules, shard_count(candidate, world_size))
             def fits_here(plan: Plan) -> bool:
                 return fits(*_placed(plan, activations, candidate, device))
             _, plan = plan_for_config(layouts, candidate, world_size, fits_here)
@@ -210,13 +203,14 @@ class Temporaries:
         return max(self.reduce, self.step)
 
 
-def plan_memory(layouts: list[UnitLayout], placement: Placement, *, stage: int, compute_bytes: int, moments: int,
+def plan_memory(layouts: list[UnitLayout], placement: Placement, *, compute_bytes: int, moments: int,
                 bucket_bytes: int, world_size: int, max_live_bytes: int, prefetch_bytes: int,
                 stream_buffers: int = STREAM_BUFFERS, grad_reads: int = GRAD_READS) -> Plan:
     """Bytes by tier and kind of ``placement`` ([Note: placement]): full parameters on the device but for
     partitioned units (a shard each on its home, plus at most ``max_live_bytes`` gathered on the device);
     optimizer blocks on their tiers (no master for units whose master is the weights; twice for tentative
-    updates, stored aside); gradients by stage, a shard that leaves on its grad home when kept for the step;
+    updates, stored aside); gradients as placed (full over the window, or a shard that stays, or leaves for
+    its grad home when kept for the step);
     an offloaded partitioned unit's shard in its block's master segment takes no space of its own;
     temporaries (``temporaries``) with ``stream_buffers`` host buffers per block stream or writer and
     ``grad_reads`` for gradients read back (``block_stream``), each phase's on the device, all of them on
@@ -225,22 +219,21 @@ def plan_memory(layouts: list[UnitLayout], placement: Placement, *, stage: int, 
     device, staging = placement.compute, placement.staging
     plan: Plan = {name: {k: 0 for k in Kind} for name in placement.tiers()}
     full = sum(u.padded_numel for u in layouts) * compute_bytes
-    shard = sum(u.shard_numel for u in layouts)
     partitioned_full = sum(u.padded_numel for u, p in units if p.partitioned) * compute_bytes
-    moved = sum(u.shard_numel for u, p in units if p.offloaded)
     plan[device][Kind.PARAM] = full - partitioned_full
     for u, p in units:
-        in_masters = p.params_in_masters and p.offloaded and u.trainable_numel == u.padded_numel  # no frozen values
-        if p.partitioned and not in_masters:
+        if p.partitioned and not p.params_in_masters:
             plan[p.param_home][Kind.PARAM] += u.shard_numel * compute_bytes
         versions = 2 if p.updates_tentatively else 1  # a tentative update's block is stored aside until the step
         plan[p.optimizer][Kind.OPTIMIZER] += versions * u.shard_numel * 4 * (moments + (0 if p.master_is_param else 1))
-    plan[device][Kind.GATHERED] = min(max_live_bytes, partitioned_full)
-    plan[device][Kind.GRAD] = (shard - moved) * compute_bytes if stage >= 2 else full
-    for u, p in units:  # reduced shards kept for the step wait on their grad home (offloaded_grads)
-        if stage >= 2 and p.offloaded and p.grads_kept:
+        if p.keep_full_grad:  # accumulated whole over the window
+            plan[device][Kind.GRAD] += u.padded_numel * compute_bytes
+        elif p.keep_grad_shard and not p.grad_leaves:  # the reduced shard stays on the device
+            plan[device][Kind.GRAD] += u.shard_numel * compute_bytes
+        elif p.grads_kept:  # a shard that leaves waits on its grad home for the step (offloaded_grads)
             plan[p.grad_home][Kind.GRAD] += u.shard_numel * compute_bytes
-    buffers = temporaries(layouts, placement, stage=stage, compute_bytes=compute_bytes, moments=moments,
+    plan[device][Kind.GATHERED] = min(max_live_bytes, partitioned_full)
+    buffers = temporaries(layouts, placement, compute_bytes=compute_bytes, moments=moments,
                           bucket_bytes=bucket_bytes, world_size=world_size, max_live_bytes=max_live_bytes,
                           prefetch_bytes=prefetch_bytes, stream_buffers=stream_buffers, grad_reads=grad_reads)
     plan[device][Kind.BUFFER] = buffers.device
@@ -248,7 +241,7 @@ def plan_memory(layouts: list[UnitLayout], placement: Placement, *, stage: int, 
     return _drop_empty(plan, device)
 
 
-def temporaries(layouts: list[UnitLayout], placement: Placement, *, stage: int, compute_bytes: int, moments: int,
+def temporaries(layouts: list[UnitLayout], placement: Placement, *, compute_bytes: int, moments: int,
                 bucket_bytes: int, world_size: int, max_live_bytes: int, prefetch_bytes: int,
                 stream_buffers: int = STREAM_BUFFERS, grad_reads: int = GRAD_READS) -> Temporaries:
     """The bounds on each purpose's temporaries (``Temporaries``) for ``plan_memory``'s arguments."""
@@ -265,7 +258,7 @@ def temporaries(layouts: list[UnitLayout], placement: Placement, *, stage: int, 
         staged = (2 * prefetch_bytes + max_live_bytes) // world_size + largest_shard
         staged_shards = min(staged, sum(u.padded_numel for u in partitioned) * compute_bytes // world_size
                             + largest_shard)
-    streamed_grads = [u for u, p in moved_units if stage >= 2 and p.grads_kept and p.grads_streamed]
+    streamed_grads = [u for u, p in moved_units if p.grads_kept and p.grads_streamed]
     grad_stream = 0
     if streamed_grads:  # written and read through host buffers: the writer's, and the reads ahead, one of
         buffers = stream_buffers + grad_reads - 1  # which the update holds (not both at once)
@@ -276,11 +269,11 @@ def temporaries(layouts: list[UnitLayout], placement: Placement, *, stage: int, 
     reduce_phase = 0
     if world_size > 1:  # at world size 1 nothing is staged or exchanged (reduction's GradReducer._add)
         reduce_phase = min(in_flight, full_reduce)  # staging copies of buckets, in the reduction dtype
-        if stage >= 1:
+        if placement.reduce_scatters:
             # reduce-scatter outputs, and on gloo the peers' parts received beside them (world − 1 as many)
             reduce_phase += world_size * min(in_flight, shard * reduce_bytes)
-    gathered_after_step = [(u, p) for u, p in units if not p.partitioned] if stage >= 1 and world_size > 1 else []
-    if stage >= 2:
+    gathered_after_step = [(u, p) for u, p in units if p.published_by_all_gather] if world_size > 1 else []
+    if placement.reduces_every_backward:
         reduce_phase += min(full, _waiting_grads(layouts, compute_bytes, bucket_bytes, world_size))
         # all-gather inputs of the units updated in backward, until it ends
         reduce_phase += sum(u.shard_numel for u, p in gathered_after_step if p.updates_in_backward) * compute_bytes

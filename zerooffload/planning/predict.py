@@ -53,7 +53,7 @@ from ..memory_plan import place_activations, plan_for_machine, temporaries
 from ..optim.optimizer import moment_names
 from ..telemetry import Prediction
 from ..tiers import Plan
-from ..zero.placement import COMPUTE, SWAP, TIER_NAMES, Placement, activations_leave_device, streams_state
+from ..zero.placement import TIER_NAMES, Placement, activations_leave_device, streams_state
 from ..zero.reduction import REDUCE_DTYPE
 from ..zero.unit_layout import UnitLayout
 from .model_spec import BlockTimes
@@ -104,7 +104,7 @@ def predict(config: Config, layouts: list[UnitLayout], probe: Probe, times: Bloc
     _activation_copies(config, activations, probe, phases)
     seconds = {name: _seconds(phase, probe, config) for name, phase in phases.items()}
     work = {k: sum(p.work[k] for p in phases.values()) for k in WORK}
-    peaks = _peaks(plan, config, activations, device)
+    peaks = _peaks(plan, placement, config, activations, device)
     ram_peak = _ram_peak(plan, config, layouts, placement, activations, world_size) if device.type == "cpu" else None
     moved = {"nvme_read": sum(p.read for p in phases.values()), "nvme_write": sum(p.write for p in phases.values()),
              "host_device": sum(p.link + p.gathered for p in phases.values())}
@@ -114,13 +114,13 @@ def predict(config: Config, layouts: list[UnitLayout], probe: Probe, times: Bloc
                       bottleneck=_bottleneck(phases, work, probe, config), ram_peak_bytes=ram_peak)
 
 
-def _peaks(plan: Plan, config: Config, activations: ActivationProfile | None, device: torch.device
-           ) -> dict[str, int]:
+def _peaks(plan: Plan, placement: Placement, config: Config, activations: ActivationProfile | None,
+           device: torch.device) -> dict[str, int]:
     on_device = place_activations(plan, activations, config, device)
     if activations:  # the expected peak, not the check's bound (ActivationProfile.bound_excess)
         on_device -= activations.bound_excess
     peaks = {name: sum(kinds.values()) for name, kinds in plan.items()}
-    peaks[COMPUTE] = peaks.get(COMPUTE, 0) + on_device
+    peaks[placement.compute] = peaks.get(placement.compute, 0) + on_device
     return {tier: peaks.get(tier, 0) for tier in TIER_NAMES}
 
 
@@ -129,7 +129,7 @@ def _ram_peak(plan: Plan, config: Config, layouts: list[UnitLayout], placement: 
     """The device and host tiers' expected peak together on a CPU device (see the note)."""
     tiers = [tier for tier in (placement.compute, placement.staging) if tier in plan]
     steady = sum(n for tier in tiers for kind, n in plan[tier].items() if kind not in (Kind.BUFFER, Kind.GATHERED))
-    buffers = temporaries(layouts, placement, stage=config.zero.stage, compute_bytes=dtype_bytes(config.train.precision),
+    buffers = temporaries(layouts, placement, compute_bytes=dtype_bytes(config.train.precision),
                           moments=len(moment_names(config.optimizer)), bucket_bytes=config.zero.bucket_size,
                           world_size=world_size, max_live_bytes=config.zero.max_live_size,
                           prefetch_bytes=config.zero.prefetch_size, stream_buffers=stream_depth(config.aio),
@@ -159,11 +159,10 @@ def _phases(config: Config, layouts: list[UnitLayout], placement: Placement, pro
     for layout, p in zip(layouts, placement.units):
         shard = layout.shard_numel
         block = shard * 4 * (moments + (0 if p.master_is_param else 1))
-        if p.partitioned and p.param_home != COMPUTE:  # gathered for forward, again in backward past max_live
-            streamed = p.param_home == SWAP
+        if p.params_off_device:  # gathered for forward, again in backward past max_live
             for phase, share in ((forward, 1.0), (backward, regathered)):
                 phase.gathered += shard * cb * accum * share
-                if streamed:
+                if p.params_stream:
                     nbytes = shard * (4 if p.params_in_masters else cb) * accum * share
                     phase.read += nbytes
                     phase.shard_reads += nbytes
@@ -181,9 +180,9 @@ def _phases(config: Config, layouts: list[UnitLayout], placement: Placement, pro
         if p.streamed:
             update.read += block
             update.write += block
-        if p.partitioned and p.param_home == SWAP and not p.params_in_masters:
+        if p.params_stream and not p.params_in_masters:
             update.write += shard * cb  # the new weights' shard, written where they are read from
-        if p.updated_on_device != (p.param_home == COMPUTE):
+        if p.weights_cross_link:
             update.link += shard * cb  # the new weights, from where the update ran to where they live
     _collectives(config, layouts, placement, world_size, forward, backward, step)
     step.copy = sum(u.shard_numel for u in layouts) * cb  # the norm reads every gradient once
@@ -235,28 +234,27 @@ def _fresh_memory(config: Config, layouts: list[UnitLayout], placement: Placemen
 
 def _collectives(config: Config, layouts: list[UnitLayout], placement: Placement, world_size: int,
                  forward: _Phase, backward: _Phase, step: _Phase) -> None:
-    """DESIGN §3's elements per rank: all-gathers of stage 3 (forward and backward) and of stages 1–2
-    (after the step), reduce-scatters or all-reduces (twice the elements) of the gradients."""
+    """DESIGN §3's elements per rank: all-gathers of partitioned units (forward and backward) and of the
+    units published by an all-gather (after their update), reduce-scatters or all-reduces (twice the
+    elements) of the gradients, once a window or in every backward as placed."""
     if world_size == 1:
         return
     cb = dtype_bytes(config.train.precision)
     accum = config.train.grad_accum_steps
     full = sum(u.padded_numel for u in layouts)
     partitioned = sum(u.padded_numel for u, p in zip(layouts, placement.units) if p.partitioned)
-    stage = config.zero.stage
-    reduce = full * REDUCE_DTYPE.itemsize * (2 if stage == 0 else 1) * (accum if stage >= 2 else 1)
+    reductions = accum if placement.reduces_every_backward else 1
+    reduce = full * REDUCE_DTYPE.itemsize * (1 if placement.reduce_scatters else 2) * reductions
     backward.collective += reduce + partitioned * cb * accum
     forward.collective += partitioned * cb * accum
-    if stage in (1, 2):
-        step.collective += full * cb
+    step.collective += sum(u.padded_numel for u, p in zip(layouts, placement.units) if p.published_by_all_gather) * cb
 
 
 def _fills(config: Config, layouts: list[UnitLayout], placement: Placement, cb: int, moments: int, probe: Probe,
            forward: _Phase, step: _Phase) -> None:
     """The transfers nothing overlaps (see the note)."""
     read, write = _disk_rates(probe, config)
-    streamed_params = [u.shard_numel * cb for u, p in zip(layouts, placement.units)
-                       if p.partitioned and p.param_home == SWAP]
+    streamed_params = [u.shard_numel * cb for u, p in zip(layouts, placement.units) if p.params_stream]
     if streamed_params:
         forward.exposed += max(streamed_params) / read
     blocks = [u.shard_numel * 4 * (moments + 1) for u, p in zip(layouts, placement.units)

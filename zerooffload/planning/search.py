@@ -28,7 +28,8 @@ from ..config import Config, ConfigError, format_size
 from ..memory_plan import check_fits, local_ranks, plan_for_machine
 from ..telemetry import Prediction
 from ..tiers import BudgetError, make_tiers, swap_bytes, swap_free_bytes
-from ..zero.placement import COMPUTE, STAGING, SWAP, TIER_NAMES, activations_leave_device
+from ..zero.placement import (COMPUTE, STAGING, TIER_NAMES, Placement, activations_leave_device, addressable,
+                              leaves_device, shard_count)
 from ..zero.unit_layout import UnitLayout, find_units
 from .model_spec import BlockTimes, ModelSpec, measure_compute
 from .predict import predict
@@ -53,33 +54,38 @@ class Candidate:
     overrides: dict[str, object]
     config: Config
     prediction: Prediction | None = None
+    placement: Placement | None = None
+    """The placement the engine would make of it (the evaluator's)."""
     refusal: str | None = None
     """Why it does not fit (the engine's own refusal), or None."""
     memory_need: int = 0
     """Bytes its memory plan asks of RAM and the device (activations included; swap files not)."""
 
     def describe(self) -> str:
-        c = self.config
+        """The layout in a line: the stage, what lives off the device, the micro-batch, the stage-3 window."""
+        c, partitioned = self.config, any(u.partitioned for u in self.placement.units)
         parts = [f"stage {c.zero.stage}"]
         optimizer = c.offload.optimizer
-        if optimizer.tier != COMPUTE:
+        if leaves_device(optimizer.tier):
             share = "" if optimizer.fraction == 1.0 else f" {optimizer.fraction:.0%}"
             parts.append(f"optimizer {optimizer.tier}{share}")
-        if c.zero.stage == 3 and c.offload.param.tier != COMPUTE:
+        if partitioned and leaves_device(c.offload.param.tier):
             parts.append(f"params {c.offload.param.tier}")
         if c.train.activation_checkpointing:
-            parts.append("checkpointing" + ("" if c.offload.activations.tier == COMPUTE else
-                                            f", activations {c.offload.activations.tier}"))
+            parts.append("checkpointing" + (f", activations {c.offload.activations.tier}"
+                                            if leaves_device(c.offload.activations.tier) else ""))
         parts.append(f"micro {c.train.micro_batch_size}x{c.train.grad_accum_steps}")
-        if c.zero.stage == 3 and c.zero.prefetch_size == 0:
+        if partitioned and c.zero.prefetch_size == 0:
             parts.append("no prefetch")
-        if c.zero.stage == 3:
+        if partitioned:
             parts.append(f"live {format_size(c.zero.max_live_size)}")
         return ", ".join(parts)
 
     def in_memory_bytes(self) -> int:
-        peaks = self.prediction.peak_bytes
-        return sum(n for tier, n in peaks.items() if tier != SWAP)
+        return sum(n for tier, n in self.prediction.peak_bytes.items() if addressable(tier))
+
+    def on_disk_bytes(self) -> int:
+        return sum(n for tier, n in self.prediction.peak_bytes.items() if not addressable(tier))
 
 
 def candidates(base: Config, pinned: Iterable[str], batch: int, world_size: int, device: str,
@@ -114,7 +120,7 @@ def candidates(base: Config, pinned: Iterable[str], batch: int, world_size: int,
             config = Config.load(base, overrides=[f"{k}={_toml(v)}" for k, v in overrides.items()])
         except ConfigError:
             continue  # a combination the config itself refuses
-        if overrides.get("offload.activations.tier") == STAGING and \
+        if "offload.activations.tier" in overrides and leaves_device(overrides["offload.activations.tier"]) and \
                 not activations_leave_device(config, torch.device(device)):
             continue  # nothing would move (no checkpointing, or a CPU device): the device layout again
         key = config.to_toml()
@@ -129,12 +135,12 @@ def _meaningful(overrides: dict, base: Config) -> bool:
     tiers and prefetch windows below stage 3."""
     get = lambda key, default: overrides.get(key, default)  # noqa: E731
     stage = get("zero.stage", base.zero.stage)
-    if get("offload.optimizer.tier", base.offload.optimizer.tier) == COMPUTE and \
+    if not leaves_device(get("offload.optimizer.tier", base.offload.optimizer.tier)) and \
             get("offload.optimizer.fraction", base.offload.optimizer.fraction) != FRACTIONS[0] and \
             "offload.optimizer.fraction" in overrides:
         return False
     window = (base.zero.prefetch_size, base.zero.max_live_size)
-    if stage < 3 and (overrides.get("offload.param.tier", COMPUTE) != COMPUTE
+    if stage < 3 and (leaves_device(overrides.get("offload.param.tier", base.offload.param.tier))
                       or (overrides.get("zero.prefetch_size", window[0]),
                           overrides.get("zero.max_live_size", window[1])) != window):
         return False
@@ -159,7 +165,7 @@ class Evaluator:
         self._times: dict[tuple, BlockTimes] = {}
 
     def layouts(self, config: Config) -> list[UnitLayout]:
-        shards = self.world_size if config.zero.stage >= 1 else 1
+        shards = shard_count(config, self.world_size)
         key = (shards, tuple(config.zero.unit_modules))
         if key not in self._layouts:
             self._layouts[key] = find_units(self.model.module, config.zero.unit_modules, shards)
@@ -189,7 +195,8 @@ class Evaluator:
         """Fill in ``candidate``'s refusal, or else its prediction."""
         config = candidate.config
         layouts, activations = self.layouts(config), self.activations(config)
-        candidate.refusal, candidate.memory_need = refusal(config, layouts, activations, self.world_size, self.device)
+        candidate.placement, candidate.refusal, candidate.memory_need = refusal(config, layouts, activations,
+                                                                                self.world_size, self.device)
         if candidate.refusal is None:
             candidate.prediction = predict(config, layouts, self.probe, self.times(config), activations,
                                            self.world_size)
@@ -214,24 +221,25 @@ def rank(evaluator: Evaluator, pool: list[Candidate]) -> tuple[list[Candidate], 
     if fitting:  # within TIE of the fastest, the simplest first: the least on disk, then in memory
         fastest = fitting[0].prediction.step_seconds
         tied = [c for c in fitting if c.prediction.step_seconds <= fastest * (1 + TIE)]
-        tied.sort(key=lambda c: (c.prediction.peak_bytes[SWAP], c.in_memory_bytes()))
+        tied.sort(key=lambda c: (c.on_disk_bytes(), c.in_memory_bytes()))
         fitting = tied + [c for c in fitting if c not in tied]
     return fitting, [c for c in pool if c.refusal is not None]
 
 
 def refusal(config: Config, layouts: list[UnitLayout], activations: ActivationProfile | None, world_size: int,
-            device: torch.device) -> tuple[str | None, int]:
-    """Why the engine would refuse ``config`` at start (its own checks, in its order), or None; and the
-    bytes its plan asks of memory (``Candidate.memory_need``)."""
+            device: torch.device) -> tuple[Placement, str | None, int]:
+    """The placement the engine would make; why it would refuse ``config`` at start (its own checks, in its
+    order), or None; and the bytes its plan asks of memory (``Candidate.memory_need``)."""
     tiers = make_tiers(config.memory, device)
-    _, plan = plan_for_machine(layouts, config, world_size, device, activations, tiers=tiers)
-    need = sum(sum(kinds.values()) for tier, kinds in plan.items() if tier != SWAP) + (
+    placement, plan = plan_for_machine(layouts, config, world_size, device, activations, tiers=tiers)
+    need = sum(sum(kinds.values()) for tier, kinds in plan.items() if addressable(tier)) + (
         activations.bytes(config.train.activation_checkpointing) if activations is not None else 0)
     try:
         check_fits(plan, config, tiers, activations, device, world_size)
     except BudgetError as exc:
-        return _first_clause(str(exc)), need
+        return placement, _first_clause(str(exc)), need
     swap = swap_bytes(plan) * local_ranks(world_size)
     if swap and swap > swap_free_bytes(config):
-        return f"the swap files need {swap:,} bytes but {config.nvme.paths} has {swap_free_bytes(config):,} free", need
-    return None, need
+        free = swap_free_bytes(config)
+        return placement, f"the swap files need {swap:,} bytes but {config.nvme.paths} has {free:,} free", need
+    return placement, None, need

@@ -18,23 +18,28 @@ what it can do. The rules:
   (the block as it was is kept there until the step validates the update: [Note: tentative updates]),
   and their shard is kept all the same, for the redo;
 - a kept shard waits on its *grad home*: the optimizer's tier, but for a block on NVMe, whose shard waits
-  in host memory when the run's memory plan fits it there (``memory_plan.plan_for_config``), on NVMe
-  otherwise: a shard in memory costs no write and no read back ([Note: where kept gradients wait]);
+  in host memory when the run's memory plan fits it there (``place``'s ``fits``, which the memory plan
+  supplies), on NVMe otherwise: a shard in memory costs no write and no read back ([Note: where kept
+  gradients wait] in ``memory_plan``);
 - fp32 masters are the weights themselves with fp32 weights and optimizer both on the device; a
-  partitioned fp32 unit on NVMe with its optimizer block there reads its shard from the block's master
-  segment (*params in masters*), which its own digest verifies (``nvme.checksum``: swapfile's note).
+  partitioned fp32 unit on NVMe with its optimizer block there and no frozen values reads its shard from
+  the block's master segment (*params in masters*), which its own digest verifies (``nvme.checksum``);
+- everything that depends on the stage is decided here too (the shard count, all-reduce or
+  reduce-scatter, reductions in every backward or once a window, weights published by an all-gather),
+  so that the engine, the memory plan and the planner read a placement, never ``zero.stage``.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
 from ..config import Config
 from .unit_layout import UnitLayout
 
-__all__ = ["Placement", "UnitPlacement", "activations_leave_device", "place", "streams_state", "units_to_offload",
-           "updates_in_backward"]
+__all__ = ["Placement", "UnitPlacement", "activations_leave_device", "addressable", "leaves_device", "place",
+           "shard_count", "streams_state", "units_to_offload", "updates_in_backward"]
 
 COMPUTE = "device"
 """The tier the compute runs in."""
@@ -80,7 +85,11 @@ class UnitPlacement:
     master_is_param: bool
     """The fp32 masters are the weights' own shard: no copy, no bytes."""
     params_in_masters: bool
-    """A partitioned shard on NVMe is read from the optimizer block's master segment (fp32)."""
+    """A partitioned shard on NVMe is read from the optimizer block's master segment (fp32): the unit
+    has no frozen values, which the master does not hold."""
+    published_by_all_gather: bool
+    """Its updated weights reach every rank by an all-gather after the update: trainable units at stages
+    1–2, and those stage 3 keeps whole (fewer than ``zero.persist_threshold`` parameters)."""
 
     @property
     def offloaded(self) -> bool:
@@ -102,6 +111,22 @@ class UnitPlacement:
         """The update writes its new weights in the compute's memory."""
         return self.update_on == COMPUTE
 
+    @property
+    def params_off_device(self) -> bool:
+        """A partitioned unit whose shard lives off the device: each gather brings it in."""
+        return self.partitioned and self.param_home != COMPUTE
+
+    @property
+    def params_stream(self) -> bool:
+        """A partitioned unit whose shard lives where it is not addressable: read into host memory first."""
+        return self.partitioned and self.param_home in _NOT_ADDRESSABLE
+
+    @property
+    def weights_cross_link(self) -> bool:
+        """The update runs on one side of the host-device link and the weights live on the other: the new
+        weights cross it."""
+        return self.updated_on_device == self.params_off_device
+
 
 @dataclass(frozen=True, slots=True)
 class Placement:
@@ -112,6 +137,12 @@ class Placement:
     staging: str = STAGING
     shards_off_device: bool = False
     """Partitioned shards live off the device: gathers copy them in (``DeviceCopier``)."""
+    reduce_scatters: bool = True
+    """Stages 1–3: gradients are reduce-scattered to the ranks that own their optimizer shards; stage 0
+    all-reduces them whole (every rank keeps the full gradient and updates every weight)."""
+    reduces_every_backward: bool = False
+    """Stages 2–3: every backward reduces its units, their shards accumulating over the window; stages
+    0–1 reduce once, in the backward that closes the window, the full gradients accumulating."""
 
     def tiers(self) -> set[str]:
         """The tiers this placement puts state on (the device and the staging memory always)."""
@@ -121,6 +152,21 @@ class Placement:
     def updates_in_backward(self) -> list[UnitPlacement]:
         """The units updated in backward, in unit order."""
         return [u for u in self.units if u.updates_in_backward]
+
+
+def shard_count(config: Config, world_size: int) -> int:
+    """Shards a unit is split into: one per rank from stage 1 (optimizer states sharded), one at stage 0."""
+    return world_size if config.zero.stage >= 1 else 1
+
+
+def leaves_device(tier: str) -> bool:
+    """Whether state on ``tier`` lives off the compute's memory."""
+    return tier != COMPUTE
+
+
+def addressable(tier: str) -> bool:
+    """Whether ``tier``'s bytes are memory the compute can address (device, host), not swap files."""
+    return tier not in _NOT_ADDRESSABLE
 
 
 def streams_state(config: Config) -> bool:
@@ -157,19 +203,33 @@ def units_to_offload(layouts: list, fraction: float) -> list[bool]:
     return chosen
 
 
-def place(layouts: list[UnitLayout], config: Config, *, grads_wait_in_host: bool = True) -> Placement:
-    """The placement ``config`` makes of ``layouts`` (see [Note: placement]); ``grads_wait_in_host``: the
-    kept shards of blocks on NVMe wait in host memory (else on NVMe: the memory plan's fallback)."""
+def place(layouts: list[UnitLayout], config: Config, fits: Callable[[Placement], bool] = lambda placement: True
+          ) -> Placement:
+    """The placement ``config`` makes of ``layouts`` (see [Note: placement]), decided once. The kept
+    gradient shards of blocks on NVMe wait in host memory when that placement ``fits`` (the memory plan's
+    budgets and RAM), else on NVMe when that one does; when neither fits, in host memory (whose bytes the
+    refusal then names)."""
+    in_host = _placement(layouts, config, grads_wait_in_host=True)
+    moves = any(p.grads_kept and p.grad_home != p.optimizer for p in in_host.units)
+    if not moves or fits(in_host):
+        return in_host
+    beside = _placement(layouts, config, grads_wait_in_host=False)
+    return beside if fits(beside) else in_host
+
+
+def _placement(layouts: list[UnitLayout], config: Config, *, grads_wait_in_host: bool) -> Placement:
+    """The placement with the kept shards of blocks on NVMe in host memory (``grads_wait_in_host``) or
+    beside their blocks."""
     stage, offload = config.zero.stage, config.offload
     moved = units_to_offload(layouts, offload.optimizer.fraction)
     in_backward, tentative = updates_in_backward(config), config.train.grad_clip > 0
+    fp32 = config.train.precision == "fp32"
     units = []
     for index, (layout, offloaded) in enumerate(zip(layouts, moved)):
         optimizer = offload.optimizer.tier if offloaded else COMPUTE
         partitioned = stage == 3 and layout.numel >= config.zero.persist_threshold
         param_home = offload.param.tier if partitioned else COMPUTE
         grad_leaves = stage >= 2 and layout.trainable and optimizer != COMPUTE
-        fp32 = config.train.precision == "fp32"
         early = grad_leaves and in_backward and (optimizer in _NOT_ADDRESSABLE or not tentative)
         kept = grad_leaves and (config.train.grad_accum_steps > 1 or not early or tentative)
         grad_home = STAGING if grads_wait_in_host and optimizer in _NOT_ADDRESSABLE else optimizer
@@ -180,6 +240,8 @@ def place(layouts: list[UnitLayout], config: Config, *, grads_wait_in_host: bool
             grad_leaves=grad_leaves, grads_kept=kept, grad_home=grad_home, updates_in_backward=early,
             updates_tentatively=early and tentative,
             master_is_param=fp32 and offload.param.tier == COMPUTE and optimizer == COMPUTE,
-            params_in_masters=(fp32 and partitioned and param_home in _NOT_ADDRESSABLE
-                               and optimizer in _NOT_ADDRESSABLE)))
-    return Placement(tuple(units), shards_off_device=offload.param.tier != COMPUTE)
+            params_in_masters=(fp32 and partitioned and param_home in _NOT_ADDRESSABLE and optimizer in
+                               _NOT_ADDRESSABLE and layout.trainable_numel == layout.padded_numel),
+            published_by_all_gather=stage >= 1 and layout.trainable and not partitioned))
+    return Placement(tuple(units), shards_off_device=offload.param.tier != COMPUTE, reduce_scatters=stage >= 1,
+                     reduces_every_backward=stage >= 2)

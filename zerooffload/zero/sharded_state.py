@@ -76,13 +76,13 @@ class ShardedState:
     def _param_block(self, index: int) -> Block:
         """A partitioned unit's shard home (``Kind.PARAM`` on its ``param_home``); with params in masters
         the block's master segment instead, which holds the same values and which the update writes
-        anyway: no second copy to write each step (not for a shard with frozen values, which the master
-        does not hold). Off the addressable tiers, a shard whose trainable span is followed by frozen
+        anyway: no second copy to write each step (placement leaves out units with frozen values, which
+        the master does not hold). Off the addressable tiers, a shard whose trainable span is followed by frozen
         values is two blocks, so that steps write the span alone."""
         unit = self.units[index]
         place = unit.placement
         size, span = unit.layout.shard_numel, unit.trainable_span
-        if place.params_in_masters and unit.trainable_numel == size:  # the master is the block's first segment
+        if place.params_in_masters:  # the master is the block's first segment
             return self.tiers[place.optimizer].prefix_block(f"optimizer.{index}", size, torch.float32)
         home = self.tiers[place.param_home]
         if home.resident or span in (0, size):

@@ -32,10 +32,9 @@ __all__ = ["Updater", "grad_scale"]
 class Updater:
     """Updates units of a ``ShardedState`` and publishes their new weights."""
 
-    def __init__(self, state: ShardedState, param_scheduler: ParamScheduler, stage: int):
+    def __init__(self, state: ShardedState, param_scheduler: ParamScheduler):
         self.state = state
         self.param_scheduler = param_scheduler
-        self.stage = stage
 
     def publication(self, whole_shards: bool = False) -> Publication:
         state = self.state
@@ -51,8 +50,8 @@ class Updater:
         units, comm = self.state.units, self.state.comm
         flags = [torch.tensor(u.has_grad, dtype=torch.float64) for u in units]
         local_sq = torch.stack([unit.grad_sumsq().to(comm.device) for unit in units]).sum().cpu().reshape(1)
-        if self.stage == 0 and comm.rank != 0:
-            local_sq.zero_()  # stage 0 gradients are whole on every rank: count them once
+        if not self.state.placement.reduce_scatters and comm.rank != 0:
+            local_sq.zero_()  # all-reduced gradients are whole on every rank: count them once
         control = control_all_reduce(comm, torch.cat([local_sq, *flags]).to(comm.device)).cpu()
         return float(control[0]), list(torch.split(control[1:], [len(f) for f in flags]))
 
