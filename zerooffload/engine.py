@@ -56,12 +56,12 @@ from .trace import RECORDER, ArmedTrace, forward_segments, segment
 from .zero.backward_updates import BackwardUpdates
 from .zero.param_hooks import register_param_hooks
 from .zero.partition import FlatUnit
-from .zero.placement import activations_leave_device, shard_count
+from .zero.placement import activations_leave_device
 from .zero.reduction import GradReducer, Mode, reduction_order
 from .zero.scheduler import ParamScheduler, check_live_bound
 from .zero.sharded_state import ShardedState, Values, eager_values, make_units
 from .zero.state_dicts import StateDicts
-from .zero.unit_layout import find_units
+from .zero.unit_layout import UnitLayout
 from .zero.update import Updater, grad_scale
 
 __all__ = ["Engine"]
@@ -83,7 +83,8 @@ def _engine_call(method: Any) -> Any:
 class Engine:
     """Trains one module with ZeRO stages 0–3; see [Note: a step]."""
 
-    def __init__(self, module: nn.Module, config: Config, comm: Comm, param_groups: list[dict] | None,
+    def __init__(self, module: nn.Module, layouts: list[UnitLayout], config: Config, comm: Comm,
+                 param_groups: list[dict] | None,
                  values: Values = eager_values, activations: ActivationProfile | None = None,
                  prediction: Prediction | None = None):
         self.module = module
@@ -91,7 +92,6 @@ class Engine:
         self.comm = comm
         self.stage = config.zero.stage
         self.compute_dtype = COMPUTE_DTYPES[config.train.precision]
-        layouts = find_units(module, config.zero.unit_modules, shard_count(config, comm.world_size))
         if not layouts:
             raise ValueError("the model has no parameters to train")
         self.tiers = make_tiers(config.memory, comm.device)

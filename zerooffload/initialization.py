@@ -17,7 +17,8 @@ from .telemetry import Prediction
 from .threads import set_threads
 from .zero.placement import streams_state
 from .zero.sharded_state import eager_values
-from .zero.unit_layout import find_units
+from .zero.placement import shard_count
+from .zero.unit_layout import UnitLayout, find_units, rebind
 
 __all__ = ["initialize"]
 
@@ -50,28 +51,28 @@ def initialize(model: nn.Module, config: Config | dict | str | None = None, para
         release_freed_memory()  # before the first buffer: host_allocator's [Note: RSS that follows the accounting]
     lazy = is_lazy(model)
     comm = init_comm()
+    layouts = find_units(model, config.zero.unit_modules, shard_count(config, comm.world_size))
     activations = None
     if example_inputs is not None:
-        activations = _measure(model, config, comm.device, example_inputs)
+        activations = _measure(model, layouts, config, comm.device, example_inputs)
     if lazy:
-        swap_in_placeholders(model)
+        layouts = rebind(layouts, swap_in_placeholders(model))
     elif init_fn is not None:
         with torch.no_grad():
             init_fn(model)
     with failing_together(comm):
         values = (lambda units: initial_values(model, units, init_fn)) if lazy else eager_values
-        engine = Engine(model, config, comm, param_groups, values=values,
+        engine = Engine(model, layouts, config, comm, param_groups, values=values,
                         activations=activations, prediction=prediction)
     return_free_heap()  # what the meta forward and the unit-by-unit initialization freed
     return engine
 
 
-def _measure(model: nn.Module, config: Config, device: torch.device, example_inputs: tuple | dict
-             ) -> ActivationProfile:
-    """The activations of ``model`` (still on the meta device) on ``example_inputs``."""
+def _measure(model: nn.Module, layouts: list[UnitLayout], config: Config, device: torch.device,
+             example_inputs: tuple | dict) -> ActivationProfile:
+    """The activations of ``model`` (still on the meta device, its units ``layouts``) on ``example_inputs``."""
     if not is_lazy(model):
         raise ValueError("example_inputs: activations are measured on a model built under zo.init_context(); "
                          "build it there, or leave example_inputs out (the RAM margin then stands in for them)")
     args, kwargs = (((), example_inputs) if isinstance(example_inputs, dict) else (tuple(example_inputs), {}))
-    layouts = find_units(model, config.zero.unit_modules, 1)
     return measure_activations(model, layouts, dtype_bytes(config.train.precision), args, kwargs, device)

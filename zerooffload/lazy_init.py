@@ -63,9 +63,9 @@ def _placeholder(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
     return torch.full((1,), math.nan, dtype=dtype).expand(shape)
 
 
-def swap_in_placeholders(model: nn.Module) -> None:
+def swap_in_placeholders(model: nn.Module) -> dict[int, nn.Parameter]:
     """Replace meta parameters with CPU placeholders (one object per shared parameter, so ties hold)
-    and meta buffers with zeros."""
+    and meta buffers with zeros; returns each replaced parameter's placeholder, by the old one's id."""
     replaced: dict[int, nn.Parameter] = {}
     for module in model.modules():
         for name, param in module._parameters.items():
@@ -77,6 +77,7 @@ def swap_in_placeholders(model: nn.Module) -> None:
         for name, buffer in module._buffers.items():
             if buffer is not None and buffer.is_meta:
                 module._buffers[name] = torch.zeros(buffer.shape, dtype=buffer.dtype)
+    return replaced
 
 
 def initial_values(model: nn.Module, units: list[FlatUnit], init_fn: Callable[[nn.Module], None] | None

@@ -27,12 +27,14 @@
 """
 from __future__ import annotations
 
+import dataclasses
+
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-__all__ = ["ALIGN_ELEMENTS", "Slot", "Piece", "UnitLayout", "find_units"]
+__all__ = ["ALIGN_ELEMENTS", "Slot", "Piece", "UnitLayout", "find_units", "rebind"]
 
 ALIGN_ELEMENTS = 1024
 """Shard granularity in elements: 4 KiB of fp32, the O_DIRECT alignment."""
@@ -157,3 +159,12 @@ def _layout(name: str, module: nn.Module, members: list, shards: int) -> UnitLay
     per_shard = -(-offset // shards)
     shard_numel = max(1, -(-per_shard // ALIGN_ELEMENTS)) * ALIGN_ELEMENTS
     return UnitLayout(name, module, tuple(slots), shards, shard_numel)
+
+
+def rebind(layouts: list[UnitLayout], replaced: dict[int, nn.Parameter]) -> list[UnitLayout]:
+    """``layouts`` with each parameter that ``replaced`` names (by the old one's id) swapped for its
+    replacement: a lazily built model's units, found once on the meta device, kept after its meta
+    parameters become placeholders (``lazy_init.swap_in_placeholders``)."""
+    return [dataclasses.replace(layout, slots=tuple(dataclasses.replace(slot, param=replaced.get(id(slot.param),
+                                                                                                 slot.param))
+                                                    for slot in layout.slots)) for layout in layouts]
