@@ -159,7 +159,7 @@ def test_step_hooks_see_one_optimizer_step_per_engine_step(make_engine, config):
     engine.optimizer.register_step_post_hook(lambda optimizer, args, kwargs: calls.append("post"))
     _train(engine, steps=3)
     assert calls == ["pre", "post"] * 3
-    assert engine.global_steps == 3
+    assert engine.window.global_steps == 3
 
 
 def _expected_lr(step: int, peak: float, floor: float, warmup: int, total: int) -> float:

@@ -164,7 +164,7 @@ def skip_streak_case(tmp: str) -> dict:
                 engine.step()
             except zo.SkipStreakError as error:
                 return {"window": number, "message": str(error), "checkpoint": error.checkpoint, "saved": str(saved),
-                        "skipped": engine.skipped_steps}
+                        "skipped": engine.window.skipped_steps}
     return {"window": None}
 
 
@@ -190,7 +190,7 @@ def test_fp16_overflows_do_not_count_toward_a_skip_streak():
         for (batch,) in make_batches(4, 1, 2, seed=5):
             _backward(engine, batch)
             assert engine.step() is False
-        assert engine.skipped_steps == 4 and engine.skip_streak.length == 0
+        assert engine.window.skipped_steps == 4 and engine.window.streak.length == 0
 
 
 @pytest.mark.parametrize("poisoned_block, clip, outcome", [(2, 0.0, "skipped"), (0, 0.0, "raises"),

@@ -38,7 +38,7 @@ from torch.overrides import TorchFunctionMode
 
 from .zero.unit_layout import UnitLayout
 
-__all__ = ["ActivationProfile", "MetaBranches", "measure_activations", "checkpoint_forward"]
+__all__ = ["ActivationProfile", "MetaBranches", "checkpoint_blocks", "checkpoint_forward", "measure_activations"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -177,6 +177,14 @@ def _on_meta(value: Any) -> Any:
     if isinstance(value, torch.Tensor):
         return torch.empty_like(value, device="meta")
     return value
+
+
+def checkpoint_blocks(layouts: list[UnitLayout], offload: Any = None) -> None:
+    """``checkpoint_forward`` on every block unit's module; the root unit, which holds the embeddings and
+    the head, runs as it is."""
+    for layout in layouts:
+        if layout.name:
+            checkpoint_forward(layout.module, offload)
 
 
 def checkpoint_forward(module: nn.Module, offload: Any = None) -> None:

@@ -101,7 +101,7 @@ def save_checkpoint(engine: Trainable, directory: str | os.PathLike, tag: str | 
                     client_state: dict | None = None) -> Path:
     """Write ``engine``'s full training state (see the note); collective: every rank calls it."""
     directory = Path(directory)
-    tag = tag or default_tag(engine.global_steps)
+    tag = tag or default_tag(engine.window.global_steps)
     _check_tag(tag)
     if not _jsonable(client_state):
         raise TypeError(f"client_state must be JSON-serializable (it goes into the manifest): {client_state!r:.200}")
@@ -155,9 +155,9 @@ def _write_rank_data(engine: Trainable, partial: Path, size: int) -> dict[str, d
         depth = checkpoint_depth(engine.config.aio)
         writer = ChecksummedWriter(partial / rank_file(rank, "bin"), aio, size, writes_in_flight=depth)
         try:
-            for state in engine.visit_optimizer_states(write=False):
+            for state in engine.state_dicts.visit(write=False):
                 if rank < state.unit.layout.shards:
-                    writer.write(engine.fp32_shard(state))
+                    writer.write(engine.state_dicts.fp32_shard(state))
                     for name in state.moment_names:
                         writer.write(_whole_shard(state.moment(name), state.unit.layout.shard_numel))
         finally:
@@ -201,15 +201,15 @@ def _manifest(engine: Trainable, tag: str, files: dict, steps: dict[str, float],
     optimizer = engine.optimizer
     return {
         "format": FORMAT, "version": VERSION, "tag": tag, "world_size": engine.comm.world_size,
-        "stage": engine.stage, "precision": engine.config.train.precision, "config": engine.config.to_toml(),
+        "stage": engine.config.zero.stage, "precision": engine.config.train.precision, "config": engine.config.to_toml(),
         "moments": list(engine.opt_states[0].moment_names) if engine.opt_states else [],
         "units": [_unit_record(u) for u in engine.units],
         "steps": steps,
         "groups": [{k: v for k, v in g.items() if k != "params" and _jsonable(v)} for g in optimizer.param_groups],
-        "scheduler": None if engine.scheduler is None else _scheduler_state(engine.scheduler),
+        "scheduler": None if engine.lr_scheduler is None else _scheduler_state(engine.lr_scheduler),
         "scaler": engine.scaler.state(),
-        "counters": {"global_steps": engine.global_steps, "micro_steps": engine.micro_steps,
-                     "skipped_steps": engine.skipped_steps},
+        "counters": {"global_steps": engine.window.global_steps, "micro_steps": engine.window.micro_steps,
+                     "skipped_steps": engine.window.skipped_steps},
         "buffers": [{"name": n, "dtype": str(b.dtype).removeprefix("torch."), "shape": list(b.shape)}
                     for n, b in persistent_buffers(engine.module)],
         "client_state": client_state,
@@ -243,7 +243,8 @@ def load_checkpoint(engine: Trainable, directory: str | os.PathLike, tag: str | 
         _check_same_optimizer(engine, manifest)
     with RankFiles(manifest) as files:
         buffers = read_saved_buffers(manifest, files)
-        engine.set_optimizer_states(lambda state, frozen: _fill_state(state, frozen, sources, files), whole=True)
+        engine.state_dicts.set_optimizer_states(lambda state, frozen: _fill_state(state, frozen, sources, files),
+                                                whole=True)
     _restore_buffers(engine, buffers)
     _restore_optimizer(engine, manifest)
     _restore_rng(engine, manifest)
@@ -325,11 +326,11 @@ def _restore_optimizer(engine: Trainable, manifest: Manifest) -> None:
             step = optimizer.state[tensor].get("step")
             if step is not None:
                 step.fill_(data["steps"].get(name, 0.0))
-    if engine.scheduler is not None and data["scheduler"] is not None:
-        engine.scheduler.load_state_dict({**engine.scheduler.state_dict(), **data["scheduler"]})
+    if engine.lr_scheduler is not None and data["scheduler"] is not None:
+        engine.lr_scheduler.load_state_dict({**engine.lr_scheduler.state_dict(), **data["scheduler"]})
     engine.scaler.load_state(data["scaler"])
     counters = data["counters"]
-    engine.restore_counters(counters["global_steps"], counters["micro_steps"], counters["skipped_steps"])
+    engine.window.restore(counters["global_steps"], counters["micro_steps"], counters["skipped_steps"])
 
 
 def _restore_buffers(engine: Trainable, values: dict[str, torch.Tensor]) -> None:

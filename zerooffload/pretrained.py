@@ -84,7 +84,8 @@ def load_safetensors(engine: Trainable, source: str | os.PathLike, prefix: str =
         files = SafetensorsSource(source)
         try:
             keys = _match(engine, files, prefix, strict)
-            engine.set_optimizer_states(lambda state, frozen: _fill_master(state, frozen, files, keys), whole=False)
+            engine.state_dicts.set_optimizer_states(lambda state, frozen: _fill_master(state, frozen, files, keys),
+                                                    whole=False)
         finally:
             files.close()
 

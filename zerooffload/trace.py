@@ -169,11 +169,14 @@ class ArmedTrace:
     where ``writes`` (rank 0)."""
 
     def __init__(self, path: str | os.PathLike, steps: int, gather: Callable[[list[dict]], list[list[dict]]],
-                 writes: bool):
+                 writes: bool, counters: dict[str, int] | None = None):
+        """``counters``: each tier's bytes held now, where its counter starts (not at its next change)."""
         if steps < 1:
             raise ValueError(f"steps = {steps}: a trace records at least one step")
         self.path, self.left, self.gather, self.writes = path, steps, gather, writes
         RECORDER.start()
+        for name, value in (counters or {}).items():
+            RECORDER.counter(name, value)
 
     def step_done(self) -> bool:
         """One more step recorded; True once the trace is written (the recorder is off again)."""

@@ -2,12 +2,12 @@
 
 ``checkpoint`` and ``pretrained`` work on a ``Trainable``: the engine (``engine.Engine``) is one, and
 so is anything else with these members. They read nothing else of it, so the engine's insides can
-change without them; the engine stays the one that changes its own state (``set_optimizer_states``,
-``restore_counters``).
+change without them; the engine's own parts change its state (``state_dicts.set_optimizer_states``,
+``window.restore``).
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
 
 if TYPE_CHECKING:
     import torch
@@ -18,6 +18,8 @@ if TYPE_CHECKING:
     from .optim.state import UnitOptimizerState
     from .precision import LossScaler
     from .zero.partition import FlatUnit
+    from .zero.state_dicts import StateDicts
+    from .zero.window import Window
 
 __all__ = ["Trainable", "FillState"]
 
@@ -42,10 +44,6 @@ class Trainable(Protocol):
         """The model (its persistent buffers are saved and loaded)."""
 
     @property
-    def stage(self) -> int:
-        ...
-
-    @property
     def units(self) -> Sequence["FlatUnit"]:
         """Every unit, in order: its layout (parameter names, shapes, offsets) and this rank's shard."""
 
@@ -58,7 +56,7 @@ class Trainable(Protocol):
         """Its ``param_groups`` and per-parameter ``state`` (step counts) over this rank's pieces."""
 
     @property
-    def scheduler(self) -> Any:
+    def lr_scheduler(self) -> Any:
         """The LR schedule (``state_dict``/``load_state_dict``), or None."""
 
     @property
@@ -66,29 +64,15 @@ class Trainable(Protocol):
         ...
 
     @property
-    def global_steps(self) -> int:
-        ...
+    def window(self) -> "Window":
+        """The accumulation window: the step counters (``global_steps``, ``micro_steps``,
+        ``skipped_steps``) and ``restore`` for a resumed run."""
 
     @property
-    def micro_steps(self) -> int:
-        ...
-
-    @property
-    def skipped_steps(self) -> int:
-        ...
+    def state_dicts(self) -> "StateDicts":
+        """Whole values: ``visit`` each loaded optimizer state, its ``fp32_shard``, and
+        ``set_optimizer_states(fill, whole=...)``, which fills every unit's loaded state and publishes the
+        new weights (``whole``: it overwrites every block entirely, nothing is read first)."""
 
     def ensure_open(self, call: str) -> None:
         """Refuse ``call`` on an engine that cannot run it (closed, or stopped after a failure)."""
-
-    def visit_optimizer_states(self, *, write: bool) -> Iterator["UnitOptimizerState"]:
-        """Each unit's optimizer state loaded, in unit order; ``write``: changes are stored back."""
-
-    def fp32_shard(self, state: "UnitOptimizerState") -> "torch.Tensor":
-        """This rank's whole shard of a loaded ``state``'s unit in fp32."""
-
-    def set_optimizer_states(self, fill: FillState, *, whole: bool) -> None:
-        """``fill`` every unit's loaded state and publish the new weights; ``whole``: it overwrites
-        every block entirely (nothing is read first)."""
-
-    def restore_counters(self, global_steps: int, micro_steps: int, skipped_steps: int) -> None:
-        """Set the step counters of a resumed run."""

@@ -8,8 +8,8 @@
 - *A fresh run does not take over an old one.* Without ``--resume``, an ``--out`` whose ``checkpoints/``
   holds a checkpoint is refused, and nothing of the old run changes: continue it with ``--resume``, or
   pass ``--overwrite``, which removes its checkpoints and ``summary.json`` (under the lock) first.
-- *Every path is checked before the model is built.* ``--out``, ``checkpoints/`` (when the run saves or
-  resumes), ``summary.json`` and ``--trace`` are each written to (a probe file, or an open for append)
+- *Every path is checked before the model is built.* ``--out``, ``checkpoints/`` (when the run saves),
+  ``summary.json`` and ``--trace`` are each written to (a probe file, or an open for append)
   and refused in one line if they cannot be: a read-only ``--out`` is found in a second, not after the
   run; an unwritable ``--trace`` before step 1, not at step 3.
 Ranks other than 0 only check their paths (a job's ranks share ``--out``); the lock and the rules about
@@ -52,7 +52,7 @@ def owned_out(args: argparse.Namespace, rank: int) -> Iterator[Path]:
         checkpoints = out / "checkpoints"
         if rank == 0 and not args.resume:
             _fresh(out, checkpoints, args.overwrite)
-        if args.save_every or args.resume:
+        if args.save_every:  # a resume finds its checkpoints itself, and says so when there are none
             _writable_dir(checkpoints, "--out's checkpoints directory")
         _writable_file(out / "summary.json", "summary.json")
         if args.trace:

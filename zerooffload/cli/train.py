@@ -170,7 +170,7 @@ def _save(engine, checkpoints: Path, run: _Run, keep: int) -> None:
         make_room(checkpoints, keep, spare=run.good)
     run.saved = engine.save_checkpoint(checkpoints, client_state={"next_step": run.last_step, "losses": run.losses,
                                                                   **run.shape})
-    if engine.skip_streak.length == 0:
+    if engine.window.streak.length == 0:
         run.good = run.saved.name
     if engine.comm.rank == 0:
         prune(checkpoints, keep, spare=run.good)
@@ -185,8 +185,8 @@ def _stop_line(run: _Run) -> str:
 def _all_skipped_line(engine, config: Config) -> str | None:
     """One line when every step of the run was skipped, so no update ever happened: the losses look
     like a run, and only this says that the model never changed."""
-    steps = engine.global_steps
-    if not steps or engine.skipped_steps < steps:
+    steps = engine.window.global_steps
+    if not steps or engine.window.skipped_steps < steps:
         return None
     train = config.train
     if train.precision != "fp16":
@@ -208,11 +208,11 @@ def _summary(args, engine, run: _Run, model_config) -> dict:
     first, last = statistics.fmean(losses[:window]), statistics.fmean(losses[-window:])
     report = engine.memory_report()
     return {"model": args.model, "params": model_config.num_params, "steps": run.last_step,
-            "first_step": run.first_step, "world_size": engine.comm.world_size, "stage": engine.stage,
+            "first_step": run.first_step, "world_size": engine.comm.world_size, "stage": engine.config.zero.stage,
             "precision": engine.config.train.precision, "seconds": round(run.seconds, 2),
             "tokens_per_second": round(run.tokens_per_step * (run.last_step - run.first_step) / run.seconds),
             "first_loss_mean": first, "last_loss_mean": last, "loss_ratio": last / first, "window": window,
-            "skipped_steps": engine.skipped_steps, "peak_bytes": dict(report.peaks), "losses": losses}
+            "skipped_steps": engine.window.skipped_steps, "peak_bytes": dict(report.peaks), "losses": losses}
 
 
 def _print_summary(s: dict) -> None:

@@ -51,6 +51,10 @@ class StateDicts:
         return {name: values[id(t)] if id(t) in values else t.detach().cpu().clone()
                 for name, t in state.module.state_dict(keep_vars=True).items()}
 
+    def visit(self, *, write: bool, read: bool = True) -> Iterator[UnitOptimizerState]:
+        """Each unit's optimizer state loaded, in unit order (``ShardedState.visit``): for checkpoints."""
+        return self.state.visit(write=write, read=read)
+
     def fp32_shard(self, opt_state: UnitOptimizerState) -> torch.Tensor:
         """This rank's whole shard of ``opt_state``'s unit in fp32 (``opt_state`` loaded): the master
         over the trainable part, the weights past it. Those are frozen values, exact in fp32 runs; in
