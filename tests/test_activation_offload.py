@@ -64,7 +64,7 @@ def test_a_cpu_run_moves_nothing_and_a_gpu_plan_counts_the_inputs_on_the_host():
     assert place_activations(gpu_plan, profile, config, torch.device("cuda")) == 250
     assert gpu_plan["host"][Kind.ACTIVATION] == 150
     with zo.initialize(_model(None), config) as engine:
-        assert engine._activations is None  # private: the hooks are not installed on a CPU device
+        assert engine.host_activations is None  # the hooks are not installed on a CPU device
 
 
 def test_moving_activations_needs_checkpointing():

@@ -18,7 +18,10 @@ The pipelines:
   gradients, new parameter shards), ``depth`` host buffers;
 - ``BlockReader``: blocks read ahead of their use (offloaded gradients for the update), ``depth``
   host buffers, those in use included; a read ahead is skipped when none is free;
-- ``checkpoint_files.ChecksummedWriter``: a checkpoint's data file, ``depth`` writes in flight.
+- ``checkpoint_files.ChecksummedWriter``: a checkpoint's data file, ``depth`` writes in flight;
+- the prefetching scheduler's staged shards (``zero.scheduler``: reads of stage-3 shards from NVMe,
+  bounded by its byte window) and the reducer's buckets (``zero.reduction``: ``MAX_BUCKETS_IN_FLIGHT``
+  collectives, each handing its shards off as it is waited for) are ``InFlight`` queues too.
 Their depth is ``aio.blocks_in_flight`` where set, else each one's own default: ``stream_depth``,
 ``grad_read_depth`` and ``checkpoint_depth`` say which. The memory plan counts the buffers these hold.
 

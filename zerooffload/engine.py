@@ -109,10 +109,10 @@ class Engine:
         if partitioned:
             self._hooks += register_param_hooks(module, partitioned, self.param_scheduler)
         self._hooks += forward_segments([(unit.layout.name, unit.layout.module) for unit in self.units])
-        self._activations = (HostActivations(self.state.staging, comm.device, streams)
+        self.host_activations = (HostActivations(self.state.staging, comm.device, streams)
                              if activations_leave_device(config, comm.device) else None)
         if config.train.activation_checkpointing:
-            checkpoint_blocks([unit.layout for unit in self.units], self._activations)
+            checkpoint_blocks([unit.layout for unit in self.units], self.host_activations)
         self._stats: StepStats | None = None
         self._closed = False
         self._trace: ArmedTrace | None = None
@@ -127,8 +127,8 @@ class Engine:
         if self.compute_dtype != torch.float32:
             args, kwargs = cast_floats(args, self.compute_dtype), cast_floats(kwargs, self.compute_dtype)
         with self._meter.phase("forward"):
-            if self._activations is not None:
-                self._activations.begin_forward()
+            if self.host_activations is not None:
+                self.host_activations.begin_forward()
             return self.module(*args, **kwargs)
 
     @segment("backward: reduce")
@@ -145,8 +145,8 @@ class Engine:
         if not self.window.begin_backward(loss):  # a skipped window: nothing to run (window's note)
             self.param_scheduler.abandon_pass()
             return
-        if self._activations is not None:
-            self._activations.prefetch_last()
+        if self.host_activations is not None:
+            self.host_activations.prefetch_last()
         try:
             (loss * (self.scaler.scale / self.config.train.grad_accum_steps)).backward()
             self.window.finish_reductions()

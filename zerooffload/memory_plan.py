@@ -33,13 +33,13 @@ from .activations import ActivationProfile
 from .block_stream import GRAD_READS, STREAM_BUFFERS, grad_read_depth, stream_depth
 from .config import Config, ConfigError, dtype_bytes
 from .optim.optimizer import moment_names
-from .tiers import (BudgetError, Kind, Plan, Tier, check_plan, check_ram, make_tiers, swap_bytes,
+from .tiers import (BudgetError, Kind, MemoryPlan, Tier, check_plan, check_ram, make_tiers, swap_bytes,
                     swap_free_bytes)
 from .zero.placement import STAGING, Placement, activations_leave_device, place, shard_count
 from .zero.reduction import MAX_BUCKETS_IN_FLIGHT, REDUCE_DTYPE
 from .zero.unit_layout import UnitLayout, find_units
 
-__all__ = ["plan_memory", "plan_for_config", "plan_for_machine", "check_fits", "check_memory", "fitting_layout",
+__all__ = ["memory_bytes", "plan_for_config", "plan_for_machine", "check_fits", "check_memory", "fitting_layout",
            "place_activations", "local_ranks", "temporaries", "Temporaries", "LAYOUTS_TO_TRY"]
 
 LAYOUTS_TO_TRY = (
@@ -52,8 +52,8 @@ LAYOUTS_TO_TRY = (
 
 
 def plan_for_config(layouts: list[UnitLayout], config: Config, world_size: int,
-                    fits: Callable[[Plan], bool]) -> tuple[Placement, Plan]:
-    """The placement ``config`` makes of ``layouts`` and its ``plan_memory``: kept gradient shards of blocks
+                    fits: Callable[[MemoryPlan], bool]) -> tuple[Placement, MemoryPlan]:
+    """The placement ``config`` makes of ``layouts`` and its ``memory_bytes``: kept gradient shards of blocks
     on NVMe in host memory when that plan ``fits``, else on NVMe when that one does ([Note: where kept
     gradients wait]; ``place`` decides, asking ``fits``)."""
     placement = place(layouts, config, fits=lambda candidate: fits(_plan(layouts, candidate, config, world_size)))
@@ -62,12 +62,12 @@ def plan_for_config(layouts: list[UnitLayout], config: Config, world_size: int,
 
 def plan_for_machine(layouts: list[UnitLayout], config: Config, world_size: int, device: torch.device,
                      activations: ActivationProfile | None, *, tiers: dict[str, Tier] | None = None,
-                     released: int = 0) -> tuple[Placement, Plan]:
+                     released: int = 0) -> tuple[Placement, MemoryPlan]:
     """``plan_for_config`` as the engine makes it: fitting the budgets of ``tiers`` (``config``'s when None)
     and this machine's RAM beside ``activations`` (``released``: ``check_ram``'s)."""
     tiers = make_tiers(config.memory, device) if tiers is None else tiers
 
-    def fits(plan: Plan) -> bool:
+    def fits(plan: MemoryPlan) -> bool:
         try:
             check_fits(plan, config, tiers, activations, device, world_size, released=released)
         except BudgetError:
@@ -76,9 +76,9 @@ def plan_for_machine(layouts: list[UnitLayout], config: Config, world_size: int,
     return plan_for_config(layouts, config, world_size, fits)
 
 
-def check_fits(plan: Plan, config: Config, tiers: dict[str, Tier], activations: ActivationProfile | None,
+def check_fits(plan: MemoryPlan, config: Config, tiers: dict[str, Tier], activations: ActivationProfile | None,
                device: torch.device, world_size: int, *, released: int = 0,
-               suggestion: Callable[[Callable[[Plan, int], bool]], str | None] = lambda fits: None) -> None:
+               suggestion: Callable[[Callable[[MemoryPlan, int], bool]], str | None] = lambda fits: None) -> None:
     """Refuse (``BudgetError``) a ``plan`` that does not fit the budgets of ``tiers`` or this machine's RAM
     beside ``activations`` (placed on a copy: ``plan`` is left as it is), the budgets first: they are
     cheap to check. ``released`` and ``suggestion``: ``check_ram``'s."""
@@ -88,23 +88,23 @@ def check_fits(plan: Plan, config: Config, tiers: dict[str, Tier], activations: 
               local_ranks=local_ranks(world_size), suggestion=suggestion)
 
 
-def _plan(layouts: list[UnitLayout], placement: Placement, config: Config, world_size: int) -> Plan:
-    """``plan_memory`` of ``placement`` with ``config``'s sizes."""
-    return plan_memory(layouts, placement,
+def _plan(layouts: list[UnitLayout], placement: Placement, config: Config, world_size: int) -> MemoryPlan:
+    """``memory_bytes`` of ``placement`` with ``config``'s sizes."""
+    return memory_bytes(layouts, placement,
                        compute_bytes=dtype_bytes(config.train.precision), moments=len(moment_names(config.optimizer)),
                        bucket_bytes=config.zero.bucket_size, world_size=world_size,
                        max_live_bytes=config.zero.max_live_size, prefetch_bytes=config.zero.prefetch_size,
                        stream_buffers=stream_depth(config.aio), grad_reads=grad_read_depth(config.aio))
 
 
-def _placed(plan: Plan, activations: ActivationProfile | None, config: Config, device: torch.device
-            ) -> tuple[Plan, int]:
+def _placed(plan: MemoryPlan, activations: ActivationProfile | None, config: Config, device: torch.device
+            ) -> tuple[MemoryPlan, int]:
     """A copy of ``plan`` with its activations placed (``place_activations``), and those on the device."""
     plan = {name: dict(kinds) for name, kinds in plan.items()}
     return plan, place_activations(plan, activations, config, device)
 
 
-def fitting_layout(module: nn.Module, config: Config, world_size: int, fits: Callable[[Plan, int], bool],
+def fitting_layout(module: nn.Module, config: Config, world_size: int, fits: Callable[[MemoryPlan, int], bool],
                    activations: ActivationProfile | None = None, local_ranks: int = 1,
                    device: torch.device = torch.device("cpu")) -> str | None:
     """The first of ``LAYOUTS_TO_TRY`` (as overrides) whose plan ``fits`` beside its activations
@@ -119,7 +119,7 @@ def fitting_layout(module: nn.Module, config: Config, world_size: int, fits: Cal
             if candidate is None:
                 continue
             layouts = find_units(module, candidate.zero.unit_modules, shard_count(candidate, world_size))
-            def fits_here(plan: Plan) -> bool:
+            def fits_here(plan: MemoryPlan) -> bool:
                 return fits(*_placed(plan, activations, candidate, device))
             _, plan = plan_for_config(layouts, candidate, world_size, fits_here)
             on_disk = swap_bytes(plan) * local_ranks
@@ -130,7 +130,7 @@ def fitting_layout(module: nn.Module, config: Config, world_size: int, fits: Cal
 
 def check_memory(module: nn.Module, layouts: list[UnitLayout], config: Config, tiers: dict[str, Tier],
                  activations: ActivationProfile | None, world_size: int, device: torch.device
-                 ) -> tuple[Placement, Plan]:
+                 ) -> tuple[Placement, MemoryPlan]:
     """The run's placement and plan, refused before anything is allocated when it does not fit its budgets
     or the RAM (the refusal names a layout that would fit: ``fitting_layout``)."""
     released = _storage_bytes(module)
@@ -155,7 +155,7 @@ def local_ranks(world_size: int) -> int:
     return int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
 
 
-def place_activations(plan: Plan, activations: ActivationProfile | None, config: Config, device: torch.device) -> int:
+def place_activations(plan: MemoryPlan, activations: ActivationProfile | None, config: Config, device: torch.device) -> int:
     """The measured activations of the run ``config`` describes that stay on ``device``; 0 when not
     measured (the RAM margin stands in for them). Checkpointed inputs that ``offload.activations.tier``
     moves to the host (activation_offload's note) are counted in ``plan``'s host tier instead."""
@@ -178,7 +178,7 @@ def _with_overrides(config: Config, overrides: tuple[str, ...]) -> Config | None
 
 @dataclass(frozen=True, slots=True)
 class Temporaries:
-    """The engine's bounded temporaries (``Kind.BUFFER``) by purpose, bytes per rank: ``plan_memory``
+    """The engine's bounded temporaries (``Kind.BUFFER``) by purpose, bytes per rank: ``memory_bytes``
     adds them up per tier (a bound); a prediction lines them up by phase (an expected peak)."""
 
     staged_shards: int = 0
@@ -203,9 +203,9 @@ class Temporaries:
         return max(self.reduce, self.step)
 
 
-def plan_memory(layouts: list[UnitLayout], placement: Placement, *, compute_bytes: int, moments: int,
+def memory_bytes(layouts: list[UnitLayout], placement: Placement, *, compute_bytes: int, moments: int,
                 bucket_bytes: int, world_size: int, max_live_bytes: int, prefetch_bytes: int,
-                stream_buffers: int = STREAM_BUFFERS, grad_reads: int = GRAD_READS) -> Plan:
+                stream_buffers: int = STREAM_BUFFERS, grad_reads: int = GRAD_READS) -> MemoryPlan:
     """Bytes by tier and kind of ``placement`` ([Note: placement]): full parameters on the device but for
     partitioned units (a shard each on its home, plus at most ``max_live_bytes`` gathered on the device);
     optimizer blocks on their tiers (no master for units whose master is the weights; twice for tentative
@@ -217,7 +217,7 @@ def plan_memory(layouts: list[UnitLayout], placement: Placement, *, compute_byte
     the host."""
     units = list(zip(layouts, placement.units))
     device, staging = placement.compute, placement.staging
-    plan: Plan = {name: {k: 0 for k in Kind} for name in placement.tiers()}
+    plan: MemoryPlan = {name: {k: 0 for k in Kind} for name in placement.tiers()}
     full = sum(u.padded_numel for u in layouts) * compute_bytes
     partitioned_full = sum(u.padded_numel for u, p in units if p.partitioned) * compute_bytes
     plan[device][Kind.PARAM] = full - partitioned_full
@@ -244,7 +244,7 @@ def plan_memory(layouts: list[UnitLayout], placement: Placement, *, compute_byte
 def temporaries(layouts: list[UnitLayout], placement: Placement, *, compute_bytes: int, moments: int,
                 bucket_bytes: int, world_size: int, max_live_bytes: int, prefetch_bytes: int,
                 stream_buffers: int = STREAM_BUFFERS, grad_reads: int = GRAD_READS) -> Temporaries:
-    """The bounds on each purpose's temporaries (``Temporaries``) for ``plan_memory``'s arguments."""
+    """The bounds on each purpose's temporaries (``Temporaries``) for ``memory_bytes``'s arguments."""
     units = list(zip(layouts, placement.units))
     full = sum(u.padded_numel for u in layouts) * compute_bytes
     shard = sum(u.shard_numel for u in layouts)
@@ -300,6 +300,6 @@ def _waiting_grads(layouts: list[UnitLayout], compute_bytes: int, bucket_bytes: 
     return (root + largest_block + in_buckets) * compute_bytes
 
 
-def _drop_empty(plan: Plan, device: str) -> Plan:
+def _drop_empty(plan: MemoryPlan, device: str) -> MemoryPlan:
     """Tiers the run does not use at all are left out (so no swap space is reserved for nothing)."""
     return {name: kinds for name, kinds in plan.items() if name == device or any(kinds.values())}

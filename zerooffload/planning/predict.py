@@ -52,7 +52,7 @@ from ..kinds import Kind
 from ..memory_plan import place_activations, plan_for_machine, temporaries
 from ..optim.optimizer import moment_names
 from ..telemetry import Prediction
-from ..tiers import Plan
+from ..tiers import MemoryPlan
 from ..zero.placement import TIER_NAMES, Placement, activations_leave_device, streams_state
 from ..zero.reduction import REDUCE_DTYPE
 from ..zero.unit_layout import UnitLayout
@@ -114,7 +114,7 @@ def predict(config: Config, layouts: list[UnitLayout], probe: Probe, times: Bloc
                       bottleneck=_bottleneck(phases, work, probe, config), ram_peak_bytes=ram_peak)
 
 
-def _peaks(plan: Plan, placement: Placement, config: Config, activations: ActivationProfile | None,
+def _peaks(plan: MemoryPlan, placement: Placement, config: Config, activations: ActivationProfile | None,
            device: torch.device) -> dict[str, int]:
     on_device = place_activations(plan, activations, config, device)
     if activations:  # the expected peak, not the check's bound (ActivationProfile.bound_excess)
@@ -124,7 +124,7 @@ def _peaks(plan: Plan, placement: Placement, config: Config, activations: Activa
     return {tier: peaks.get(tier, 0) for tier in TIER_NAMES}
 
 
-def _ram_peak(plan: Plan, config: Config, layouts: list[UnitLayout], placement: Placement,
+def _ram_peak(plan: MemoryPlan, config: Config, layouts: list[UnitLayout], placement: Placement,
               activations: ActivationProfile | None, world_size: int) -> int:
     """The device and host tiers' expected peak together on a CPU device (see the note)."""
     tiers = [tier for tier in (placement.compute, placement.staging) if tier in plan]

@@ -13,8 +13,8 @@ from .blocks import ASIDE, Block, IOStats
 from .link import DeviceCopier, LinkStats
 from .nvme import NvmeTier, open_swap, swap_bytes, swap_free_bytes, swap_paths
 from .ram import available_ram, check_plan, check_ram
-from .tier import BudgetError, DeviceTier, HostTier, Plan, Tier, close_tiers, make_tiers, release_idle
+from .tier import BudgetError, DeviceTier, HostTier, MemoryPlan, Tier, close_tiers, make_tiers, release_idle
 
 __all__ = ["ASIDE", "Block", "BudgetError", "DeviceCopier", "DeviceTier", "HostTier", "IOStats", "Kind", "LinkStats",
-           "NvmeTier", "Plan", "Tier", "available_ram", "check_plan", "check_ram", "close_tiers", "make_tiers",
+           "NvmeTier", "MemoryPlan", "Tier", "available_ram", "check_plan", "check_ram", "close_tiers", "make_tiers",
            "open_swap", "release_idle", "swap_bytes", "swap_free_bytes", "swap_paths"]

@@ -13,7 +13,7 @@ from ..io.aio import AsyncIO
 from ..io.swapfile import SwapStore
 from ..kinds import Kind
 from .blocks import Block, IOStats, SwappedBlock, SwappedPrefix
-from .tier import Plan, Tier
+from .tier import MemoryPlan, Tier
 
 __all__ = ["NvmeTier", "open_swap", "swap_bytes", "swap_free_bytes", "swap_paths"]
 
@@ -78,7 +78,7 @@ def swap_free_bytes(config: Config) -> int:
     return sum(filesystems.values())
 
 
-def open_swap(tiers: dict[str, Tier], plan: Plan, config: Config, rank: int) -> IOStats:
+def open_swap(tiers: dict[str, Tier], plan: MemoryPlan, config: Config, rank: int) -> IOStats:
     """Add the ``nvme`` tier when ``plan`` puts state there, its swap space reserved for the plan's
     bytes; returns the I/O counters the run reports (empty without NVMe)."""
     if "nvme" not in plan:
@@ -87,6 +87,6 @@ def open_swap(tiers: dict[str, Tier], plan: Plan, config: Config, rank: int) -> 
     return tiers["nvme"].io
 
 
-def swap_bytes(plan: Plan) -> int:
+def swap_bytes(plan: MemoryPlan) -> int:
     """The swap space ``plan`` needs on NVMe (per rank)."""
     return sum(plan.get("nvme", {}).values())

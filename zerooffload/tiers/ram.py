@@ -10,7 +10,7 @@ import torch
 
 from ..config import MemoryConfig
 from ..kinds import Kind
-from .tier import BudgetError, Plan, Tier
+from .tier import BudgetError, MemoryPlan, Tier
 
 __all__ = ["RAM_MARGIN", "RAM_MARGIN_MIN", "available_ram", "check_plan", "check_ram"]
 
@@ -36,8 +36,8 @@ def available_ram() -> int:
     return max(available, 0)
 
 
-def check_ram(plan: Plan, memory: MemoryConfig, device: torch.device, *, activations: int = 0, released: int = 0,
-              local_ranks: int = 1, suggestion: Callable[[Callable[[Plan, int], bool]], str | None] = lambda fits: None
+def check_ram(plan: MemoryPlan, memory: MemoryConfig, device: torch.device, *, activations: int = 0, released: int = 0,
+              local_ranks: int = 1, suggestion: Callable[[Callable[[MemoryPlan, int], bool]], str | None] = lambda fits: None
               ) -> None:
     """Refuse a run whose "auto" tiers cannot fit in the RAM the machine really has, before anything
     is allocated. The host tier lives in RAM; so does the device tier on a CPU-only machine, so there
@@ -50,11 +50,11 @@ def check_ram(plan: Plan, memory: MemoryConfig, device: torch.device, *, activat
     available, margin = available_ram(), max(RAM_MARGIN_MIN, int(RAM_MARGIN * psutil.virtual_memory().total))
     room = (available - margin) // local_ranks + released
 
-    def need(candidate: Plan, activation_bytes: int) -> dict[str, int]:
+    def need(candidate: MemoryPlan, activation_bytes: int) -> dict[str, int]:
         return {name: sum(candidate.get(name, {}).values()) + (activation_bytes if name == "device" else 0)
                 for name in in_ram}
 
-    def fits(candidate: Plan, activation_bytes: int) -> bool:
+    def fits(candidate: MemoryPlan, activation_bytes: int) -> bool:
         return sum(need(candidate, activation_bytes).values()) <= room
 
     if not in_ram or fits(plan, activations):
@@ -79,7 +79,7 @@ def _kinds(kinds: dict[Kind, int], activations: int) -> str:
     return ", ".join(parts + ([f"activations {activations:,}"] if activations else []))
 
 
-def check_plan(plan: Plan, tiers: dict[str, Tier], activations: int = 0) -> None:
+def check_plan(plan: MemoryPlan, tiers: dict[str, Tier], activations: int = 0) -> None:
     """Refuse a run whose planned bytes (and the device's measured ``activations``) exceed a tier's
     budget, before anything is allocated."""
     for name, kinds in plan.items():

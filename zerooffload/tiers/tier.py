@@ -24,14 +24,14 @@ from .blocks import Block
 from .buffer_arena import BufferArena
 from .host_allocator import advise_fresh
 
-__all__ = ["BudgetError", "DeviceTier", "HostTier", "Plan", "Tier", "close_tiers", "make_tiers", "release_idle"]
+__all__ = ["BudgetError", "DeviceTier", "HostTier", "MemoryPlan", "Tier", "close_tiers", "make_tiers", "release_idle"]
 
 
 class BudgetError(ConfigError):
     """A tier cannot hold what the run needs; the message has the numbers and the keys to change."""
 
 
-Plan = dict[str, dict[Kind, int]]
+MemoryPlan = dict[str, dict[Kind, int]]
 """Bytes a run will need, by tier name and kind (steady state plus the largest temporaries)."""
 
 

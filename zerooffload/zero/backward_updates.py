@@ -22,7 +22,7 @@ schedule, the gradient norm reported). So the backward that closes a window appl
 With ``train.grad_clip`` the update needs the global norm, known only once backward is over. Units
 whose optimizer block streams from NVMe are updated in backward all the same, *tentatively*: as if
 the clip coefficient were 1, their new blocks stored aside (``tiers`` blocks' ``hold``: the block as
-it was stays readable), the window's gradient kept on the optimizer's tier as the step would keep it,
+it was stays readable), the window's gradient kept on its grad home as the step would keep it,
 each optimizer counter noted. The step then takes the norm from those very gradients; where the clip
 coefficient is exactly 1 (the norm is within the clip) the tentative update IS the clipped one, and
 its blocks are committed (a rename in the swap store: no byte moves). Otherwise every tentative

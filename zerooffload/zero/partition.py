@@ -126,7 +126,7 @@ class FlatUnit(UnitGradients):
 
     @property
     def offloaded_grad(self) -> OffloadedGrad | None:
-        """Where the reduced shard waits for the step on the optimizer's tier (``keep_grads_on``), if it does."""
+        """Where the reduced shard waits for the step, on its grad home (``keep_grads_on``), if it does."""
         return self._offloaded_grad
 
     @property

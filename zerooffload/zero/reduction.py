@@ -30,12 +30,13 @@ from __future__ import annotations
 
 import enum
 import logging
-from collections import deque
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Callable
 
 import torch
 
+from ..block_stream import InFlight
 from ..comm import Comm, all_reduce, reduce_scatter
 from ..tiers import Kind, Tier
 from .partition import FlatUnit
@@ -65,6 +66,16 @@ class Mode(enum.Enum):
     """Stages 1–2: every rank keeps the averaged shard it owns."""
 
 
+class _Completion:
+    """A bucket in flight as ``block_stream.InFlight`` waits for it: its collective, then its hand-offs."""
+
+    def __init__(self, complete: Callable[[], None]):
+        self.complete = complete
+
+    def wait(self) -> None:
+        self.complete()
+
+
 @dataclass(slots=True)
 class _Bucket:
     units: list[FlatUnit] = field(default_factory=list)
@@ -75,6 +86,8 @@ class _Bucket:
     scratch: torch.Tensor | None = None
     flags: torch.Tensor | None = None
     """The flagged units' flags, end to end (see [Note: flags in the payload])."""
+    copied: bool = False
+    """``staging`` is a copy of the units' gradients (else a lone unit's own buffer, reduced in place)."""
 
 
 class GradReducer:
@@ -99,7 +112,8 @@ class GradReducer:
         self._ready = [False] * len(units)
         self._next = 0
         self._filling = _Bucket()
-        self._in_flight: deque[_Bucket] = deque()
+        self._in_flight = InFlight(MAX_BUCKETS_IN_FLIGHT)
+        """Buckets whose collective runs: waited for oldest first, each handing its shards off, then freed."""
         self._warned_order = False
 
     def mark_ready(self, unit: FlatUnit) -> None:
@@ -123,8 +137,7 @@ class GradReducer:
         for unit in self.order[self._next:]:
             self._add(unit)
         self._launch()
-        while self._in_flight:
-            self._complete(self._in_flight.popleft())
+        self._in_flight.drain()
         self._ready = [False] * len(self.order)
         self._next = 0
 
@@ -150,9 +163,9 @@ class GradReducer:
         bucket, self._filling = self._filling, _Bucket()
         if not bucket.units:
             return
-        while len(self._in_flight) >= MAX_BUCKETS_IN_FLIGHT:
-            self._complete(self._in_flight.popleft())
+        self._in_flight.make_room()
         bucket.staging = self._staged(bucket)
+        bucket.copied = bucket.staging is not bucket.units[0].flat_grad
         if self.mode is Mode.ALL_REDUCE:
             bucket.work = all_reduce(self.comm, bucket.staging, async_op=True)
         else:
@@ -163,7 +176,8 @@ class GradReducer:
                 bucket.scratch = self.tier.empty(Kind.BUFFER, (self.comm.world_size - 1) * shard_total, REDUCE_DTYPE)
             bucket.work = reduce_scatter(self.comm, bucket.output, bucket.staging, scratch=bucket.scratch,
                                          async_op=True)
-        self._in_flight.append(bucket)
+        self._in_flight.add(_Completion(partial(self._complete, bucket)), item=bucket,
+                            release=partial(self._free, bucket))
 
     def _staged(self, bucket: _Bucket) -> torch.Tensor:
         """The collective's input in REDUCE_DTYPE, divided by the world size.
@@ -201,14 +215,14 @@ class GradReducer:
         return torch.tensor([*unit.has_grad, 1.0 if unit.note_nonfinite() else 0.0], dtype=torch.float64)
 
     def _complete(self, bucket: _Bucket) -> None:
+        """Wait for ``bucket``'s collective and hand each unit's result off (``on_reduced``)."""
         if bucket.work is not None:
             bucket.work.wait()
-        staged = bucket.staging is not bucket.units[0].flat_grad
         offset = 0
         flag_offset = sum(u.layout.shard_numel for u in bucket.units)
         for unit in bucket.units:
             if self.mode is Mode.ALL_REDUCE:
-                if staged:
+                if bucket.copied:
                     unit.flat_grad.copy_(bucket.staging[offset:offset + unit.layout.padded_numel])
                 unit.reduced_in_place()
                 offset += unit.layout.padded_numel
@@ -221,7 +235,10 @@ class GradReducer:
                 self.on_reduced(unit, bucket.output[offset:offset + unit.layout.shard_numel], flags)
                 offset += unit.layout.shard_numel
                 unit.release_flat_grad(self.tier)
+
+    def _free(self, bucket: _Bucket) -> None:
+        """Give ``bucket``'s buffers back, however its collective ended."""
         self.tier.free(Kind.BUFFER, bucket.output)
         self.tier.free(Kind.BUFFER, bucket.scratch)
-        if staged:
+        if bucket.copied:
             self.tier.free(Kind.BUFFER, bucket.staging)

@@ -26,11 +26,13 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Callable, Iterator
 
 import torch
 
 from ..comm import Comm, all_gather
+from ..block_stream import InFlight, wait_each
 from ..config import ConfigError
 from ..tiers import DeviceCopier, Kind, Tier
 from ..trace import profiled
@@ -102,7 +104,8 @@ class ParamScheduler:
         self.units = units
         self.tier = tier
         self.host_tier = host_tier
-        self._staged: dict[int, Any] = {}
+        self._staged = InFlight(depth=max(1, len(units)))
+        """Shards being read into host buffers, by unit: bounded by the byte window, not by a count."""
         self.prefetch_bytes = prefetch_bytes
         self.max_live_bytes = max_live_bytes
         self._position = {u.index: position for position, u in enumerate(units)}
@@ -185,13 +188,12 @@ class ParamScheduler:
             self._wait(index)
 
     def free_all(self) -> None:
-        """Free every live unit (waiting for all-gathers in flight first) and every staged shard."""
-        for index in list(self._in_flight):
-            self._wait(index)
-        for index, handle in list(self._staged.items()):
-            handle.wait()
-            self.host_tier.free(Kind.BUFFER, self.units[index].param_block.unload())
-        self._staged.clear()
+        """Free every live unit and every staged shard, waiting for every all-gather and read in flight
+        first (all of them, even after one fails; the first failure raises once all are done)."""
+        try:
+            wait_each([partial(self._wait, index) for index in list(self._in_flight)])
+        finally:
+            wait_each([self._unstage_oldest] * len(self._staged))
         for index, unit in enumerate(self.units):
             self._active[index] = 0
             if _live(unit):
@@ -252,10 +254,19 @@ class ParamScheduler:
     # ------------------------------------------------------------------ moves
     def _stage(self, index: int) -> None:
         """Start reading a shard that lives on NVMe into a host buffer (nothing for resident shards)."""
-        block = self.units[index].param_block
-        if block.resident or index in self._staged:
+        unit = self.units[index]
+        block = unit.param_block
+        if block.resident or unit in self._staged:
             return
-        self._staged[index] = block.load(self.host_tier.empty(Kind.BUFFER, block.nbytes, torch.uint8))
+        self._staged.add(block.load(self.host_tier.empty(Kind.BUFFER, block.nbytes, torch.uint8)), item=unit)
+
+    def _unstage_oldest(self) -> None:
+        """Wait for the oldest staged read and give its buffer back, however the read ended."""
+        block = self._staged.oldest.param_block
+        try:
+            self._staged.wait_oldest()
+        finally:
+            self.host_tier.free(Kind.BUFFER, block.unload())
 
     def _shard_source(self, index: int) -> tuple[torch.Tensor, list[Callable[[], None]]]:
         """The shard as an all-gather input on the device, and what to release once the gather is done."""
@@ -263,7 +274,7 @@ class ParamScheduler:
         if not block.resident:
             self._stage(index)
             start = time.perf_counter()
-            self._staged.pop(index).wait()
+            self._staged.finish(self.units[index])
             self.stats.read_wait_seconds += time.perf_counter() - start
         source, releases = block.data, []
         if self.copier is not None:

@@ -103,7 +103,7 @@ class UnitGradients:
 
     def add_grad_shard(self, reduced: torch.Tensor, tier: Tier) -> None:
         """Accumulate a reduced gradient shard (stage 2 adds one per micro-batch), on the device or,
-        offloaded, on the optimizer's tier. The window's first part is copied (nothing is zero-filled),
+        offloaded, on its grad home (placement's). The window's first part is copied (nothing is zero-filled),
         later ones added; at stages 0–1 the part lands in this rank's range of the full buffer itself,
         where at world size 1 it already is (no copy at all)."""
         self._move_grads("add_grad_shard", GradState.REDUCED, GradState.REDUCING)
@@ -131,7 +131,7 @@ class UnitGradients:
 
     def undo_update_in_backward(self) -> None:
         """Its tentative update in backward was undone (backward_updates' [Note: tentative updates]): the
-        window's gradient, kept on the optimizer's tier, waits for the step's update again."""
+        window's gradient, kept on its grad home, waits for the step's update again."""
         if self._offloaded_grad is None or not self._offloaded_grad.written:
             raise UnitStateError(f"unit {self.name!r}: cannot undo its update in backward: its gradient was not "
                                  "kept (only tentative updates keep it)")

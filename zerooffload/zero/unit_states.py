@@ -38,7 +38,7 @@ Gradients (``GradState``), over one accumulation window::
 - REDUCING: ``begin_reduction`` has handed the full gradient to the reducer; ``note_nonfinite`` reads
   it then. The hand-off ends it: the shard kept (``add_grad_shard``: REDUCED), used by an update in
   backward (``mark_updated_in_backward``: UPDATED, no gradient may follow in the window; nothing kept,
-  but for a tentative update, whose shard stays on the optimizer's tier in case the step undoes the
+  but for a tentative update, whose shard stays on its grad home in case the step undoes the
   update to redo it: REDUCED again), or dropped because the window is being skipped (``release_flat_grad`` finds it still REDUCING:
   DISCARDED).
 - ``begin_backward`` needs EMPTY, ACCUMULATING or (stages 2–3) REDUCED: a unit still REDUCING, or
@@ -73,7 +73,7 @@ class GradState(enum.Enum):
     REDUCING = "reducing"
     """The full gradient handed to the reducer: its collective launched or about to be."""
     REDUCED = "reduced"
-    """The window's gradient so far reduced and kept: the shard (here or on the optimizer's tier), or
+    """The window's gradient so far reduced and kept: the shard (here or on its grad home), or
     at stage 0 the all-reduced full buffer."""
     UPDATED = "updated"
     """Updated in backward from its reduced gradient (``backward_updates``): nothing is kept."""

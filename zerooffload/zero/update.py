@@ -190,7 +190,7 @@ def _piece_views(stepped: list[tuple[Piece, torch.Tensor]], flat: torch.Tensor |
 @contextlib.contextmanager
 def _reduced_grad(unit: FlatUnit) -> Iterator[torch.Tensor]:
     """This rank's reduced gradient of ``unit`` for the window, in memory for the duration (read from
-    the optimizer's tier when it was offloaded)."""
+    its grad home when it was offloaded)."""
     if unit.offloaded_grad is None:
         yield unit.local_grad()
     else:
