@@ -112,11 +112,11 @@ class Window:
         self.micro_steps = self.global_steps = self.skipped_steps = 0
         self.reason: str | None = None
         """Why the window is skipped, once it is known."""
-        self._state = WindowState.OPEN
+        self._window_state = WindowState.OPEN
 
     @property
     def window_state(self) -> WindowState:
-        return self._state
+        return self._window_state
 
     @property
     def at_boundary(self) -> bool:
@@ -126,13 +126,13 @@ class Window:
     @property
     def step_due(self) -> bool:
         """``step()`` has a window to close: the closing backward ran, and no step since."""
-        return self.at_boundary and self._state in (WindowState.STEPPING, WindowState.SKIPPED)
+        return self.at_boundary and self._window_state in (WindowState.STEPPING, WindowState.SKIPPED)
 
     def _move(self, action: str, to: WindowState, *allowed: WindowState) -> None:
-        if self._state not in allowed:
-            raise WindowError(f"the accumulation window cannot {action}: it is {self._state.name}, and {action} "
+        if self._window_state not in allowed:
+            raise WindowError(f"the accumulation window cannot {action}: it is {self._window_state.name}, and {action} "
                               f"needs {' or '.join(s.name for s in allowed)}")
-        self._state = to
+        self._window_state = to
 
     # ------------------------------------------------------------------ gradients as they arrive
     def grad_hooks(self) -> list:
@@ -171,19 +171,19 @@ class Window:
     def begin_backward(self, loss: torch.Tensor) -> bool:
         """A backward of ``loss`` begins: False when its window is skipped (nothing to run: the micro-batch
         is counted), else the units and the updates in backward are readied."""
-        if self.at_boundary and self.step_due:
+        if self.step_due:
             raise WindowError(
                 f"backward() called again before step(): with train.grad_accum_steps = {self.accum}, backward "
                 f"number {self.micro_steps} closed an accumulation window; call engine.step() after every "
                 "backward(), or raise train.grad_accum_steps to accumulate more micro-batches per update")
-        if self._state is not WindowState.SKIPPED:
+        if self._window_state is not WindowState.SKIPPED:
             self._move("begin a backward", WindowState.ACCUMULATING, WindowState.OPEN, WindowState.CLOSED,
                        WindowState.ACCUMULATING)
             if self.config.train.skip_nonfinite:
                 reason = self._nonfinite_loss(loss)
                 if reason is not None:
                     self.skip(reason)
-        if self._state is WindowState.SKIPPED:
+        if self._window_state is WindowState.SKIPPED:
             self.micro_steps += 1
             return False
         for unit in self.state.units:
@@ -201,8 +201,8 @@ class Window:
         """The backward is over: its updates stored, its micro-batch counted, the window moved on."""
         self.updates.finish()
         self.micro_steps += 1
-        if self._state is WindowState.ACCUMULATING and self.at_boundary:
-            self._state = WindowState.STEPPING
+        if self._window_state is WindowState.ACCUMULATING and self.at_boundary:
+            self._window_state = WindowState.STEPPING
 
     def abandon_backward(self) -> None:
         """The backward failed: the updates' stream waits for its transfers (the first error is the one)."""
@@ -210,7 +210,7 @@ class Window:
 
     def skip(self, reason: str) -> None:
         """The window will not update: ``reason`` (the first one found stands)."""
-        if self._state is not WindowState.SKIPPED:
+        if self._window_state is not WindowState.SKIPPED:
             self._move("be skipped", WindowState.SKIPPED, WindowState.OPEN, WindowState.ACCUMULATING,
                        WindowState.STEPPING, WindowState.CLOSED)
             self.reason = reason
@@ -260,4 +260,4 @@ class Window:
     def restore(self, global_steps: int, micro_steps: int, skipped_steps: int) -> None:
         """Counters as a checkpoint saved them; the window it closed counts as stepped."""
         self.global_steps, self.micro_steps, self.skipped_steps = global_steps, micro_steps, skipped_steps
-        self._state, self.reason = WindowState.CLOSED, None
+        self._window_state, self.reason = WindowState.CLOSED, None
