@@ -50,7 +50,10 @@ def _one_line(run: subprocess.CompletedProcess, status: int) -> str:
     (["train", "--tag", "step00000002"],
      "--tag NAME needs --resume (it names the checkpoint to continue from): see 'zerooffload train --help'"),
     (["train", "--steps", "2", "--bogus"], "unrecognized arguments: --bogus: see 'zerooffload --help'"),
-], ids=["negative-steps", "negative-save-every", "log-level", "params", "tag-without-resume", "unknown-flag"])
+    (["tune", "io", "--budget", "0"], "argument --budget: '0': expected seconds, at least 1: see 'zerooffload tune io "
+                                      "--help'"),
+], ids=["negative-steps", "negative-save-every", "log-level", "params", "tag-without-resume", "unknown-flag",
+        "tune-budget"])
 def test_usage_errors_are_one_line_with_status_2(args, line):
     assert _one_line(_cli(*args), 2) == f"zerooffload: {line}"
 

@@ -24,6 +24,7 @@ import pytest
 import torch
 
 import zerooffload as zo
+from zerooffload.cli.train_plan import predicted_peaks
 from zerooffload.config import Config
 from zerooffload.models import GPT, PRESETS
 from zerooffload.planning import PlanResult, cached_probe, pinned_keys, plan, probe_machine, read_prediction
@@ -282,6 +283,21 @@ def test_plan_writes_a_config_that_train_runs_and_reports_against(cache, tmp_pat
                                                       {"device+host", "nvme"})
     assert summary["measured"]["step_seconds"] > 0 and summary["measured"]["peak_bytes"]["nvme"] >= 0
     assert "predicted vs measured" in done.stdout
+
+
+@SLOW
+@pytest.mark.parametrize("stage", [1, 3])
+def test_train_plan_auto_holds_the_memory_it_predicts(cache, tmp_path, stage):
+    """The nano preset under train's defaults: the plan's peaks against those measured apart from the
+    engine (summary.json's ``measured``: the process's RSS, one RAM on a CPU; the swap files' blocks),
+    within ±15% or ±32 MiB (bench/peaks_check.py runs small and 50m too)."""
+    done = _cli(["train", "--model", "nano", "--steps", "3", "--plan", "auto", "--out", "run", f"zero.stage={stage}",
+                 f"nvme.path={cache / 'nvme'}"], cache / "cache", tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    for tier, predicted in predicted_peaks(summary["predicted"], summary["measured"]).items():
+        measured = summary["measured"]["peak_bytes"][tier]
+        assert abs(predicted - measured) <= max(0.15 * measured, 32 << 20), (tier, predicted, measured)
 
 
 def test_the_cached_probe_alone_never_measures(tmp_path, monkeypatch):
