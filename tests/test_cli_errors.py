@@ -183,6 +183,30 @@ def test_no_room_for_the_swap_files(tmp_path):
                         r"free\. Free space, add directories to nvme\.path, or keep more state in RAM", line)
 
 
+def test_a_failed_swap_write_names_its_file_and_offsets(tmp_path):
+    """An ``AioError`` met while training (a write refused by the kernel: the process's file-size limit,
+    lowered with prlimit once the swap file is claimed) prints the write's file, offset and length."""
+    swap = tmp_path / "swap"
+    swap.mkdir()
+    process = subprocess.Popen([sys.executable, "-m", "zerooffload", *_TRAIN, "--steps", "400", "--out",
+                                str(tmp_path / "out"), "zero.stage=3", "offload.param.tier=nvme",
+                                "offload.optimizer.tier=nvme", f"nvme.path={swap}"],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=_ENV)
+    deadline = time.monotonic() + 120
+    while not list(swap.glob("zerooffload-swap/*.swap")) and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    subprocess.run(["prlimit", "--pid", str(process.pid), "--fsize=1048576"], check=True)
+    _, stderr = process.communicate(timeout=300)
+    run = subprocess.CompletedProcess(process.args, process.returncode, "", stderr)
+    line = _one_line(run, 1)
+    assert re.fullmatch(rf"zerooffload: write of (\d+) bytes at offset (\d+) in {swap}/zerooffload-swap/\S+\.swap "
+                        rf"failed at offset (\d+): \[Errno {errno.EFBIG}\] {os.strerror(errno.EFBIG)}; raise this "
+                        r"process's file-size limit \(ulimit -f\) or the filesystem's", line), line
+    length, offset, failed = map(int, re.fullmatch(r".*write of (\d+) bytes at offset (\d+) .* at offset (\d+):.*",
+                                                   line).groups())
+    assert offset <= failed < offset + length and failed >= 1048576  # the kernel refuses bytes past the limit only
+
+
 # ----------------------------------------------------------------------- Ctrl-C, warnings: 130 and 0
 @pytest.mark.slow
 def test_ctrl_c_before_training_is_one_line_and_130(tmp_path):

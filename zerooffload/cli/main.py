@@ -313,8 +313,8 @@ def _one_line(text: str) -> str:
 def _os_error_line(exc: OSError) -> str:
     """An OSError's line. A damaged swap file says itself what happened, where, and what to do; an
     ``AioError`` names the operation, file and offset (whatever its errno's wording), and gets what to
-    check; the library words its other errors with the fix (no room for the swap files, an ``--out`` in
-    use); a bare system message gets what to check."""
+    check (no room, a file-size limit, a path); the library words its other errors with the fix (no room
+    for the swap files, an ``--out`` in use); a bare system message gets what to check."""
     if getattr(exc, "advice_included", False):  # SwapDamage (imported here, it would bring in torch)
         return str(exc)
     if type(exc).__str__ is not OSError.__str__:  # AioError: the operation, file and offset
@@ -325,6 +325,8 @@ def _os_error_line(exc: OSError) -> str:
         text = exc.strerror if exc.filename is None else f"{exc.strerror}: {exc.filename}"
     if exc.errno == errno.ENOSPC:
         return f"{text}; free space there, or point nvme.path or --out at another disk"
+    if exc.errno == errno.EFBIG:
+        return f"{text}; raise this process's file-size limit (ulimit -f) or the filesystem's"
     return f"{text}; check that the path exists and is writable (nvme.path, offload.*.path, --out)"
 
 

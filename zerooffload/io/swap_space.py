@@ -115,8 +115,9 @@ class Stripe:
         try:
             os.posix_fallocate(self.file.fd, 0, nbytes)
         except OSError as error:  # the system's error names no file
-            raise OSError(error.errno, f"cannot claim {nbytes:,} bytes of swap in {self.path}: {error.strerror}; free "
-                                       "space there, point nvme.path at another disk or keep more state in RAM",
+            fix = ("raise this process's file-size limit (ulimit -f)" if error.errno == errno.EFBIG else
+                   "free space there, point nvme.path at another disk or keep more state in RAM")
+            raise OSError(error.errno, f"cannot claim {nbytes:,} bytes of swap in {self.path}: {error.strerror}; {fix}",
                           str(self.path)) from error
         self.preallocated = max(self.preallocated, nbytes)
 
