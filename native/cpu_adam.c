@@ -72,13 +72,20 @@ struct consts {
     float bias_correction2_sqrt; /* sqrt(1 - beta2^step) */
     float eps;
     float neg_step_size;         /* -lr / (1 - beta1^step) */
+    uint32_t noise_seed;         /* bf16 moments: this call's noise, from noise_key and step */
 };
 
 struct pass {
-    float *param, *exp_avg, *exp_avg_sq;
+    float *param;
+    void *exp_avg, *exp_avg_sq;
     const void *grad;
     void *out;
-    int grad_dtype, out_dtype;
+    int grad_dtype, out_dtype, moment_dtype;
+    int split;                   /* the master is out + residual (cpu_adam.h: split) */
+    int16_t *residual;
+    uint8_t *residual_bits;
+    size_t residual_bit0;
+    uint32_t noise_base;
     int sumsq;                   /* also sum the squares of the gradient as read (before grad_scale) */
     int stream_out;              /* write out past the caches (STREAM_OUT_MIN) */
     struct consts k;
@@ -188,6 +195,75 @@ static ALWAYS_INLINE uint16_t fp32_to_bf16(float f)
     return (uint16_t)((u + 0x7FFF + (u >> 16 & 1)) >> 16);
 }
 
+/* A split master's element (cpu_adam.h: split): the weight, the residual, its bit. */
+static ALWAYS_INLINE float split_join(uint16_t weight, int16_t residual, uint32_t bit)
+{
+    return float_of(((uint32_t)weight << 16) + (uint32_t)(int32_t)residual + (bit << 16));
+}
+
+/* Bit i of the pass's residual bits. Bytes at the ends of a range may be shared with another range
+ * (another block of the pass, or another pass), so their bits are changed atomically. */
+static ALWAYS_INLINE uint32_t residual_bit(const struct pass *s, size_t i)
+{
+    size_t b = s->residual_bit0 + i;
+    return s->residual_bits[b >> 3] >> (b & 7) & 1u;
+}
+
+static ALWAYS_INLINE void set_residual_bit(const struct pass *s, size_t i, uint32_t bit)
+{
+    size_t b = s->residual_bit0 + i;
+    uint8_t mask = (uint8_t)(1u << (b & 7));
+    if (bit)
+        __atomic_fetch_or(&s->residual_bits[b >> 3], mask, __ATOMIC_RELAXED);
+    else
+        __atomic_fetch_and(&s->residual_bits[b >> 3], (uint8_t)~mask, __ATOMIC_RELAXED);
+}
+
+/* lowbias32 (Chris Wellons' integer hash): a bijection of 32 bits whose output bits each depend on
+ * every input bit; the bf16 moments' rounding noise. */
+static ALWAYS_INLINE uint32_t mix32(uint32_t x)
+{
+    x ^= x >> 16;
+    x *= 0x7FEB352Du;
+    x ^= x >> 15;
+    x *= 0x846CA68Bu;
+    return x ^ (x >> 16);
+}
+
+/* f rounded to bf16 stochastically with 16 bits of noise (cpu_adam.h: bf16 moments); NaN as torch's. */
+static ALWAYS_INLINE uint16_t bf16_stochastic(float f, uint32_t noise16)
+{
+    if (f != f)
+        return 0xFFFF;
+    return (uint16_t)((bits_of(f) + noise16) >> 16);
+}
+
+static ALWAYS_INLINE float scalar_moment(const struct pass *s, const void *moment, size_t i)
+{
+    if (s->moment_dtype == ZO_DTYPE_BF16)
+        return float_of((uint32_t)((const uint16_t *)moment)[i] << 16);
+    return ((const float *)moment)[i];
+}
+
+static ALWAYS_INLINE void scalar_store_moments(const struct pass *s, size_t i, float m, float v)
+{
+    if (s->moment_dtype == ZO_DTYPE_BF16) {
+        uint32_t noise = mix32((s->noise_base + (uint32_t)i) ^ s->k.noise_seed);
+        ((uint16_t *)s->exp_avg)[i] = bf16_stochastic(m, noise & 0xFFFF);
+        ((uint16_t *)s->exp_avg_sq)[i] = bf16_stochastic(v, noise >> 16);
+    } else {
+        ((float *)s->exp_avg)[i] = m;
+        ((float *)s->exp_avg_sq)[i] = v;
+    }
+}
+
+static ALWAYS_INLINE float scalar_master(const struct pass *s, size_t i)
+{
+    if (s->split)
+        return split_join(((const uint16_t *)s->out)[i], s->residual[i], residual_bit(s, i));
+    return s->param[i];
+}
+
 static ALWAYS_INLINE float scalar_grad(const struct pass *s, size_t i)
 {
     switch (s->grad_dtype) {
@@ -207,22 +283,46 @@ static ALWAYS_INLINE void scalar_out(const struct pass *s, size_t i, float p)
     }
 }
 
+/* The new master p: a split one as its weight (out), residual and bit; an fp32 one and its out. */
+static ALWAYS_INLINE void scalar_store_master(const struct pass *s, size_t i, float p)
+{
+    if (s->split) {
+        uint16_t weight = fp32_to_bf16(p);
+        uint32_t rest = bits_of(p) - ((uint32_t)weight << 16);
+        ((uint16_t *)s->out)[i] = weight;
+        s->residual[i] = (int16_t)(uint16_t)rest;
+        set_residual_bit(s, i, rest == 0x8000);
+        return;
+    }
+    s->param[i] = p;
+    scalar_out(s, i, p);
+}
+
 /* Inlined into each vector level, so its fmaf is that level's fused multiply-add instruction. */
 static ALWAYS_INLINE double scalar_range(const struct pass *s, size_t begin, size_t end)
 {
     const struct consts k = s->k;  /* a local copy: the stores below cannot alias it */
     double sumsq = 0;
     for (size_t i = begin; i < end; i++) {
-        float p = s->param[i], g = scalar_grad(s, i), m = s->exp_avg[i], v = s->exp_avg_sq[i];
+        float p = scalar_master(s, i), g = scalar_grad(s, i);
+        float m = scalar_moment(s, s->exp_avg, i), v = scalar_moment(s, s->exp_avg_sq, i);
         if (s->sumsq)
             sumsq += (double)g * g;
         ADAM_UPDATE(k, p, g, m, v, SAME, fmaf, sqrtf);
-        s->param[i] = p;
-        s->exp_avg[i] = m;
-        s->exp_avg_sq[i] = v;
-        scalar_out(s, i, p);
+        scalar_store_master(s, i, p);
+        scalar_store_moments(s, i, m, v);
     }
     return sumsq;
+}
+
+/* Elements from begin that a vector level leaves to the scalar code so that its vectors of a split
+ * master start on a whole byte (lanes 8) or 16-bit word (lanes 16) of residual bits. */
+static ALWAYS_INLINE size_t split_head(const struct pass *s, size_t begin, size_t end, size_t lanes)
+{
+    if (!s->split)
+        return 0;
+    size_t head = (lanes - (s->residual_bit0 + begin) % lanes) % lanes;
+    return head < end - begin ? head : end - begin;
 }
 
 static double scalar_run(const void *pass, size_t begin, size_t end)
@@ -244,15 +344,31 @@ AVX2 static ALWAYS_INLINE __m256 avx2_grad(const struct pass *s, size_t i)
     return _mm256_cvtph_ps(h);
 }
 
-/* fp32_to_bf16 on 8 lanes. */
-AVX2 static ALWAYS_INLINE __m128i avx2_bf16(__m256 p)
+/* 8 lanes of 0 .. 0xFFFF as 8 16-bit values. */
+AVX2 static ALWAYS_INLINE __m128i avx2_pack16(__m256i x)
+{
+    return _mm_packus_epi32(_mm256_castsi256_si128(x), _mm256_extracti128_si256(x, 1));
+}
+
+/* 8 16-bit values (bf16 weights or moments) as the high halves of 8 lanes. */
+AVX2 static ALWAYS_INLINE __m256i avx2_high16(const uint16_t *from)
+{
+    return _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)from)), 16);
+}
+
+/* fp32_to_bf16 on 8 lanes, each in the low half of its lane. */
+AVX2 static ALWAYS_INLINE __m256i avx2_bf16_lanes(__m256 p)
 {
     __m256i u = _mm256_castps_si256(p);
     __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
     __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)), lsb), 16);
     __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(p, p, _CMP_UNORD_Q));
-    r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0xFFFF), nan);
-    return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+    return _mm256_blendv_epi8(r, _mm256_set1_epi32(0xFFFF), nan);
+}
+
+AVX2 static ALWAYS_INLINE __m128i avx2_bf16(__m256 p)
+{
+    return avx2_pack16(avx2_bf16_lanes(p));
 }
 
 /* 16 bytes of out: past the caches when the pass streams its out and the address allows. */
@@ -278,6 +394,74 @@ AVX2 static ALWAYS_INLINE void avx2_out(const struct pass *s, size_t i, __m256 p
         avx2_out_store(s, (__m128i *)half, _mm256_cvtps_ph(p, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
 }
 
+/* split_join on 8 lanes, from element i (residual_bit0 + i a multiple of 8: split_head). */
+AVX2 static ALWAYS_INLINE __m256 avx2_master(const struct pass *s, size_t i)
+{
+    if (!s->split)
+        return _mm256_loadu_ps(s->param + i);
+    __m256i x = _mm256_add_epi32(avx2_high16((const uint16_t *)s->out + i),
+                                 _mm256_cvtepi16_epi32(_mm_loadu_si128((const __m128i *)(s->residual + i))));
+    __m256i lane_bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+    __m256i byte = _mm256_set1_epi32(s->residual_bits[(s->residual_bit0 + i) >> 3]);
+    __m256i set = _mm256_cmpeq_epi32(_mm256_and_si256(byte, lane_bit), lane_bit);
+    return _mm256_castsi256_ps(_mm256_add_epi32(x, _mm256_and_si256(set, _mm256_set1_epi32(0x10000))));
+}
+
+AVX2 static ALWAYS_INLINE void avx2_store_master(const struct pass *s, size_t i, __m256 p)
+{
+    if (!s->split) {
+        _mm256_storeu_ps(s->param + i, p);
+        avx2_out(s, i, p);
+        return;
+    }
+    __m256i weight = avx2_bf16_lanes(p);
+    __m256i rest = _mm256_sub_epi32(_mm256_castps_si256(p), _mm256_slli_epi32(weight, 16));
+    __m256i tie = _mm256_cmpeq_epi32(rest, _mm256_set1_epi32(0x8000));
+    _mm_storeu_si128((__m128i *)((uint16_t *)s->out + i), avx2_pack16(weight));
+    _mm_storeu_si128((__m128i *)(s->residual + i), avx2_pack16(_mm256_and_si256(rest, _mm256_set1_epi32(0xFFFF))));
+    s->residual_bits[(s->residual_bit0 + i) >> 3] = (uint8_t)_mm256_movemask_ps(_mm256_castsi256_ps(tie));
+}
+
+AVX2 static ALWAYS_INLINE __m256 avx2_moment(const struct pass *s, const void *moment, size_t i)
+{
+    if (s->moment_dtype == ZO_DTYPE_BF16)
+        return _mm256_castsi256_ps(avx2_high16((const uint16_t *)moment + i));
+    return _mm256_loadu_ps((const float *)moment + i);
+}
+
+/* mix32 on 8 lanes. */
+AVX2 static ALWAYS_INLINE __m256i avx2_mix32(__m256i x)
+{
+    x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
+    x = _mm256_mullo_epi32(x, _mm256_set1_epi32(0x7FEB352D));
+    x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 15));
+    x = _mm256_mullo_epi32(x, _mm256_set1_epi32((int)0x846CA68Bu));
+    return _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
+}
+
+/* bf16_stochastic on 8 lanes. */
+AVX2 static ALWAYS_INLINE __m128i avx2_bf16_stochastic(__m256 f, __m256i noise16)
+{
+    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_castps_si256(f), noise16), 16);
+    __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(f, f, _CMP_UNORD_Q));
+    return avx2_pack16(_mm256_blendv_epi8(r, _mm256_set1_epi32(0xFFFF), nan));
+}
+
+AVX2 static ALWAYS_INLINE void avx2_store_moments(const struct pass *s, size_t i, __m256 m, __m256 v)
+{
+    if (s->moment_dtype != ZO_DTYPE_BF16) {
+        _mm256_storeu_ps((float *)s->exp_avg + i, m);
+        _mm256_storeu_ps((float *)s->exp_avg_sq + i, v);
+        return;
+    }
+    __m256i index = _mm256_add_epi32(_mm256_set1_epi32((int)(s->noise_base + (uint32_t)i)),
+                                     _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    __m256i noise = avx2_mix32(_mm256_xor_si256(index, _mm256_set1_epi32((int)s->k.noise_seed)));
+    _mm_storeu_si128((__m128i *)((uint16_t *)s->exp_avg + i),
+                     avx2_bf16_stochastic(m, _mm256_and_si256(noise, _mm256_set1_epi32(0xFFFF))));
+    _mm_storeu_si128((__m128i *)((uint16_t *)s->exp_avg_sq + i), avx2_bf16_stochastic(v, _mm256_srli_epi32(noise, 16)));
+}
+
 AVX2 static ALWAYS_INLINE double avx2_sum(__m256 x)
 {
     __m128 half = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
@@ -289,21 +473,19 @@ AVX2 static double avx2_run(const void *pass, size_t begin, size_t end)
 {
     const struct pass *s = pass;
     const struct consts k = s->k;
-    double sumsq = 0;
-    size_t i = begin;
+    size_t i = begin + split_head(s, begin, end, 8);
+    double sumsq = scalar_range(s, begin, i);
     while (i + 8 <= end) {
         size_t block_end = end - i > SUMSQ_BLOCK ? i + SUMSQ_BLOCK : end;
         __m256 acc = _mm256_setzero_ps();
         for (; i + 8 <= block_end; i += 8) {
-            __m256 p = _mm256_loadu_ps(s->param + i), g = avx2_grad(s, i);
-            __m256 m = _mm256_loadu_ps(s->exp_avg + i), v = _mm256_loadu_ps(s->exp_avg_sq + i);
+            __m256 p = avx2_master(s, i), g = avx2_grad(s, i);
+            __m256 m = avx2_moment(s, s->exp_avg, i), v = avx2_moment(s, s->exp_avg_sq, i);
             if (s->sumsq)
                 acc = _mm256_fmadd_ps(g, g, acc);
             ADAM_UPDATE(k, p, g, m, v, _mm256_set1_ps, _mm256_fmadd_ps, _mm256_sqrt_ps);
-            _mm256_storeu_ps(s->param + i, p);
-            _mm256_storeu_ps(s->exp_avg + i, m);
-            _mm256_storeu_ps(s->exp_avg_sq + i, v);
-            avx2_out(s, i, p);
+            avx2_store_master(s, i, p);
+            avx2_store_moments(s, i, m, v);
         }
         sumsq += avx2_sum(acc);
     }
@@ -324,14 +506,24 @@ AVX512 static ALWAYS_INLINE __m512 avx512_grad(const struct pass *s, size_t i)
     return _mm512_cvtph_ps(h);
 }
 
-/* fp32_to_bf16 on 16 lanes. */
-AVX512 static ALWAYS_INLINE __m256i avx512_bf16(__m512 p)
+/* 16 16-bit values (bf16 weights or moments) as the high halves of 16 lanes. */
+AVX512 static ALWAYS_INLINE __m512i avx512_high16(const uint16_t *from)
+{
+    return _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)from)), 16);
+}
+
+/* fp32_to_bf16 on 16 lanes, each in the low half of its lane. */
+AVX512 static ALWAYS_INLINE __m512i avx512_bf16_lanes(__m512 p)
 {
     __m512i u = _mm512_castps_si512(p);
     __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
     __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), lsb), 16);
-    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(p, p, _CMP_UNORD_Q), _mm512_set1_epi32(0xFFFF));
-    return _mm512_cvtepi32_epi16(r);
+    return _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(p, p, _CMP_UNORD_Q), _mm512_set1_epi32(0xFFFF));
+}
+
+AVX512 static ALWAYS_INLINE __m256i avx512_bf16(__m512 p)
+{
+    return _mm512_cvtepi32_epi16(avx512_bf16_lanes(p));
 }
 
 /* 32 bytes of out: past the caches when the pass streams its out and the address allows. */
@@ -357,25 +549,91 @@ AVX512 static ALWAYS_INLINE void avx512_out(const struct pass *s, size_t i, __m5
         avx512_out_store(s, half, _mm512_cvtps_ph(p, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
 }
 
+/* split_join on 16 lanes, from element i (residual_bit0 + i a multiple of 16: split_head). */
+AVX512 static ALWAYS_INLINE __m512 avx512_master(const struct pass *s, size_t i)
+{
+    if (!s->split)
+        return _mm512_loadu_ps(s->param + i);
+    __m512i x = _mm512_add_epi32(avx512_high16((const uint16_t *)s->out + i),
+                                 _mm512_cvtepi16_epi32(_mm256_loadu_si256((const __m256i *)(s->residual + i))));
+    uint16_t bits;
+    memcpy(&bits, s->residual_bits + ((s->residual_bit0 + i) >> 3), sizeof(bits));
+    return _mm512_castsi512_ps(_mm512_mask_add_epi32(x, (__mmask16)bits, x, _mm512_set1_epi32(0x10000)));
+}
+
+AVX512 static ALWAYS_INLINE void avx512_store_master(const struct pass *s, size_t i, __m512 p)
+{
+    if (!s->split) {
+        _mm512_storeu_ps(s->param + i, p);
+        avx512_out(s, i, p);
+        return;
+    }
+    __m512i weight = avx512_bf16_lanes(p);
+    __m512i rest = _mm512_sub_epi32(_mm512_castps_si512(p), _mm512_slli_epi32(weight, 16));
+    uint16_t ties = (uint16_t)_mm512_cmpeq_epi32_mask(rest, _mm512_set1_epi32(0x8000));
+    _mm256_storeu_si256((__m256i *)((uint16_t *)s->out + i), _mm512_cvtepi32_epi16(weight));
+    _mm256_storeu_si256((__m256i *)(s->residual + i), _mm512_cvtepi32_epi16(rest));
+    memcpy(s->residual_bits + ((s->residual_bit0 + i) >> 3), &ties, sizeof(ties));
+}
+
+AVX512 static ALWAYS_INLINE __m512 avx512_moment(const struct pass *s, const void *moment, size_t i)
+{
+    if (s->moment_dtype == ZO_DTYPE_BF16)
+        return _mm512_castsi512_ps(avx512_high16((const uint16_t *)moment + i));
+    return _mm512_loadu_ps((const float *)moment + i);
+}
+
+/* mix32 on 16 lanes. */
+AVX512 static ALWAYS_INLINE __m512i avx512_mix32(__m512i x)
+{
+    x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
+    x = _mm512_mullo_epi32(x, _mm512_set1_epi32(0x7FEB352D));
+    x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 15));
+    x = _mm512_mullo_epi32(x, _mm512_set1_epi32((int)0x846CA68Bu));
+    return _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
+}
+
+/* bf16_stochastic on 16 lanes. */
+AVX512 static ALWAYS_INLINE __m256i avx512_bf16_stochastic(__m512 f, __m512i noise16)
+{
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_castps_si512(f), noise16), 16);
+    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q), _mm512_set1_epi32(0xFFFF));
+    return _mm512_cvtepi32_epi16(r);
+}
+
+AVX512 static ALWAYS_INLINE void avx512_store_moments(const struct pass *s, size_t i, __m512 m, __m512 v)
+{
+    if (s->moment_dtype != ZO_DTYPE_BF16) {
+        _mm512_storeu_ps((float *)s->exp_avg + i, m);
+        _mm512_storeu_ps((float *)s->exp_avg_sq + i, v);
+        return;
+    }
+    __m512i index = _mm512_add_epi32(_mm512_set1_epi32((int)(s->noise_base + (uint32_t)i)),
+                                     _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+    __m512i noise = avx512_mix32(_mm512_xor_si512(index, _mm512_set1_epi32((int)s->k.noise_seed)));
+    _mm256_storeu_si256((__m256i *)((uint16_t *)s->exp_avg + i),
+                        avx512_bf16_stochastic(m, _mm512_and_si512(noise, _mm512_set1_epi32(0xFFFF))));
+    _mm256_storeu_si256((__m256i *)((uint16_t *)s->exp_avg_sq + i),
+                        avx512_bf16_stochastic(v, _mm512_srli_epi32(noise, 16)));
+}
+
 AVX512 static double avx512_run(const void *pass, size_t begin, size_t end)
 {
     const struct pass *s = pass;
     const struct consts k = s->k;
-    double sumsq = 0;
-    size_t i = begin;
+    size_t i = begin + split_head(s, begin, end, 16);
+    double sumsq = scalar_range(s, begin, i);
     while (i + 16 <= end) {
         size_t block_end = end - i > SUMSQ_BLOCK ? i + SUMSQ_BLOCK : end;
         __m512 acc = _mm512_setzero_ps();
         for (; i + 16 <= block_end; i += 16) {
-            __m512 p = _mm512_loadu_ps(s->param + i), g = avx512_grad(s, i);
-            __m512 m = _mm512_loadu_ps(s->exp_avg + i), v = _mm512_loadu_ps(s->exp_avg_sq + i);
+            __m512 p = avx512_master(s, i), g = avx512_grad(s, i);
+            __m512 m = avx512_moment(s, s->exp_avg, i), v = avx512_moment(s, s->exp_avg_sq, i);
             if (s->sumsq)
                 acc = _mm512_fmadd_ps(g, g, acc);
             ADAM_UPDATE(k, p, g, m, v, _mm512_set1_ps, _mm512_fmadd_ps, _mm512_sqrt_ps);
-            _mm512_storeu_ps(s->param + i, p);
-            _mm512_storeu_ps(s->exp_avg + i, m);
-            _mm512_storeu_ps(s->exp_avg_sq + i, v);
-            avx512_out(s, i, p);
+            avx512_store_master(s, i, p);
+            avx512_store_moments(s, i, m, v);
         }
         sumsq += avx2_sum(_mm256_add_ps(_mm512_castps512_ps256(acc),
                                         _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc), 1))));
@@ -511,6 +769,7 @@ static struct consts derive_consts(const struct zo_adam_args *a)
         .bias_correction2_sqrt = (float)sqrt(bias_correction2),
         .eps = (float)a->eps,
         .neg_step_size = (float)-(a->lr / bias_correction1),
+        .noise_seed = mix32(a->noise_key ^ mix32((uint32_t)a->step)),
     };
 }
 
@@ -622,10 +881,14 @@ static int valid_args(const struct zo_adam_args *a)
                   a->grad_dtype == ZO_DTYPE_FP16;
     int out_ok = a->out_dtype == ZO_DTYPE_NONE || a->out_dtype == ZO_DTYPE_FP32 ||
                  a->out_dtype == ZO_DTYPE_BF16 || a->out_dtype == ZO_DTYPE_FP16;
-    if (!grad_ok || !out_ok || a->step < 1)
+    int moments_ok = a->moment_dtype == ZO_DTYPE_FP32 || a->moment_dtype == ZO_DTYPE_BF16;
+    int split = a->master == ZO_MASTER_SPLIT;
+    if (!grad_ok || !out_ok || !moments_ok || a->step < 1 || (a->master != ZO_MASTER_FP32 && !split) ||
+        (split && a->out_dtype != ZO_DTYPE_BF16))
         return 0;
     /* torch hands out a null data pointer for an empty tensor, so pointers matter only when n > 0 */
-    return a->n == 0 || (a->param && a->grad && a->exp_avg && a->exp_avg_sq &&
+    int master_ok = split ? a->out && a->residual && a->residual_bits : a->param != NULL;
+    return a->n == 0 || (master_ok && a->grad && a->exp_avg && a->exp_avg_sq &&
                          (a->out_dtype == ZO_DTYPE_NONE || a->out));
 }
 
@@ -653,10 +916,14 @@ int zo_adam_steps(const struct zo_adam_args *args, size_t count, unsigned thread
     double *sums = (double *)(ns + count);
     for (size_t i = 0; i < count; i++) {
         const struct zo_adam_args *a = &args[i];
+        int split = a->master == ZO_MASTER_SPLIT;
         pass[i] = (struct pass){
             .param = a->param, .exp_avg = a->exp_avg, .exp_avg_sq = a->exp_avg_sq, .grad = a->grad, .out = a->out,
-            .grad_dtype = a->grad_dtype, .out_dtype = a->out_dtype, .sumsq = a->grad_sumsq != NULL,
-            .stream_out = a->n >= STREAM_OUT_MIN, .k = derive_consts(a),
+            .grad_dtype = a->grad_dtype, .out_dtype = a->out_dtype, .moment_dtype = a->moment_dtype, .split = split,
+            .residual = a->residual, .residual_bits = a->residual_bits, .residual_bit0 = a->residual_bit0,
+            .noise_base = a->noise_base, .sumsq = a->grad_sumsq != NULL,
+            .stream_out = !split && a->n >= STREAM_OUT_MIN,  /* a split master's out is read too */
+            .k = derive_consts(a),
         };
         ns[i] = a->n;
     }

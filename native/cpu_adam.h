@@ -1,12 +1,27 @@
 /*
- * cpu_adam.h - one fused pass of Adam/AdamW over fp32 master parameters on the CPU.
+ * cpu_adam.h - one fused pass of Adam/AdamW over master parameters on the CPU (fp32, or split).
  *
  * Vocabulary
- *   param       fp32 master parameters, updated in place.
+ *   param       fp32 master parameters, updated in place (master ZO_MASTER_FP32).
+ *   split       the master held as its bf16 weight (out, read and written) plus a residual
+ *               (master ZO_MASTER_SPLIT, no param): master bits = (weight << 16) + residual,
+ *               sign-extended, + (residual bit << 16). The weight is the master rounded to nearest
+ *               even (what the fp32 master's out would be), so master - weight, on the bit pattern,
+ *               lies in [-0x8000, 0x8000]: 2^16 + 1 values, one more than 16 bits hold. The residual
+ *               keeps its low 16 bits and the residual bit says "+0x8000, not -0x8000" (a tie that
+ *               rounded down to an even weight). Exact for every float, inf included; a NaN stays a
+ *               NaN. Element j's bit is bit (residual_bit0 + j) % 8 of byte (residual_bit0 + j) / 8.
  *   grad        the gradient, fp32, bf16 or fp16; read only. It is multiplied by grad_scale
  *               first (the engine's unscale x clip coefficient), in fp32.
- *   exp_avg     fp32 first moment m, updated in place.
- *   exp_avg_sq  fp32 second moment v, updated in place.
+ *   exp_avg     first moment m, updated in place: fp32, or bf16 (moment_dtype).
+ *   exp_avg_sq  second moment v, likewise.
+ *   bf16 moments are computed in fp32 and stored rounded stochastically: the bits below bf16's
+ *               are added to 16 bits of noise before truncation, so a moment's expected stored value
+ *               is its fp32 value. Round to nearest would lose every change below half a bf16 unit
+ *               (2^-9 relative): v * beta2 with beta2 = 0.999 would never decay. The noise is a hash
+ *               of (noise_key, step, noise_base + j) for element j: the same bits whatever the level,
+ *               the thread count or where a range starts, and the same for one parameter element
+ *               however the parameters are sharded, when the caller numbers them so.
  *   out         optional low-precision copy of the new param (bf16, fp16 or fp32), written in the
  *               same pass and rounded to nearest even exactly as torch's `.to(dtype)` rounds.
  *   level       the instruction set the pass runs on: AVX-512, AVX2 (+FMA, F16C) or scalar C,
@@ -32,17 +47,25 @@
 
 enum zo_dtype { ZO_DTYPE_NONE = 0, ZO_DTYPE_FP32 = 1, ZO_DTYPE_BF16 = 2, ZO_DTYPE_FP16 = 3 };
 enum zo_simd { ZO_SIMD_SCALAR = 0, ZO_SIMD_AVX2 = 1, ZO_SIMD_AVX512 = 2 };
+enum zo_master { ZO_MASTER_FP32 = 0, ZO_MASTER_SPLIT = 1 };
 
 /* Hyperparameters are double because torch derives its per-step constants in double (and so
  * must we, to round them to the same floats). */
 struct zo_adam_args {
-    float *param;
+    float *param;          /* ZO_MASTER_FP32 only */
     const void *grad;
     int grad_dtype;        /* ZO_DTYPE_FP32 | BF16 | FP16 */
-    float *exp_avg;
-    float *exp_avg_sq;
-    void *out;             /* NULL when out_dtype is ZO_DTYPE_NONE */
-    int out_dtype;         /* ZO_DTYPE_NONE | FP32 | BF16 | FP16 */
+    void *exp_avg;
+    void *exp_avg_sq;
+    int moment_dtype;      /* ZO_DTYPE_FP32 | BF16 */
+    void *out;             /* NULL when out_dtype is ZO_DTYPE_NONE; the weight (bf16) of a split master */
+    int out_dtype;         /* ZO_DTYPE_NONE | FP32 | BF16 | FP16; BF16 with ZO_MASTER_SPLIT */
+    int master;            /* ZO_MASTER_FP32 | ZO_MASTER_SPLIT */
+    int16_t *residual;     /* ZO_MASTER_SPLIT: the residuals and their bits (split, above) */
+    uint8_t *residual_bits;
+    size_t residual_bit0;
+    uint32_t noise_key;    /* bf16 moments: the rounding noise's key and element 0's number */
+    uint32_t noise_base;
     size_t n;              /* elements of each array */
     double lr, beta1, beta2, eps, weight_decay;
     float grad_scale;

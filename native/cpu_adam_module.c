@@ -6,7 +6,8 @@
  * set: if it fails to build, the I/O engine is still there (and the optimizer falls back to torch).
  *
  * Python interface
- *   adam_steps([(param_addr, grad_addr, grad_dtype, exp_avg_addr, exp_avg_sq_addr, out_addr, out_dtype,
+ *   adam_steps([(param_addr, grad_addr, grad_dtype, exp_avg_addr, exp_avg_sq_addr, moment_dtype, out_addr,
+ *                out_dtype, master, residual_addr, residual_bits_addr, residual_bit0, noise_key, noise_base,
  *                n, lr, beta1, beta2, eps, weight_decay, grad_scale, step, adamw, want_sumsq), ...],
  *              threads) -> [float | None, ...]
  *       fused Adam/AdamW passes, each over its n elements, run as one split (cpu_adam.h's
@@ -15,7 +16,8 @@
  *   sum_squares(addr, dtype, n, threads) -> float: the sum of squares of n elements (cpu_adam.h)
  *   adam_simd() -> "avx512" | "avx2" | "scalar"; OSError(EINVAL) when ZO_ADAM_SIMD names no level.
  *       Off x86 (and when built with -DZO_ADAM_SCALAR_ONLY) it is always "scalar".
- *   DTYPE_NONE, DTYPE_FP32, DTYPE_BF16, DTYPE_FP16 (grad_dtype, out_dtype)
+ *   DTYPE_NONE, DTYPE_FP32, DTYPE_BF16, DTYPE_FP16 (grad_dtype, out_dtype, moment_dtype)
+ *   MASTER_FP32, MASTER_SPLIT (master)
  */
 #include "bindings.h"
 
@@ -24,22 +26,26 @@
 /* One update's tuple (the interface above) into a; its sum of squares goes to *sumsq when asked. */
 static int parse_update(PyObject *update, struct zo_adam_args *a, double *sumsq)
 {
-    unsigned long long param, grad, exp_avg, exp_avg_sq, out;
+    unsigned long long param, grad, exp_avg, exp_avg_sq, out, residual, residual_bits;
     long long step;
-    Py_ssize_t n;
+    Py_ssize_t n, bit0;
     int want_sumsq;
-    if (!PyArg_ParseTuple(update, "KKiKKKindddddfLpp", &param, &grad, &a->grad_dtype, &exp_avg, &exp_avg_sq, &out,
-                          &a->out_dtype, &n, &a->lr, &a->beta1, &a->beta2, &a->eps, &a->weight_decay,
-                          &a->grad_scale, &step, &a->adamw, &want_sumsq))
+    if (!PyArg_ParseTuple(update, "KKiKKiKiiKKnIIndddddfLpp", &param, &grad, &a->grad_dtype, &exp_avg, &exp_avg_sq,
+                          &a->moment_dtype, &out, &a->out_dtype, &a->master, &residual, &residual_bits, &bit0,
+                          &a->noise_key, &a->noise_base, &n, &a->lr, &a->beta1, &a->beta2, &a->eps,
+                          &a->weight_decay, &a->grad_scale, &step, &a->adamw, &want_sumsq))
         return -1;
-    if (n < 0) {
-        PyErr_SetString(PyExc_ValueError, "n must be >= 0");
+    if (n < 0 || bit0 < 0) {
+        PyErr_SetString(PyExc_ValueError, "n and residual_bit0 must be >= 0");
         return -1;
     }
+    a->residual = (int16_t *)(uintptr_t)residual;
+    a->residual_bits = (uint8_t *)(uintptr_t)residual_bits;
+    a->residual_bit0 = (size_t)bit0;
     a->param = (float *)(uintptr_t)param;
     a->grad = (const void *)(uintptr_t)grad;
-    a->exp_avg = (float *)(uintptr_t)exp_avg;
-    a->exp_avg_sq = (float *)(uintptr_t)exp_avg_sq;
+    a->exp_avg = (void *)(uintptr_t)exp_avg;
+    a->exp_avg_sq = (void *)(uintptr_t)exp_avg_sq;
     a->out = (void *)(uintptr_t)out;
     a->n = (size_t)n;
     a->step = step;
@@ -138,7 +144,9 @@ PyMODINIT_FUNC PyInit__cpu_adam(void)
     if (PyModule_AddIntConstant(m, "DTYPE_NONE", ZO_DTYPE_NONE) < 0 ||
         PyModule_AddIntConstant(m, "DTYPE_FP32", ZO_DTYPE_FP32) < 0 ||
         PyModule_AddIntConstant(m, "DTYPE_BF16", ZO_DTYPE_BF16) < 0 ||
-        PyModule_AddIntConstant(m, "DTYPE_FP16", ZO_DTYPE_FP16) < 0) {
+        PyModule_AddIntConstant(m, "DTYPE_FP16", ZO_DTYPE_FP16) < 0 ||
+        PyModule_AddIntConstant(m, "MASTER_FP32", ZO_MASTER_FP32) < 0 ||
+        PyModule_AddIntConstant(m, "MASTER_SPLIT", ZO_MASTER_SPLIT) < 0) {
         Py_DECREF(m);
         return NULL;
     }

@@ -2,10 +2,14 @@
 (``fused_adam_steps``: over many, as one pass).
 
 [Note: fused Adam tensors]
-- *param*: the fp32 master values, updated in place.
+- *param*: the fp32 master values, updated in place; or None for a *split* master: the bf16 weight
+  *out* (read and written), an int16 *residual* and its bits in uint8 *residual_bits* from bit
+  *residual_bit0* (``state_formats``' [Note: split masters]), bitwise the update of the fp32 master.
 - *grad*: the gradient, fp32, bf16 or fp16 (the engine's reduced gradient as it lies), read only;
   multiplied by *grad_scale* first (the engine's unscale x clip coefficient), in fp32.
-- *exp_avg*, *exp_avg_sq*: the fp32 first and second moments (torch's state names), updated in place.
+- *exp_avg*, *exp_avg_sq*: the first and second moments (torch's state names), updated in place: fp32,
+  or bf16 rounded stochastically with noise keyed by *noise_key*, the step and *noise_base* + the
+  element's index (``state_formats``' [Note: bf16 moments]).
 - *out*: optional low-precision copy of the new param (bf16, fp16 or fp32), written in the same pass
   and rounded exactly as torch's ``.to(dtype)`` rounds, NaN, inf and subnormals included.
 All are contiguous CPU tensors of one numel, in any shapes; they must not overlap.
@@ -29,6 +33,8 @@ import math
 import os
 
 import torch
+
+from . import state_formats as formats
 
 try:
     from .. import _cpu_adam
@@ -58,7 +64,7 @@ def simd_level() -> str:
 @dataclasses.dataclass(frozen=True)
 class AdamUpdate:
     """One update's tensors and hyperparameters, as ``fused_adam_step`` takes them."""
-    param: torch.Tensor
+    param: torch.Tensor | None
     grad: torch.Tensor
     exp_avg: torch.Tensor
     exp_avg_sq: torch.Tensor
@@ -71,12 +77,27 @@ class AdamUpdate:
     adamw: bool = True
     grad_scale: float = 1.0
     grad_sumsq: bool = False
+    residual: torch.Tensor | None = None
+    residual_bits: torch.Tensor | None = None
+    residual_bit0: int = 0
+    noise_key: int = 0
+    noise_base: int = 0
+
+    @property
+    def split(self) -> bool:
+        return self.residual is not None
+
+    @property
+    def numel(self) -> int:
+        return self.out.numel() if self.split else self.param.numel()
 
 
-def fused_adam_step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+def fused_adam_step(param: torch.Tensor | None, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
                     out: torch.Tensor | None = None, *, lr: float, betas: tuple[float, float], eps: float,
                     weight_decay: float, step: int, adamw: bool = True, grad_scale: float = 1.0,
-                    threads: int = 0, grad_sumsq: bool = False) -> float | None:
+                    threads: int = 0, grad_sumsq: bool = False, residual: torch.Tensor | None = None,
+                    residual_bits: torch.Tensor | None = None, residual_bit0: int = 0, noise_key: int = 0,
+                    noise_base: int = 0) -> float | None:
     """One Adam (``adamw=False``: L2 decay added to the gradient) or AdamW (decoupled decay) update in
     place, with ``step`` counting from 1 as torch's state["step"] after its increment; see the module
     note for the tensors. ``threads`` bounds the native pass's threads (0: every CPU this process may
@@ -84,7 +105,9 @@ def fused_adam_step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tens
     sum of the squares of ``grad`` as given (before ``grad_scale``), summed in the same pass: the norm
     for statistics costs no pass of its own. Raises ValueError naming the argument at fault."""
     update = AdamUpdate(param, grad, exp_avg, exp_avg_sq, out, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-                        step=step, adamw=adamw, grad_scale=grad_scale, grad_sumsq=grad_sumsq)
+                        step=step, adamw=adamw, grad_scale=grad_scale, grad_sumsq=grad_sumsq, residual=residual,
+                        residual_bits=residual_bits, residual_bit0=residual_bit0, noise_key=noise_key,
+                        noise_base=noise_base)
     _check_threads(threads)
     return _run([_checked(update)], threads)[0]
 
@@ -117,15 +140,34 @@ def _run(updates: list[tuple[AdamUpdate, float, float]], threads: int) -> list[f
 
 def _native_arguments(u: AdamUpdate, beta1: float, beta2: float) -> tuple:
     """One update as the native module's ``adam_steps`` takes it."""
-    return (u.param.data_ptr(), u.grad.data_ptr(), _dtype_code(u.grad), u.exp_avg.data_ptr(), u.exp_avg_sq.data_ptr(),
-            0 if u.out is None else u.out.data_ptr(), _dtype_code(u.out), u.param.numel(), float(u.lr), beta1, beta2,
-            float(u.eps), float(u.weight_decay), float(u.grad_scale), u.step, bool(u.adamw), bool(u.grad_sumsq))
+    split = u.split
+    return (0 if split else u.param.data_ptr(), u.grad.data_ptr(), _dtype_code(u.grad), u.exp_avg.data_ptr(),
+            u.exp_avg_sq.data_ptr(), _dtype_code(u.exp_avg), 0 if u.out is None else u.out.data_ptr(), _dtype_code(u.out),
+            _cpu_adam.MASTER_SPLIT if split else _cpu_adam.MASTER_FP32, u.residual.data_ptr() if split else 0,
+            u.residual_bits.data_ptr() if split else 0, u.residual_bit0, u.noise_key & 0xFFFFFFFF,
+            u.noise_base & 0xFFFFFFFF, u.numel, float(u.lr), beta1, beta2, float(u.eps), float(u.weight_decay),
+            float(u.grad_scale), u.step, bool(u.adamw), bool(u.grad_sumsq))
 
 
 def _torch_update(u: AdamUpdate, beta1: float, beta2: float) -> float | None:
+    """The update with torch's ops on fp32 values: a split master joined first and split after, bf16
+    moments widened first and rounded after as the native pass rounds them."""
     sumsq = sum_squares(u.grad).item() if u.grad_sumsq else None  # the gradient as given, before the update
-    _torch_step(u.param, u.grad, u.exp_avg, u.exp_avg_sq, u.out, lr=u.lr, beta1=beta1, beta2=beta2, eps=u.eps,
-                weight_decay=u.weight_decay, step=u.step, adamw=u.adamw, grad_scale=u.grad_scale)
+    n = u.numel
+    param = u.param if not u.split else formats.join_master(
+        u.out, u.residual, formats.read_bits(u.residual_bits, u.residual_bit0, n))
+    exp_avg, exp_avg_sq = u.exp_avg.float(), u.exp_avg_sq.float()  # a copy when bf16
+    _torch_step(param, u.grad, exp_avg, exp_avg_sq, None if u.split else u.out, lr=u.lr, beta1=beta1, beta2=beta2,
+                eps=u.eps, weight_decay=u.weight_decay, step=u.step, adamw=u.adamw, grad_scale=u.grad_scale)
+    if u.split:
+        weight, residual, bits = formats.split_master(param)
+        u.out.view(-1).copy_(weight)
+        u.residual.view(-1).copy_(residual)
+        formats.write_bits(u.residual_bits, u.residual_bit0, bits)
+    if u.exp_avg.dtype == torch.bfloat16:
+        noise = formats.rounding_noise(u.noise_key, u.step, u.noise_base, n)
+        u.exp_avg.view(-1).copy_(formats.round_bf16_stochastic(exp_avg, noise & 0xFFFF))
+        u.exp_avg_sq.view(-1).copy_(formats.round_bf16_stochastic(exp_avg_sq, noise >> 16))
     return sumsq
 
 
@@ -149,14 +191,25 @@ def _dtype_code(tensor: torch.Tensor | None) -> int:
 # Validation
 
 
-def _check_tensors(param, grad, exp_avg, exp_avg_sq, out) -> None:
-    _check_tensor("param", param, (torch.float32,), None)
-    numel = param.numel()
-    _check_tensor("grad", grad, tuple(_DTYPE_NAMES), numel)
-    _check_tensor("exp_avg", exp_avg, (torch.float32,), numel)
-    _check_tensor("exp_avg_sq", exp_avg_sq, (torch.float32,), numel)
-    if out is not None:
-        _check_tensor("out", out, tuple(_DTYPE_NAMES), numel)
+def _check_tensors(u: AdamUpdate) -> None:
+    if u.split:
+        if u.param is not None:
+            raise ValueError("param must be None with a residual: a split master is out + residual")
+        _check_tensor("out", u.out, (torch.bfloat16,), None)
+        _check_tensor("residual", u.residual, (torch.int16,), u.out.numel())
+        _check_tensor("residual_bits", u.residual_bits, (torch.uint8,), None)
+        if isinstance(u.residual_bit0, bool) or not isinstance(u.residual_bit0, int) or u.residual_bit0 < 0:
+            raise ValueError(f"residual_bit0 = {u.residual_bit0!r}: must be an int >= 0")
+        if u.residual_bits.numel() * 8 < u.residual_bit0 + u.numel:
+            raise ValueError(f"residual_bits has {u.residual_bits.numel() * 8} bits: {u.residual_bit0 + u.numel} "
+                             f"needed from residual_bit0 = {u.residual_bit0}")
+    else:
+        _check_tensor("param", u.param, (torch.float32,), None)
+        if u.out is not None:
+            _check_tensor("out", u.out, tuple(_DTYPE_NAMES), u.numel)
+    _check_tensor("grad", u.grad, tuple(_DTYPE_NAMES), u.numel)
+    _check_tensor("exp_avg", u.exp_avg, (torch.float32, torch.bfloat16), u.numel)
+    _check_tensor("exp_avg_sq", u.exp_avg_sq, (u.exp_avg.dtype,), u.numel)
 
 
 def _check_tensor(name: str, tensor, dtypes: tuple[torch.dtype, ...], numel: int | None) -> None:
@@ -171,12 +224,12 @@ def _check_tensor(name: str, tensor, dtypes: tuple[torch.dtype, ...], numel: int
     if not tensor.is_contiguous():
         raise ValueError(f"{name} is not contiguous (strides {tensor.stride()}): pass {name}.contiguous()")
     if numel is not None and tensor.numel() != numel:
-        raise ValueError(f"{name} has {tensor.numel()} elements but param has {numel}")
+        raise ValueError(f"{name} has {tensor.numel()} elements but the master has {numel}")
 
 
 def _checked(update: AdamUpdate) -> tuple[AdamUpdate, float, float]:
     """``update`` with its betas as floats, once its tensors and hyperparameters are checked."""
-    _check_tensors(update.param, update.grad, update.exp_avg, update.exp_avg_sq, update.out)
+    _check_tensors(update)
     return (update, *_check_hyperparameters(update.lr, update.betas, update.eps, update.weight_decay, update.step))
 
 
