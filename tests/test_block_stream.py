@@ -13,7 +13,7 @@ import zerooffload as zo
 from zerooffload.block_stream import (BLOCK_READ, BLOCK_WAIT, BLOCK_WRITE, CHECKPOINT_WRITES, GRAD_READS,
                                       STREAM_BUFFERS, BlockReader, BlockWriter, InFlight, checkpoint_depth,
                                       grad_read_depth, stream_blocks, stream_depth, write_block)
-from zerooffload.checkpoint_files import ChecksummedWriter
+from zerooffload.checkpoint import ChecksummedWriter
 from zerooffload.config import AioConfig, ConfigError
 from zerooffload.io import AsyncIO
 from zerooffload.tiers import HostTier, Kind, NvmeTier

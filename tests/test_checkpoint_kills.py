@@ -37,7 +37,7 @@ def _save_killed(directory: str, tag: str, kind: str, number: int, when: str, re
     ``kind`` (counted from 0) killing the process with SIGKILL just ``when`` ("before" or "after") it
     runs. A save that never reached that call writes the calls it made to ``report``; an error, its
     traceback (status 1)."""
-    from zerooffload import checkpoint_files
+    from zerooffload.checkpoint import files as checkpoint_files
 
     try:
         engine = zo.initialize(make_buffered_model(), CONFIG)  # never closed: the process is killed, or ends

@@ -18,7 +18,7 @@ The pipelines:
   gradients, new parameter shards), ``depth`` host buffers;
 - ``BlockReader``: blocks read ahead of their use (offloaded gradients for the update), ``depth``
   host buffers, those in use included; a read ahead is skipped when none is free;
-- ``checkpoint_files.ChecksummedWriter``: a checkpoint's data file, ``depth`` writes in flight;
+- ``checkpoint.files.ChecksummedWriter``: a checkpoint's data file, ``depth`` writes in flight;
 - the prefetching scheduler's staged shards (``zero.scheduler``: reads of stage-3 shards from NVMe,
   bounded by its byte window) and the reducer's buckets (``zero.reduction``: ``MAX_BUCKETS_IN_FLIGHT``
   collectives, each handing its shards off as it is waited for) are ``InFlight`` queues too.

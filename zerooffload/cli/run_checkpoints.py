@@ -31,7 +31,7 @@ import sys
 from pathlib import Path
 
 from ..checkpoint import read_manifest
-from ..checkpoint_files import LATEST, PARTIAL, CheckpointError
+from ..checkpoint import LATEST, PARTIAL, CheckpointError
 from ..log import current_rank
 
 __all__ = ["STEP_TAG", "loadable_tag", "make_room", "prune", "resume", "resume_tag", "step_tags"]

@@ -27,7 +27,7 @@ import socket
 from pathlib import Path
 from typing import Iterator
 
-from ..checkpoint_files import LATEST
+from ..checkpoint import LATEST
 from ..config import ConfigError
 from .run_checkpoints import STEP_TAG
 

@@ -34,7 +34,7 @@ import os
 
 import torch
 
-from . import state_formats as formats
+from .state_formats import join_master, read_bits, round_bf16_stochastic, rounding_noise, split_master, write_bits
 
 try:
     from .. import _cpu_adam
@@ -154,20 +154,20 @@ def _torch_update(u: AdamUpdate, beta1: float, beta2: float) -> float | None:
     moments widened first and rounded after as the native pass rounds them."""
     sumsq = sum_squares(u.grad).item() if u.grad_sumsq else None  # the gradient as given, before the update
     n = u.numel
-    param = u.param if not u.split else formats.join_master(
-        u.out, u.residual, formats.read_bits(u.residual_bits, u.residual_bit0, n))
+    param = u.param if not u.split else join_master(
+        u.out, u.residual, read_bits(u.residual_bits, u.residual_bit0, n))
     exp_avg, exp_avg_sq = u.exp_avg.float(), u.exp_avg_sq.float()  # a copy when bf16
     _torch_step(param, u.grad, exp_avg, exp_avg_sq, None if u.split else u.out, lr=u.lr, beta1=beta1, beta2=beta2,
                 eps=u.eps, weight_decay=u.weight_decay, step=u.step, adamw=u.adamw, grad_scale=u.grad_scale)
     if u.split:
-        weight, residual, bits = formats.split_master(param)
+        weight, residual, bits = split_master(param)
         u.out.view(-1).copy_(weight)
         u.residual.view(-1).copy_(residual)
-        formats.write_bits(u.residual_bits, u.residual_bit0, bits)
+        write_bits(u.residual_bits, u.residual_bit0, bits)
     if u.exp_avg.dtype == torch.bfloat16:
-        noise = formats.rounding_noise(u.noise_key, u.step, u.noise_base, n)
-        u.exp_avg.view(-1).copy_(formats.round_bf16_stochastic(exp_avg, noise & 0xFFFF))
-        u.exp_avg_sq.view(-1).copy_(formats.round_bf16_stochastic(exp_avg_sq, noise >> 16))
+        noise = rounding_noise(u.noise_key, u.step, u.noise_base, n)
+        u.exp_avg.view(-1).copy_(round_bf16_stochastic(exp_avg, noise & 0xFFFF))
+        u.exp_avg_sq.view(-1).copy_(round_bf16_stochastic(exp_avg_sq, noise >> 16))
     return sumsq
 
 

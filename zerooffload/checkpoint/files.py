@@ -33,10 +33,10 @@ from pathlib import Path
 
 import torch
 
-from .block_stream import BLOCK_WRITE, CHECKPOINT_WRITES, InFlight
-from .errors import CheckpointError
-from .io import AsyncIO, aligned_empty, open_file
-from .trace import profiled
+from ..block_stream import BLOCK_WRITE, CHECKPOINT_WRITES, InFlight
+from ..errors import CheckpointError
+from ..io import AsyncIO, aligned_empty, open_file
+from ..trace import profiled
 
 __all__ = ["CheckpointError", "ChecksummedWriter", "MANIFEST", "LATEST", "begin_partial", "publish", "recover",
            "resolve_tag", "load_manifest_json", "write_manifest", "verify_file", "file_record", "fsync_dir",

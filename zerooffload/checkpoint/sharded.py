@@ -10,7 +10,7 @@ settings, the LR schedule, loss scaler and counters, the module buffers, the cli
 size and CRC-32 of every file.
 
 - *Atomic*: every rank writes into ``<tag>.partial/`` and fsyncs; after a barrier rank 0 writes the
-  manifest and its digest and publishes the directory (``checkpoint_files``' [Note: publishing a
+  manifest and its digest and publishes the directory (``files``' [Note: publishing a
   tag]): a run killed at any point leaves ``latest`` naming a loadable checkpoint, old or new.
 - *Validated first*: a load checks everything it will use — files, digests, parameter names and
   shapes, buffers, optimizer groups and moments — before it changes any state, so a refused load
@@ -19,7 +19,7 @@ size and CRC-32 of every file.
   ``broadcast_buffers`` makes rank 0's the model's) and loaded on every rank.
 - *Resharding*: a loading rank rebuilds each of its new unit shards from the saved shards by
   parameter name: for every parameter part it needs it reads the byte range of each old rank file
-  that holds it (``checkpoint_layout``). So any world size, stage or tier layout loads into any other;
+  that holds it (``layout``). So any world size, stage or tier layout loads into any other;
   names or shapes that differ are refused with the list.
 - Blocks on NVMe are streamed through host buffers on the way out and in, one unit at a time.
 - *Frozen parameters* keep no optimizer state (optim.state's frozen prefix rule), but the format is
@@ -42,8 +42,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from .block_stream import checkpoint_depth
-from .checkpoint_files import (
+from ..block_stream import checkpoint_depth
+from ..comm import all_gather_object, barrier
+from ..io import AsyncIO
+from ..training_state import Trainable
+from .files import (
     CheckpointError,
     ChecksummedWriter,
     begin_partial,
@@ -53,7 +56,7 @@ from .checkpoint_files import (
     resolve_tag,
     write_manifest,
 )
-from .checkpoint_layout import (
+from .layout import (
     FORMAT,
     VERSION,
     Manifest,
@@ -66,13 +69,10 @@ from .checkpoint_layout import (
     read_range,
     read_saved_buffers,
 )
-from .comm import all_gather_object, barrier
-from .io import AsyncIO
-from .training_state import Trainable
 
 if TYPE_CHECKING:
-    from .optim.state import UnitOptimizerState
-    from .zero.partition import FlatUnit
+    from ..optim.state import UnitOptimizerState
+    from ..zero.partition import FlatUnit
 
 __all__ = ["CheckpointError", "save_checkpoint", "load_checkpoint", "consolidate", "default_tag", "resolve_tag",
            "read_manifest", "Manifest", "persistent_buffers", "Trainable"]

@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
-from .checkpoint_files import CheckpointError, load_manifest_json, resolve_tag, verify_file
-from .io import OffsetReader
+from ..io import OffsetReader
+from .files import CheckpointError, load_manifest_json, resolve_tag, verify_file
 
 __all__ = ["FORMAT", "VERSION", "Manifest", "read_manifest", "rank_file", "malformed", "Source", "parameter_sources",
            "RankFiles", "read_range", "read_saved_buffers"]
