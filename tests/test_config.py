@@ -15,7 +15,7 @@ from zerooffload.config import ConfigError, apply_override, format_size, parse_s
 DESIGN_KEYS = {
     "train": {"micro_batch_size", "grad_accum_steps", "precision", "grad_clip", "seed", "activation_checkpointing",
               "skip_nonfinite", "max_skip_streak", "threads", "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis", "min_loss_scale"},
-    "optimizer": {"type", "lr", "betas", "eps", "weight_decay", "momentum", "update_in_backward"},
+    "optimizer": {"type", "lr", "betas", "eps", "weight_decay", "momentum", "moments", "update_in_backward"},
     "scheduler": {"type", "warmup_steps", "total_steps", "min_lr"},
     "zero": {"stage", "unit_modules", "bucket_size", "prefetch_size", "max_live_size", "persist_threshold",
              "overlap_comm"},
@@ -23,7 +23,7 @@ DESIGN_KEYS = {
     "offload.optimizer": {"tier", "path", "fraction"},
     "offload.activations": {"tier"},
     "memory": {"device_budget", "host_budget", "release_freed"},
-    "nvme": {"path", "checksum"},
+    "nvme": {"path", "checksum", "max_bytes"},
     "aio": {"backend", "block_size", "queue_depth", "threads", "direct", "blocks_in_flight"},
 }
 
@@ -46,12 +46,13 @@ hysteresis = 4
 min_loss_scale = 0.5
 
 [optimizer]
-type = "sgd"
+type = "adam"
 lr = 0.25
 betas = [0.8, 0.95]
 eps = 1e-6
 weight_decay = 0.1
 momentum = 0.9
+moments = "bf16"
 update_in_backward = "off"
 
 [scheduler]
@@ -89,6 +90,7 @@ release_freed = "off"
 [nvme]
 path = ["/mnt/a", "/mnt/b"]
 checksum = false
+max_bytes = "60GB"
 
 [aio]
 backend = "pool"

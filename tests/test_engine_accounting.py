@@ -130,7 +130,7 @@ def test_estimate_reproduces_the_zero_paper_example():
         assert figure in out
 
 
-def offload_accounting_case(root: str) -> dict:
+def offload_accounting_case(root: str, moments: str = "fp32") -> dict:
     """Stage 3, bf16, parameter shards and optimizer states both on NVMe (this rank's own swap directory
     under ``root``): what each tier holds, and the swap files there before and after close()."""
     model = _mlp()
@@ -138,6 +138,7 @@ def offload_accounting_case(root: str) -> dict:
     os.makedirs(swap, exist_ok=True)
     shard = sum(unit_shards(model, dist.get_world_size()))
     with zo.initialize(model, {"zero": {"stage": 3}, "train": {"precision": "bf16"}, "nvme": {"path": swap},
+                               "optimizer": {"moments": moments},
                                "offload": {"param": {"tier": "nvme"}, "optimizer": {"tier": "nvme"}}}) as engine:
         for _ in range(2):
             _one_step(engine)
@@ -148,11 +149,12 @@ def offload_accounting_case(root: str) -> dict:
     return result
 
 
-def test_offloaded_states_are_accounted_on_their_tiers(rank_pools, tmp_path):
-    for result in rank_pools(2).run(offload_accounting_case, str(tmp_path)):
+@pytest.mark.parametrize("moments, state_bytes", [("fp32", 12), ("bf16", 8)])
+def test_offloaded_states_are_accounted_on_their_tiers(rank_pools, tmp_path, moments, state_bytes):
+    for result in rank_pools(2).run(offload_accounting_case, str(tmp_path), moments):
         shard, held = result["shard"], result["bytes"]
         assert held["nvme"]["param"] == 2 * shard  # bf16 shards: 2Ψ/Nd (padded)
-        assert held["nvme"]["optimizer"] == 12 * shard  # fp32 master, m, v: 12Ψ/Nd
+        assert held["nvme"]["optimizer"] == state_bytes * shard  # fp32 master, m, v: 12Ψ/Nd (bf16 m, v: 8Ψ/Nd)
         assert held["device"]["param"] == held["device"]["optimizer"] == held["device"]["gathered"] == 0
         assert held["device"]["grad"] == 0 and held["nvme"]["grad"] == 0  # reduced shards go straight to the update
         # after the step only the next pass's first shards are staged in host memory (read ahead)

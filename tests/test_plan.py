@@ -24,6 +24,7 @@ import pytest
 import torch
 
 import zerooffload as zo
+from zerooffload.cli.plan import format_plan
 from zerooffload.cli.train_plan import predicted_peaks
 from zerooffload.config import Config
 from zerooffload.models import GPT, PRESETS
@@ -172,6 +173,34 @@ def test_a_model_too_large_is_refused_once_naming_the_nearest_layout(cache):
     assert message.startswith("no layout of a GPT of 1e+12 parameters in 100 layers fits this machine (")
     assert "; the one needing the least memory, stage 3, optimizer nvme, params nvme, checkpointing" in message
     assert message.count("the run needs") == 1 and message.count("(") == message.count(")"), message
+
+
+def test_compact_moments_only_when_no_lossless_layout_fits_under_the_swap_cap(cache):
+    """nano on NVMe (pinned): the swap holds ~12 bytes per parameter with fp32 moments, ~8 with bf16.
+    A cap of 10 takes bf16, and says why; a cap of 14 keeps fp32; fp32 pinned under a cap of 10 is refused."""
+    params = sum(p.numel() for p in GPT(PRESETS["nano"]).parameters())
+    nvme = ["zero.stage=3", "offload.optimizer.tier=nvme", "offload.optimizer.fraction=1.0", "offload.param.tier=nvme"]
+
+    def planned(cap_per_param: int, *extra: str) -> PlanResult:
+        overrides = [*nvme, f"nvme.max_bytes={cap_per_param * params}", *extra]
+        return plan("nano", _config(cache, overrides), pinned={*(o.split("=")[0] for o in overrides)},
+                    batch_size=MICRO, timed=False)
+
+    compact = planned(10)
+    assert compact.best.config.optimizer.moments == "bf16" and "moments bf16" in compact.best.describe()
+    assert all("nvme.max_bytes" in c.refusal for c in compact.refused if c.config.optimizer.moments == "fp32")
+    assert format_plan(compact, 3).splitlines()[1].startswith("no layout with fp32 moments fits")
+    assert planned(14).best.config.optimizer.moments == "fp32"
+    with pytest.raises(zo.ConfigError, match=r"the swap files need [\d,]+ bytes on this machine but nvme.max_bytes"):
+        planned(10, 'optimizer.moments="fp32"').best
+
+
+def test_the_engine_refuses_swap_files_past_the_cap_before_allocating(make_engine, cache):
+    model = GPT(PRESETS["nano"])
+    with pytest.raises(BudgetError, match=r"the swap files need [\d,]+ bytes on this machine but nvme.max_bytes is "
+                                          r"1,000,000 \([\d,]+ short\); raise it, or keep more state in RAM "
+                                          r"\(offload.\*.tier\), or in fewer bytes \(optimizer.moments = 'bf16'\)"):
+        make_engine(model, _config(cache, ["zero.stage=3", "offload.optimizer.tier=nvme", "nvme.max_bytes=1MB"]))
 
 
 @SLOW

@@ -33,6 +33,7 @@ from .activations import ActivationProfile
 from .block_stream import GRAD_READS, STREAM_BUFFERS, grad_read_depth, stream_depth
 from .config import Config, ConfigError, dtype_bytes
 from .optim.optimizer import moment_names
+from .optim.state import state_bytes
 from .tiers import (BudgetError, Kind, MemoryPlan, Tier, check_plan, check_ram, make_tiers, swap_bytes,
                     swap_free_bytes)
 from .zero.placement import STAGING, Placement, activations_leave_device, place, shard_count
@@ -84,15 +85,26 @@ def check_fits(plan: MemoryPlan, config: Config, tiers: dict[str, Tier], activat
     cheap to check. ``released`` and ``suggestion``: ``check_ram``'s."""
     plan, on_device = _placed(plan, activations, config, device)
     check_plan(plan, tiers, on_device)
+    check_swap_cap(plan, config, world_size)
     check_ram(plan, config.memory, device, activations=on_device, released=released,
               local_ranks=local_ranks(world_size), suggestion=suggestion)
+
+
+def check_swap_cap(plan: MemoryPlan, config: Config, world_size: int) -> None:
+    """Refuse (``BudgetError``) swap files past ``nvme.max_bytes`` on this machine."""
+    cap, needed = config.nvme.max_bytes, swap_bytes(plan) * local_ranks(world_size)
+    if cap and needed > cap:
+        more = "" if config.optimizer.moments == "bf16" else ", or in fewer bytes (optimizer.moments = 'bf16')"
+        raise BudgetError(f"the swap files need {needed:,} bytes on this machine but nvme.max_bytes is {cap:,} "
+                          f"({needed - cap:,} short); raise it, or keep more state in RAM (offload.*.tier){more}")
 
 
 def _plan(layouts: list[UnitLayout], placement: Placement, config: Config, world_size: int) -> MemoryPlan:
     """``memory_bytes`` of ``placement`` with ``config``'s sizes."""
     return memory_bytes(layouts, placement,
                        compute_bytes=dtype_bytes(config.train.precision), moments=len(moment_names(config.optimizer)),
-                       bucket_bytes=config.zero.bucket_size, world_size=world_size,
+                       moment_dtype=config.optimizer.moments, bucket_bytes=config.zero.bucket_size,
+                       world_size=world_size,
                        max_live_bytes=config.zero.max_live_size, prefetch_bytes=config.zero.prefetch_size,
                        stream_buffers=stream_depth(config.aio), grad_reads=grad_read_depth(config.aio))
 
@@ -204,6 +216,7 @@ class Temporaries:
 
 
 def memory_bytes(layouts: list[UnitLayout], placement: Placement, *, compute_bytes: int, moments: int,
+                 moment_dtype: str = "fp32",
                 bucket_bytes: int, world_size: int, max_live_bytes: int, prefetch_bytes: int,
                 stream_buffers: int = STREAM_BUFFERS, grad_reads: int = GRAD_READS) -> MemoryPlan:
     """Bytes by tier and kind of ``placement`` ([Note: placement]): full parameters on the device but for
@@ -225,7 +238,8 @@ def memory_bytes(layouts: list[UnitLayout], placement: Placement, *, compute_byt
         if p.partitioned and not p.params_in_masters:
             plan[p.param_home][Kind.PARAM] += u.shard_numel * compute_bytes
         versions = 2 if p.updates_tentatively else 1  # a tentative update's block is stored aside until the step
-        plan[p.optimizer][Kind.OPTIMIZER] += versions * u.shard_numel * 4 * (moments + (0 if p.master_is_param else 1))
+        plan[p.optimizer][Kind.OPTIMIZER] += versions * u.shard_numel * state_bytes(moments, moment_dtype,
+                                                                                   not p.master_is_param)
         if p.keep_full_grad:  # accumulated whole over the window
             plan[device][Kind.GRAD] += u.padded_numel * compute_bytes
         elif p.keep_grad_shard and not p.grad_leaves:  # the reduced shard stays on the device
@@ -233,7 +247,7 @@ def memory_bytes(layouts: list[UnitLayout], placement: Placement, *, compute_byt
         elif p.grads_kept:  # a shard that leaves waits on its grad home for the step (offloaded_grads)
             plan[p.grad_home][Kind.GRAD] += u.shard_numel * compute_bytes
     plan[device][Kind.GATHERED] = min(max_live_bytes, partitioned_full)
-    buffers = temporaries(layouts, placement, compute_bytes=compute_bytes, moments=moments,
+    buffers = temporaries(layouts, placement, compute_bytes=compute_bytes, moments=moments, moment_dtype=moment_dtype,
                           bucket_bytes=bucket_bytes, world_size=world_size, max_live_bytes=max_live_bytes,
                           prefetch_bytes=prefetch_bytes, stream_buffers=stream_buffers, grad_reads=grad_reads)
     plan[device][Kind.BUFFER] = buffers.device
@@ -242,6 +256,7 @@ def memory_bytes(layouts: list[UnitLayout], placement: Placement, *, compute_byt
 
 
 def temporaries(layouts: list[UnitLayout], placement: Placement, *, compute_bytes: int, moments: int,
+                moment_dtype: str = "fp32",
                 bucket_bytes: int, world_size: int, max_live_bytes: int, prefetch_bytes: int,
                 stream_buffers: int = STREAM_BUFFERS, grad_reads: int = GRAD_READS) -> Temporaries:
     """The bounds on each purpose's temporaries (``Temporaries``) for ``memory_bytes``'s arguments."""
@@ -284,7 +299,8 @@ def temporaries(layouts: list[UnitLayout], placement: Placement, *, compute_byte
     streams = any(p.streamed for _, p in moved_units)  # blocks stream through host buffers (block_stream)
     return Temporaries(staged_shards=staged_shards, grad_stream=grad_stream, reduce=reduce_phase,
                        step=step_fp32 + gather, update_grad=largest_moved * 4,
-                       block_stream=stream_buffers * largest_moved * 4 * (moments + 1) if streams else 0)
+                       block_stream=stream_buffers * largest_moved * state_bytes(moments, moment_dtype, True)
+                       if streams else 0)
 
 
 def _waiting_grads(layouts: list[UnitLayout], compute_bytes: int, bucket_bytes: int, world_size: int) -> int:

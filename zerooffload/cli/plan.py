@@ -56,6 +56,10 @@ def format_plan(result: PlanResult, top: int) -> str:
              f"{len(result.refused)} do not",
              f"{'#':>2}  {'layout':<70}{'step s':>8}{'fwd':>7}{'bwd':>7}{'step':>7}"
              f"{'device GB':>10}{'host GB':>9}{'nvme GB':>9}  why"]
+    moments = best.config.optimizer.moments
+    if moments != "fp32" and any(c.config.optimizer.moments == "fp32" for c in result.refused):
+        lines.insert(1, f"no layout with fp32 moments fits: these keep Adam's moments in {moments} "
+                        "(optimizer.moments; rounded stochastically)")
     for i, candidate in enumerate(result.fitting[:top], 1):
         p = candidate.prediction
         why = p.bottleneck.split(":")[0] if i == 1 else _why_slower(candidate, best, fastest)

@@ -47,6 +47,9 @@ class OptimizerConfig(Section):
     eps: float = option(1e-8, "Adam denominator term", above=0)
     weight_decay: float = option(0.01, "weight decay", min=0)
     momentum: float = option(0.0, "SGD momentum", min=0, below=1)
+    moments: Literal["fp32", "bf16"] = option(
+        "fp32", "dtype of Adam's moments (exp_avg, exp_avg_sq): bf16 halves their bytes, rounded stochastically "
+        "(unbiased); needs the native CPU Adam pass")
     update_in_backward: Literal["auto", "on", "off"] = option(
         "auto", "update units whose gradients leave the device in the backward that closes a window (auto: "
         "unless fp16; with train.grad_clip only units whose optimizer state is on nvme, tentatively: the step "
@@ -56,6 +59,9 @@ class OptimizerConfig(Section):
         for i, beta in enumerate(self.betas):
             if not 0 <= beta < 1:
                 raise ConfigError(f"optimizer.betas[{i}] = {beta!r}: must be in [0, 1)")
+        if self.moments != "fp32" and self.type == "sgd":
+            raise ConfigError(f"optimizer.moments = {self.moments!r} is for Adam's moments: optimizer.type = 'sgd' "
+                              "keeps its momentum in fp32; set optimizer.moments = 'fp32' or type 'adamw'")
 
 
 @section
@@ -157,6 +163,8 @@ class NvmeConfig(Section):
                                        "or a list to stripe over")
     checksum: bool = option(True, "verify every swapped-in block against the digest taken when it was written "
                                 "(off: faster by a few percent, and a damaged swap file is trained on)")
+    max_bytes: int = option(0, "cap on the swap files' bytes on this machine (all its ranks), which the engine "
+                               "refuses at start and plan keeps under; 0: the free space", size=True, min=0)
 
     def check(self) -> None:
         if not self.path or (isinstance(self.path, list) and not all(self.path)):

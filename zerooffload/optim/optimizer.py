@@ -17,7 +17,7 @@ from typing import Callable
 
 import torch
 
-from ..config import OptimizerConfig
+from ..config import ConfigError, OptimizerConfig
 from .cpu_adam import AdamUpdate, fused_adam_steps, simd_level
 
 __all__ = ["ZeroOptimizer", "moment_names"]
@@ -43,6 +43,12 @@ def moment_names(config: OptimizerConfig) -> tuple[str, ...]:
     return ("exp_avg", "exp_avg_sq")
 
 
+def _why_not_native(groups: list[dict]) -> str:
+    if simd_level() == "torch":
+        return "the extension zerooffload._cpu_adam is not built: reinstall with a C compiler"
+    return "its optimizer state is on a GPU: set offload.optimizer.tier = 'host' or 'nvme'"
+
+
 class ZeroOptimizer(torch.optim.Optimizer):
     """torch-style ``param_groups`` whose params are master pieces (see [Note: optimizer pieces])."""
 
@@ -53,9 +59,13 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """Whether torch's update (where it runs) is its fused kernel."""
         self._torch_update: torch.optim.Optimizer | None = None
         self._stepping: Callable[[], None] | None = None
+        self._noise: dict[torch.Tensor, tuple[int, int]] = {}
         """The engine's update of its units while ``step_with`` runs ``step``."""
         self.native = config.type in ("adam", "adamw") and simd_level() != "torch" and all(
             p.device.type == "cpu" for g in self.param_groups for p in g["params"])
+        if config.moments != "fp32" and not self.native:
+            raise ConfigError(f"optimizer.moments = {config.moments!r} needs the native CPU Adam pass, which this run "
+                              f"does not have ({_why_not_native(self.param_groups)}); set optimizer.moments = 'fp32'")
 
     def add_param_group(self, param_group: dict) -> None:
         """torch's own, without the wrapper around it that imports ``torch._dynamo`` on first use (4 s and
@@ -64,8 +74,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
         add = torch.optim.Optimizer.add_param_group
         getattr(add, "__wrapped__", add)(self, param_group)
 
-    def attach_state(self, piece: torch.Tensor, moments: dict[str, torch.Tensor]) -> None:
-        """Give a piece its moment tensors (views into tier-owned buffers) before the first step."""
+    def attach_state(self, piece: torch.Tensor, moments: dict[str, torch.Tensor], noise: tuple[int, int] = (0, 0)
+                     ) -> None:
+        """Give a piece its moment tensors (views into tier-owned buffers) before the first step, and the
+        key and first element number of its bf16 moments' rounding noise (``cpu_adam``'s note)."""
+        self._noise[piece] = noise
         state = dict(moments)
         if self.kind != "sgd":
             state["step"] = torch.zeros((), dtype=torch.float32, device=piece.device if self.fused else "cpu")
@@ -145,10 +158,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 fused_out = out if out is not None and out.device.type == "cpu" else None  # the pass writes CPU memory
                 if out is not None and fused_out is None:
                     copies.append((out, piece))
+                key, base = self._noise.get(piece, (0, 0))
                 updates.append(AdamUpdate(piece, grad, state["exp_avg"], state["exp_avg_sq"], fused_out, lr=group["lr"],
                                           betas=group["betas"], eps=group["eps"], weight_decay=group["weight_decay"],
                                           step=int(state["step"].item()), adamw=self.kind == "adamw",
-                                          grad_scale=grad_scale, grad_sumsq=grad_sumsq))
+                                          grad_scale=grad_scale, grad_sumsq=grad_sumsq, noise_key=key,
+                                          noise_base=base))
         sums = fused_adam_steps(updates) if updates else []
         for out, piece in copies:
             out.copy_(piece)

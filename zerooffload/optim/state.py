@@ -1,10 +1,12 @@
 """Each unit shard's optimizer state as one block on the optimizer tier, and the pieces pointed into it.
 
 [Note: optimizer blocks]
-- A unit's *optimizer block* holds ``[master | moment_1 | moment_2 ...]`` in fp32 over this rank's
-  shard's *trainable part* (unit_layout's [Note: unit vocabulary]), one segment each, sized to its
-  span (rounded up to ``ALIGN_ELEMENTS`` for O_DIRECT); the master is left out when it is a view of
-  fp32 weights already (``placement.UnitPlacement.master_is_param``). The block's home is
+- A unit's *optimizer block* holds ``[master | moment_1 | moment_2 ...]`` over this rank's shard's
+  *trainable part* (unit_layout's [Note: unit vocabulary]), one segment each, sized to its span
+  (rounded up to ``ALIGN_ELEMENTS`` for O_DIRECT): the master in fp32, the moments in
+  ``optimizer.moments``' dtype (``state_formats``' [Note: bf16 moments]); the master is left out when
+  it is a view of fp32 weights already (``placement.UnitPlacement.master_is_param``). The block is
+  bytes; each part is a view of its own dtype into them. The block's home is
   ``offload.optimizer.tier``: device or host memory, or a swap file on NVMe paged through host
   buffers (``block_stream.stream_blocks``).
 - *Frozen prefix rule*: trainable parameters come first in a unit, so a shard's trainable part is
@@ -29,7 +31,16 @@ from ..zero.partition import FlatUnit
 from ..zero.shard_blocks import span_block
 from ..zero.unit_layout import Piece
 
-__all__ = ["UnitOptimizerState"]
+__all__ = ["UnitOptimizerState", "MOMENT_DTYPES", "state_bytes"]
+
+MOMENT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+"""``optimizer.moments``' dtypes."""
+
+
+def state_bytes(moments: int, moment_dtype: str, master: bool) -> int:
+    """Bytes of optimizer state per trainable element: the fp32 master (unless it is the weights
+    themselves) and ``moments`` moments of ``moment_dtype``."""
+    return 4 * master + moments * MOMENT_DTYPES[moment_dtype].itemsize
 
 
 def _point(tensor: torch.Tensor, source: torch.Tensor | None, start: int = 0, stop: int = 0) -> None:
@@ -43,27 +54,34 @@ def _point(tensor: torch.Tensor, source: torch.Tensor | None, start: int = 0, st
 class UnitOptimizerState:
     """One unit shard's optimizer block and the optimizer pieces that live in it."""
 
-    def __init__(self, unit: FlatUnit, tier: Tier, moment_names: tuple[str, ...], key: str):
+    def __init__(self, unit: FlatUnit, tier: Tier, moment_names: tuple[str, ...], key: str,
+                 moment_dtype: torch.dtype = torch.float32):
         self.unit = unit
         self.tier = tier
         self.moment_names = moment_names
+        self.moment_dtype = moment_dtype
         self.has_master = not unit.master_is_param
-        segments = len(moment_names) + self.has_master
-        self.block = span_block(tier, Kind.OPTIMIZER, key, max(1, segments) * unit.trainable_span, torch.float32,
-                                aside=unit.placement.updates_tentatively, segments=max(1, segments))
+        span = unit.trainable_span
+        self._parts = [torch.float32] * self.has_master + [moment_dtype] * len(moment_names)
+        nbytes = span * sum(dtype.itemsize for dtype in self._parts)
+        unit_bytes = min((dtype.itemsize for dtype in self._parts), default=4)  # digests: per part, or per half
+        self.block = span_block(tier, Kind.OPTIMIZER, key, max(nbytes, span * 4), torch.uint8,
+                                aside=unit.placement.updates_tentatively,
+                                segments=max(1, nbytes // (span * unit_bytes)) if span else 1)
         self.pieces: list[tuple[Piece, torch.Tensor]] = []
 
-    def _segment(self, index: int) -> torch.Tensor:
-        """Segment ``index``'s values: the trainable part (its span's rest is alignment padding)."""
-        start = index * self.unit.trainable_span
-        return self.block.data[start:start + self.unit.trainable_numel]
+    def _part(self, index: int) -> torch.Tensor:
+        """Part ``index``'s values: the trainable part (its span's rest is alignment padding)."""
+        start = self.unit.trainable_span * sum(dtype.itemsize for dtype in self._parts[:index])
+        dtype = self._parts[index]
+        return self.block.data[start:start + self.unit.trainable_numel * dtype.itemsize].view(dtype)
 
     def master(self) -> torch.Tensor:
         """This rank's fp32 master over the shard's trainable part (valid while the block is loaded)."""
-        return self._segment(0) if self.has_master else self.unit.master
+        return self._part(0) if self.has_master else self.unit.master
 
     def moment(self, name: str) -> torch.Tensor:
-        return self._segment(self.has_master + self.moment_names.index(name))
+        return self._part(self.has_master + self.moment_names.index(name))
 
     def initialize(self, shard_fp32: torch.Tensor) -> None:
         """First values of a loaded block: the master from this rank's fp32 shard, moments (and the

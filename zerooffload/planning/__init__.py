@@ -114,12 +114,27 @@ def plan(model: str | ModelSpec, config: Config | dict | str | None = None, *, p
     if batch % world_size:
         raise ConfigError(f"batch size {batch} is not a multiple of the world size {world_size}")
     probe = probe or probe_machine(config, refresh=refresh, progress=progress, world_size=world_size)
-    pool = candidates(config, pinned_keys(config) if pinned is None else pinned, batch, world_size, probe.device,
-                      _unit_bytes(spec, config, world_size))
-    progress(f"predicting {len(pool)} layouts")
+    pinned = pinned_keys(config) if pinned is None else set(pinned)
     evaluator = Evaluator(spec, probe, world_size, progress, timed=timed)
-    fitting, refused = rank(evaluator, pool)
+    refused: list[Candidate] = []
+    for state_format in _state_formats(config, pinned):
+        pool = candidates(state_format, pinned, batch, world_size, probe.device, _unit_bytes(spec, config, world_size))
+        progress(f"predicting {len(pool)} layouts" + ("" if state_format is config else
+                                                       f", optimizer.moments = {state_format.optimizer.moments!r}: "
+                                                       "no layout with fp32 moments fits"))
+        fitting, refused_now = rank(evaluator, pool)
+        refused += refused_now
+        if fitting:
+            break
     return PlanResult(spec, probe, fitting, refused, batch, world_size, evaluator)
+
+
+def _state_formats(config: Config, pinned: set[str]) -> list[Config]:
+    """The optimizer state formats a plan tries, in turn, until a layout fits: the config's (lossless
+    first), then, unless the user pinned it, bf16 moments (``optimizer.moments``)."""
+    if "optimizer.moments" in pinned or config.optimizer.moments == "bf16":
+        return [config]
+    return [config, Config.load(config, overrides=['optimizer.moments="bf16"'])]
 
 
 def model_spec(model: str, seq_len: int | None = None, params: float | None = None,

@@ -51,6 +51,7 @@ from ..block_stream import grad_read_depth, stream_depth
 from ..kinds import Kind
 from ..memory_plan import place_activations, plan_for_machine, temporaries
 from ..optim.optimizer import moment_names
+from ..optim.state import state_bytes
 from ..telemetry import Prediction
 from ..tiers import MemoryPlan
 from ..zero.placement import TIER_NAMES, Placement, activations_leave_device, streams_state
@@ -130,7 +131,8 @@ def _ram_peak(plan: MemoryPlan, config: Config, layouts: list[UnitLayout], place
     tiers = [tier for tier in (placement.compute, placement.staging) if tier in plan]
     steady = sum(n for tier in tiers for kind, n in plan[tier].items() if kind not in (Kind.BUFFER, Kind.GATHERED))
     buffers = temporaries(layouts, placement, compute_bytes=dtype_bytes(config.train.precision),
-                          moments=len(moment_names(config.optimizer)), bucket_bytes=config.zero.bucket_size,
+                          moments=len(moment_names(config.optimizer)), moment_dtype=config.optimizer.moments,
+                          bucket_bytes=config.zero.bucket_size,
                           world_size=world_size, max_live_bytes=config.zero.max_live_size,
                           prefetch_bytes=config.zero.prefetch_size, stream_buffers=stream_depth(config.aio),
                           grad_reads=grad_read_depth(config.aio))
@@ -158,7 +160,7 @@ def _phases(config: Config, layouts: list[UnitLayout], placement: Placement, pro
     regathered = _regathered_share(config, layouts, placement)
     for layout, p in zip(layouts, placement.units):
         shard = layout.shard_numel
-        block = shard * 4 * (moments + (0 if p.master_is_param else 1))
+        block = shard * state_bytes(moments, config.optimizer.moments, not p.master_is_param)
         if p.params_off_device:  # gathered for forward, again in backward past max_live
             for phase, share in ((forward, 1.0), (backward, regathered)):
                 phase.gathered += shard * cb * accum * share
@@ -257,7 +259,8 @@ def _fills(config: Config, layouts: list[UnitLayout], placement: Placement, cb: 
     streamed_params = [u.shard_numel * cb for u, p in zip(layouts, placement.units) if p.params_stream]
     if streamed_params:
         forward.exposed += max(streamed_params) / read
-    blocks = [u.shard_numel * 4 * (moments + 1) for u, p in zip(layouts, placement.units)
+    block_bytes = state_bytes(moments, config.optimizer.moments, True)
+    blocks = [u.shard_numel * block_bytes for u, p in zip(layouts, placement.units)
               if p.streamed and p.trainable and not p.updates_in_backward]
     if blocks:
         step.exposed += max(blocks) / read + max(blocks) / write

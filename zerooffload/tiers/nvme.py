@@ -70,12 +70,13 @@ def swap_paths(config: Config) -> list[str]:
 
 def swap_free_bytes(config: Config) -> int:
     """Free bytes where ``config``'s swap files would go, each filesystem counted once (a missing
-    directory holds nothing)."""
+    directory holds nothing), at most ``nvme.max_bytes`` when that is set."""
     filesystems: dict[int, int] = {}
     for path in swap_paths(config):
         with contextlib.suppress(OSError):
             filesystems[os.stat(path).st_dev] = shutil.disk_usage(path).free
-    return sum(filesystems.values())
+    free = sum(filesystems.values())
+    return min(free, config.nvme.max_bytes) if config.nvme.max_bytes else free
 
 
 def open_swap(tiers: dict[str, Tier], plan: MemoryPlan, config: Config, rank: int) -> IOStats:

@@ -9,6 +9,7 @@ and checkpoints.
 """
 from __future__ import annotations
 
+import zlib
 from typing import Callable, Iterator
 
 import torch
@@ -18,7 +19,7 @@ from ..block_stream import BlockReader, BlockWriter, grad_read_depth, stream_blo
 from ..comm import Comm, broadcast
 from ..config import Config
 from ..optim import ZeroOptimizer, moment_names
-from ..optim.state import UnitOptimizerState
+from ..optim.state import MOMENT_DTYPES, UnitOptimizerState
 from ..param_groups import normalize_param_groups
 from ..tiers import Block, Kind, LinkStats, Tier
 from .offloaded_grads import OffloadedGrad
@@ -108,7 +109,8 @@ class ShardedState:
             unit.materialize(full, self.compute, param_block)
             if param_block is not None and param_block.writable:
                 write_block(param_block, full[unit.shard_range], self.staging)
-            state = UnitOptimizerState(unit, self.tiers[place.optimizer], names, key=f"optimizer.{index}")
+            state = UnitOptimizerState(unit, self.tiers[place.optimizer], names, key=f"optimizer.{index}",
+                                       moment_dtype=MOMENT_DTYPES[self.config.optimizer.moments])
             for _ in stream_blocks([state.block], self.staging, read=False, depth=self.depth):
                 state.initialize(full[unit.shard_range])  # copy_ moves it to the update's device
             states[index] = state
@@ -135,12 +137,16 @@ class ShardedState:
         return out
 
     def _attach_optimizer_state(self) -> None:
-        """Give every piece its (empty) moment tensors, then point resident blocks' pieces once for good."""
+        """Give every piece its (empty) moment tensors and the number of its first element in its
+        parameter (the key of its moments' rounding noise: the same however the parameters are sharded),
+        then point resident blocks' pieces once for good."""
         names = moment_names(self.config.optimizer)
         for state in self.opt_states:
-            for _, tensor in state.pieces:
-                self.optimizer.attach_state(tensor, {n: torch.empty(0, dtype=torch.float32, device=tensor.device)
-                                                     for n in names})
+            for piece, tensor in state.pieces:
+                name = state.unit.layout.slots[piece.slot_index].names[0]
+                self.optimizer.attach_state(tensor, {n: torch.empty(0, dtype=state.moment_dtype, device=tensor.device)
+                                                     for n in names},
+                                            noise=(zlib.crc32(name.encode()), state.unit.param_range(piece)[0]))
             if state.block.resident:
                 state.point(self.optimizer)
 
