@@ -15,7 +15,8 @@ from zerooffload.config import ConfigError, apply_override, format_size, parse_s
 DESIGN_KEYS = {
     "train": {"micro_batch_size", "grad_accum_steps", "precision", "grad_clip", "seed", "activation_checkpointing",
               "skip_nonfinite", "max_skip_streak", "threads", "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis", "min_loss_scale"},
-    "optimizer": {"type", "lr", "betas", "eps", "weight_decay", "momentum", "moments", "update_in_backward"},
+    "optimizer": {"type", "lr", "betas", "eps", "weight_decay", "momentum", "master", "moments",
+                  "update_in_backward"},
     "scheduler": {"type", "warmup_steps", "total_steps", "min_lr"},
     "zero": {"stage", "unit_modules", "bucket_size", "prefetch_size", "max_live_size", "persist_threshold",
              "overlap_comm"},
@@ -52,6 +53,7 @@ betas = [0.8, 0.95]
 eps = 1e-6
 weight_decay = 0.1
 momentum = 0.9
+master = "split"
 moments = "bf16"
 update_in_backward = "off"
 

@@ -189,10 +189,28 @@ def test_compact_moments_only_when_no_lossless_layout_fits_under_the_swap_cap(ca
     compact = planned(10)
     assert compact.best.config.optimizer.moments == "bf16" and "moments bf16" in compact.best.describe()
     assert all("nvme.max_bytes" in c.refusal for c in compact.refused if c.config.optimizer.moments == "fp32")
-    assert format_plan(compact, 3).splitlines()[1].startswith("no layout with fp32 moments fits")
+    assert format_plan(compact, 3).splitlines()[1].startswith("no layout of the formats before fits: these keep an "
+                                                              "fp32 master, bf16 moments")
     assert planned(14).best.config.optimizer.moments == "fp32"
     with pytest.raises(zo.ConfigError, match=r"the swap files need [\d,]+ bytes on this machine but nvme.max_bytes"):
         planned(10, 'optimizer.moments="fp32"').best
+
+
+def test_a_bf16_plan_takes_a_lossless_split_master_before_compact_moments(cache):
+    """bf16 weights on NVMe beside the state: 14 B per parameter with an fp32 master, 12.125 split, 8.125
+    split with bf16 moments. A cap of 13 takes the split master alone; a cap of 10 needs bf16 moments too."""
+    params = sum(p.numel() for p in GPT(PRESETS["nano"]).parameters())
+    pinned = ["zero.stage=3", "offload.optimizer.tier=nvme", "offload.optimizer.fraction=1.0",
+              "offload.param.tier=nvme", 'train.precision="bf16"']
+
+    def best(cap_per_param: int) -> Config:
+        overrides = [*pinned, f"nvme.max_bytes={cap_per_param * params}"]
+        return plan("nano", _config(cache, overrides), pinned={o.split("=")[0] for o in overrides},
+                    batch_size=MICRO, timed=False).best.config
+
+    assert (best(13).optimizer.master, best(13).optimizer.moments) == ("split", "fp32")
+    assert (best(10).optimizer.master, best(10).optimizer.moments) == ("split", "bf16")
+    assert (best(15).optimizer.master, best(15).optimizer.moments) == ("fp32", "fp32")
 
 
 def test_the_engine_refuses_swap_files_past_the_cap_before_allocating(make_engine, cache):

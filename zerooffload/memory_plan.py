@@ -238,8 +238,8 @@ def memory_bytes(layouts: list[UnitLayout], placement: Placement, *, compute_byt
         if p.partitioned and not p.params_in_masters:
             plan[p.param_home][Kind.PARAM] += u.shard_numel * compute_bytes
         versions = 2 if p.updates_tentatively else 1  # a tentative update's block is stored aside until the step
-        plan[p.optimizer][Kind.OPTIMIZER] += versions * u.shard_numel * state_bytes(moments, moment_dtype,
-                                                                                   not p.master_is_param)
+        plan[p.optimizer][Kind.OPTIMIZER] += versions * state_bytes(u.shard_numel, moments, moment_dtype,
+                                                                    p.master_format)
         if p.keep_full_grad:  # accumulated whole over the window
             plan[device][Kind.GRAD] += u.padded_numel * compute_bytes
         elif p.keep_grad_shard and not p.grad_leaves:  # the reduced shard stays on the device
@@ -296,11 +296,12 @@ def temporaries(layouts: list[UnitLayout], placement: Placement, *, compute_byte
     step_fp32 = 0 if compute_bytes == 4 else (shard - moved) * 4  # scaled fp32 gradients of one unit at most
     gather = sum(u.shard_numel for u, _ in gathered_after_step) * compute_bytes  # all-gather inputs, all at once
     largest_moved = max((u.shard_numel for u, _ in moved_units), default=0)
+    largest_block = max((state_bytes(u.shard_numel, moments, moment_dtype, p.master_format) for u, p in moved_units),
+                        default=0)
     streams = any(p.streamed for _, p in moved_units)  # blocks stream through host buffers (block_stream)
     return Temporaries(staged_shards=staged_shards, grad_stream=grad_stream, reduce=reduce_phase,
                        step=step_fp32 + gather, update_grad=largest_moved * 4,
-                       block_stream=stream_buffers * largest_moved * state_bytes(moments, moment_dtype, True)
-                       if streams else 0)
+                       block_stream=stream_buffers * largest_block if streams else 0)
 
 
 def _waiting_grads(layouts: list[UnitLayout], compute_bytes: int, bucket_bytes: int, world_size: int) -> int:

@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 from ..config import Config
-from ..planning import PlanResult, model_spec, plan
+from ..planning import PlanResult, model_spec, plan, state_format_words
 from ..planning.search import Candidate
 from .train_config import load_train_config
 
@@ -56,10 +56,10 @@ def format_plan(result: PlanResult, top: int) -> str:
              f"{len(result.refused)} do not",
              f"{'#':>2}  {'layout':<70}{'step s':>8}{'fwd':>7}{'bwd':>7}{'step':>7}"
              f"{'device GB':>10}{'host GB':>9}{'nvme GB':>9}  why"]
-    moments = best.config.optimizer.moments
-    if moments != "fp32" and any(c.config.optimizer.moments == "fp32" for c in result.refused):
-        lines.insert(1, f"no layout with fp32 moments fits: these keep Adam's moments in {moments} "
-                        "(optimizer.moments; rounded stochastically)")
+    chosen = state_format_words(best.config)
+    if any(state_format_words(c.config) != chosen for c in result.refused):
+        lines.insert(1, f"no layout of the formats before fits: these keep {chosen} (optimizer.master, "
+                        "optimizer.moments)")
     for i, candidate in enumerate(result.fitting[:top], 1):
         p = candidate.prediction
         why = p.bottleneck.split(":")[0] if i == 1 else _why_slower(candidate, best, fastest)

@@ -41,12 +41,30 @@ class Config(Section):
             raise ConfigError(
                 f"offload.optimizer.tier = {self.offload.optimizer.tier!r} needs zero.stage >= 1 (stage 0 keeps no "
                 "optimizer shards): set zero.stage = 1, 2 or 3")
+        self._check_split_master()
         self._check_update_in_backward()
         if self.offload.activations.tier != "device" and not self.train.activation_checkpointing:
             raise ConfigError(
                 f"offload.activations.tier = {self.offload.activations.tier!r} needs train.activation_checkpointing "
                 "= true (only checkpointed block inputs are moved off the device): turn it on, or set "
                 "offload.activations.tier = 'device'")
+
+    def _check_split_master(self) -> None:
+        """A split master is the bf16 weight plus its residual: bf16 precision only, updated in the step."""
+        if self.optimizer.master != "split":
+            return
+        if self.train.precision != "bf16":
+            what = ("the fp32 master is the weight itself: there is nothing to split" if self.train.precision == "fp32"
+                    else "fp16 weights keep an fp32 master (a split master is a bf16 weight plus a residual)")
+            raise ConfigError(f"optimizer.master = 'split' needs train.precision = 'bf16' ({what}): set "
+                              "optimizer.master = 'fp32' or train.precision = 'bf16'")
+        if self.optimizer.type == "sgd":
+            raise ConfigError("optimizer.master = 'split' is updated by the native Adam pass: optimizer.type = 'sgd' "
+                              "keeps an fp32 master; set optimizer.master = 'fp32' or type 'adamw'")
+        if self.optimizer.update_in_backward == "on":
+            raise ConfigError("optimizer.update_in_backward = 'on' cannot go with optimizer.master = 'split' (an "
+                              "update in backward may have to be undone from the weights it overwrote): set it to "
+                              "'auto' or 'off'")
 
     def _check_update_in_backward(self) -> None:
         """``optimizer.update_in_backward = "on"`` only where it can apply: units whose reduced gradients

@@ -47,6 +47,9 @@ class OptimizerConfig(Section):
     eps: float = option(1e-8, "Adam denominator term", above=0)
     weight_decay: float = option(0.01, "weight decay", min=0)
     momentum: float = option(0.0, "SGD momentum", min=0, below=1)
+    master: Literal["fp32", "split"] = option(
+        "fp32", "how the fp32 master is held: split keeps it as the bf16 weight plus a 16-bit residual and a bit, "
+        "bitwise the fp32 master's updates in 2.125 bytes instead of 4 (bf16 precision; native CPU Adam pass)")
     moments: Literal["fp32", "bf16"] = option(
         "fp32", "dtype of Adam's moments (exp_avg, exp_avg_sq): bf16 halves their bytes, rounded stochastically "
         "(unbiased); needs the native CPU Adam pass")

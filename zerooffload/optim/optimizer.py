@@ -9,7 +9,9 @@ itself is torch's own (fused AdamW/Adam/SGD kernels where the device has them), 
 dicts, so LR schedulers and per-group settings behave as with any torch optimizer; except that Adam
 and AdamW on CPU tensors run the native fused pass (``cpu_adam``: torch's arithmetic, in one pass
 that also writes the compute-dtype copy of each piece, ``outs``). Moments live in the unit's optimizer
-block (``optim.state``), accounted on its tier, and pieces' state are views of it.
+block (``optim.state``), accounted on its tier, and pieces' state are views of it. A split master's
+pieces are views of its int16 residuals instead (state_formats' [Note: split masters]): the native
+pass reads each piece's weights from ``outs`` and rewrites them with the residual.
 """
 from __future__ import annotations
 
@@ -63,9 +65,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """The engine's update of its units while ``step_with`` runs ``step``."""
         self.native = config.type in ("adam", "adamw") and simd_level() != "torch" and all(
             p.device.type == "cpu" for g in self.param_groups for p in g["params"])
-        if config.moments != "fp32" and not self.native:
-            raise ConfigError(f"optimizer.moments = {config.moments!r} needs the native CPU Adam pass, which this run "
-                              f"does not have ({_why_not_native(self.param_groups)}); set optimizer.moments = 'fp32'")
+        for key, value in (("master", config.master), ("moments", config.moments)):
+            if value != "fp32" and not self.native:
+                raise ConfigError(f"optimizer.{key} = {value!r} needs the native CPU Adam pass, which this run does not "
+                                  f"have ({_why_not_native(self.param_groups)}); set optimizer.{key} = 'fp32'")
 
     def add_param_group(self, param_group: dict) -> None:
         """torch's own, without the wrapper around it that imports ``torch._dynamo`` on first use (4 s and
@@ -159,11 +162,13 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 if out is not None and fused_out is None:
                     copies.append((out, piece))
                 key, base = self._noise.get(piece, (0, 0))
-                updates.append(AdamUpdate(piece, grad, state["exp_avg"], state["exp_avg_sq"], fused_out, lr=group["lr"],
-                                          betas=group["betas"], eps=group["eps"], weight_decay=group["weight_decay"],
-                                          step=int(state["step"].item()), adamw=self.kind == "adamw",
-                                          grad_scale=grad_scale, grad_sumsq=grad_sumsq, noise_key=key,
-                                          noise_base=base))
+                split = dict(residual=piece, residual_bits=state["residual_bits"], residual_bit0=state["residual_bit0"]
+                             ) if piece.dtype == torch.int16 else {}  # a split master: the piece is its residual
+                updates.append(AdamUpdate(None if split else piece, grad, state["exp_avg"], state["exp_avg_sq"],
+                                          fused_out, lr=group["lr"], betas=group["betas"], eps=group["eps"],
+                                          weight_decay=group["weight_decay"], step=int(state["step"].item()),
+                                          adamw=self.kind == "adamw", grad_scale=grad_scale, grad_sumsq=grad_sumsq,
+                                          noise_key=key, noise_base=base, **split))
         sums = fused_adam_steps(updates) if updates else []
         for out, piece in copies:
             out.copy_(piece)

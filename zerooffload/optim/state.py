@@ -27,6 +27,7 @@ from __future__ import annotations
 import torch
 
 from ..tiers import Kind, Tier
+from .state_formats import join_master, read_bits, split_master, write_bits
 from ..zero.partition import FlatUnit
 from ..zero.shard_blocks import span_block
 from ..zero.unit_layout import Piece
@@ -37,10 +38,19 @@ MOMENT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 """``optimizer.moments``' dtypes."""
 
 
-def state_bytes(moments: int, moment_dtype: str, master: bool) -> int:
-    """Bytes of optimizer state per trainable element: the fp32 master (unless it is the weights
-    themselves) and ``moments`` moments of ``moment_dtype``."""
-    return 4 * master + moments * MOMENT_DTYPES[moment_dtype].itemsize
+def _master_parts(master: str | None, span: int) -> list[tuple[torch.dtype, int]]:
+    """The master's parts in an optimizer block over ``span`` elements: (dtype, bytes)."""
+    if master is None:
+        return []
+    if master == "split":  # the residual bits: one per element, span a multiple of 8 (ALIGN_ELEMENTS)
+        return [(torch.int16, 2 * span), (torch.uint8, span // 8)]
+    return [(torch.float32, 4 * span)]
+
+
+def state_bytes(numel: int, moments: int, moment_dtype: str, master: str | None) -> int:
+    """Bytes of optimizer state over ``numel`` elements (a multiple of 8): the master (None: it is the
+    weights themselves; "fp32" or "split") and ``moments`` moments of ``moment_dtype``."""
+    return sum(n for _, n in _master_parts(master, numel)) + numel * moments * MOMENT_DTYPES[moment_dtype].itemsize
 
 
 def _point(tensor: torch.Tensor, source: torch.Tensor | None, start: int = 0, stop: int = 0) -> None:
@@ -61,56 +71,111 @@ class UnitOptimizerState:
         self.moment_names = moment_names
         self.moment_dtype = moment_dtype
         self.has_master = not unit.master_is_param
+        self.split = unit.placement.master_split
         span = unit.trainable_span
-        self._parts = [torch.float32] * self.has_master + [moment_dtype] * len(moment_names)
-        nbytes = span * sum(dtype.itemsize for dtype in self._parts)
-        unit_bytes = min((dtype.itemsize for dtype in self._parts), default=4)  # digests: per part, or per half
+        self._parts = _master_parts(unit.placement.master_format, span) + [(moment_dtype, span * moment_dtype.itemsize)] * len(moment_names)
+        nbytes = sum(n for _, n in self._parts)
+        # digests per part (or per half part: bf16 moments beside an fp32 master); a split block's whole
+        unit_bytes = min((dtype.itemsize for dtype, _ in self._parts), default=4)
+        segments = 1 if self.split or not span else max(1, nbytes // (span * unit_bytes))
         self.block = span_block(tier, Kind.OPTIMIZER, key, max(nbytes, span * 4), torch.uint8,
-                                aside=unit.placement.updates_tentatively,
-                                segments=max(1, nbytes // (span * unit_bytes)) if span else 1)
+                                aside=unit.placement.updates_tentatively, segments=segments)
         self.pieces: list[tuple[Piece, torch.Tensor]] = []
+        self._master: torch.Tensor | None = None
+        """A split master unpacked (``unpack_master``), until ``pack_master``."""
 
     def _part(self, index: int) -> torch.Tensor:
-        """Part ``index``'s values: the trainable part (its span's rest is alignment padding)."""
-        start = self.unit.trainable_span * sum(dtype.itemsize for dtype in self._parts[:index])
-        dtype = self._parts[index]
+        """Part ``index``'s values: the trainable part (its span's rest is alignment padding); all the
+        residual bits' bytes."""
+        start = sum(n for _, n in self._parts[:index])
+        dtype, nbytes = self._parts[index]
+        if dtype == torch.uint8:
+            return self.block.data[start:start + nbytes]
         return self.block.data[start:start + self.unit.trainable_numel * dtype.itemsize].view(dtype)
 
     def master(self) -> torch.Tensor:
-        """This rank's fp32 master over the shard's trainable part (valid while the block is loaded)."""
+        """This rank's fp32 master over the shard's trainable part (valid while the block is loaded; a
+        split one between ``unpack_master`` and ``pack_master``)."""
+        if self.split:
+            if self._master is None:
+                raise RuntimeError(f"unit {self.unit.name!r}: its split master is not unpacked")
+            return self._master
         return self._part(0) if self.has_master else self.unit.master
 
+    def residual(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """A split master's residuals and the bytes of their bits (bit ``i`` for element ``i``)."""
+        return self._part(0), self._part(1)
+
+    def unpack_master(self, weights: torch.Tensor) -> None:
+        """A split master joined from ``weights`` (the trainable part's, compute dtype) for ``master()``."""
+        if self.split:
+            residual, bits = self.residual()
+            self._master = join_master(weights, residual, read_bits(bits, 0, residual.numel()))
+
+    def pack_master(self, weights: torch.Tensor) -> None:
+        """A split master's values as they are now in ``master()`` split into ``weights`` and the block."""
+        if self.split:
+            weight, residual, bits = split_master(self.master())
+            weights.copy_(weight)
+            self._part(0).copy_(residual)
+            write_bits(self._part(1), 0, bits)
+            self._master = None
+
+    def drop_master(self) -> None:
+        """Forget an unpacked split master unchanged."""
+        self._master = None
+
+    def clear_residual(self, changed: torch.Tensor) -> None:
+        """A split master whose weights changed where ``changed`` (bools) holds them exactly there."""
+        residual, bits = self.residual()
+        residual[changed] = 0
+        write_bits(bits, 0, read_bits(bits, 0, residual.numel()) & ~changed)
+
     def moment(self, name: str) -> torch.Tensor:
-        return self._part(self.has_master + self.moment_names.index(name))
+        return self._part(len(self._parts) - len(self.moment_names) + self.moment_names.index(name))
 
     def initialize(self, shard_fp32: torch.Tensor) -> None:
-        """First values of a loaded block: the master from this rank's fp32 shard, moments (and the
-        padding) zero."""
+        """First values of a loaded block: the master from this rank's fp32 shard (a split one's residual:
+        the weights are that shard cast), moments (and the padding) zero."""
         self.block.data.zero_()
-        if self.has_master:
-            self.master().copy_(shard_fp32[:self.unit.trainable_numel])
+        values = shard_fp32[:self.unit.trainable_numel]
+        if self.split:
+            _, residual, bits = split_master(values.cpu())
+            self._part(0).copy_(residual)
+            write_bits(self._part(1), 0, bits)
+        elif self.has_master:
+            self.master().copy_(values)
 
     def add_piece(self, piece: Piece) -> torch.Tensor:
-        """A new optimizer param for ``piece``: an fp32 tensor object pointed into the block when loaded."""
-        tensor = torch.empty(0, dtype=torch.float32, device=self.block.data.device if self.block.resident
-                             else torch.device("cpu"))
+        """A new optimizer param for ``piece``: a tensor object pointed into the block when loaded (fp32
+        master values, or a split master's residuals)."""
+        tensor = torch.empty(0, dtype=torch.int16 if self.split else torch.float32,
+                             device=self.block.data.device if self.block.resident else torch.device("cpu"))
         self.pieces.append((piece, tensor))
         return tensor
 
     def point(self, optimizer: torch.optim.Optimizer) -> None:
-        """Point the pieces, their moments and ``unit.master`` into the loaded block."""
-        master = self.master()
-        self.unit.set_master(master)
+        """Point the pieces, their moments and ``unit.master`` into the loaded block (a split master's
+        pieces at their residuals, their state at the residual bits)."""
+        if self.split:
+            master, bits = self.residual()
+        else:
+            master = self.master()
+            self.unit.set_master(master)
         for piece, tensor in self.pieces:
             _point(tensor, master, piece.start, piece.stop)
             state = optimizer.state[tensor]
             for name in self.moment_names:
                 _point(state[name], self.moment(name), piece.start, piece.stop)
+            if self.split:
+                state["residual_bits"], state["residual_bit0"] = bits, piece.start
 
     def unpoint(self, optimizer: torch.optim.Optimizer) -> None:
         """Before a block that is not resident unloads: empty every view of it."""
         self.unit.set_master(None)
         for _, tensor in self.pieces:
             _point(tensor, None)
+            state = optimizer.state[tensor]
             for name in self.moment_names:
-                _point(optimizer.state[tensor][name], None)
+                _point(state[name], None)
+            state.pop("residual_bits", None)

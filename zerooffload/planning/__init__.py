@@ -20,7 +20,7 @@ from .probe import Probe, cached_probe, probe_machine
 from .search import SEARCHED, Candidate, Evaluator, candidates, rank
 
 __all__ = ["PREDICTION", "PlanResult", "Probe", "SEARCHED", "cached_probe", "model_spec", "pinned_keys", "plan",
-           "predict", "predict_config", "read_prediction"]
+           "predict", "predict_config", "read_prediction", "state_format_words"]
 
 
 @dataclass
@@ -120,8 +120,8 @@ def plan(model: str | ModelSpec, config: Config | dict | str | None = None, *, p
     for state_format in _state_formats(config, pinned):
         pool = candidates(state_format, pinned, batch, world_size, probe.device, _unit_bytes(spec, config, world_size))
         progress(f"predicting {len(pool)} layouts" + ("" if state_format is config else
-                                                       f", optimizer.moments = {state_format.optimizer.moments!r}: "
-                                                       "no layout with fp32 moments fits"))
+                                                       f" with {state_format_words(state_format)}: none fits with "
+                                                       "fewer changes"))
         fitting, refused_now = rank(evaluator, pool)
         refused += refused_now
         if fitting:
@@ -130,11 +130,23 @@ def plan(model: str | ModelSpec, config: Config | dict | str | None = None, *, p
 
 
 def _state_formats(config: Config, pinned: set[str]) -> list[Config]:
-    """The optimizer state formats a plan tries, in turn, until a layout fits: the config's (lossless
-    first), then, unless the user pinned it, bf16 moments (``optimizer.moments``)."""
-    if "optimizer.moments" in pinned or config.optimizer.moments == "bf16":
-        return [config]
-    return [config, Config.load(config, overrides=['optimizer.moments="bf16"'])]
+    """The optimizer state formats a plan tries, in turn, until a layout fits: the config's; then, where
+    the user left them free, a split master (lossless: bf16 runs of Adam only); then bf16 moments too."""
+    formats, overrides = [config], []
+    adam = config.optimizer.type != "sgd"
+    if adam and "optimizer.master" not in pinned and config.optimizer.master == "fp32" and \
+            config.train.precision == "bf16":
+        overrides.append('optimizer.master="split"')
+        formats.append(Config.load(config, overrides=overrides))
+    if adam and "optimizer.moments" not in pinned and config.optimizer.moments == "fp32":
+        overrides.append('optimizer.moments="bf16"')
+        formats.append(Config.load(config, overrides=overrides))
+    return formats
+
+
+def state_format_words(config: Config) -> str:
+    """The optimizer state format of ``config`` in words."""
+    return f"{'a split' if config.optimizer.master == 'split' else 'an fp32'} master, {config.optimizer.moments} moments"
 
 
 def model_spec(model: str, seq_len: int | None = None, params: float | None = None,

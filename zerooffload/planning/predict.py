@@ -160,7 +160,7 @@ def _phases(config: Config, layouts: list[UnitLayout], placement: Placement, pro
     regathered = _regathered_share(config, layouts, placement)
     for layout, p in zip(layouts, placement.units):
         shard = layout.shard_numel
-        block = shard * state_bytes(moments, config.optimizer.moments, not p.master_is_param)
+        block = state_bytes(shard, moments, config.optimizer.moments, p.master_format)
         if p.params_off_device:  # gathered for forward, again in backward past max_live
             for phase, share in ((forward, 1.0), (backward, regathered)):
                 phase.gathered += shard * cb * accum * share
@@ -259,8 +259,8 @@ def _fills(config: Config, layouts: list[UnitLayout], placement: Placement, cb: 
     streamed_params = [u.shard_numel * cb for u, p in zip(layouts, placement.units) if p.params_stream]
     if streamed_params:
         forward.exposed += max(streamed_params) / read
-    block_bytes = state_bytes(moments, config.optimizer.moments, True)
-    blocks = [u.shard_numel * block_bytes for u, p in zip(layouts, placement.units)
+    blocks = [state_bytes(u.shard_numel, moments, config.optimizer.moments, p.master_format)
+              for u, p in zip(layouts, placement.units)
               if p.streamed and p.trainable and not p.updates_in_backward]
     if blocks:
         step.exposed += max(blocks) / read + max(blocks) / write

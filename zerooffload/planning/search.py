@@ -7,9 +7,10 @@ device), ``offload.activations.tier`` for the checkpointed inputs; ``train.micro
 (powers of two dividing the batch per rank, ``train.grad_accum_steps`` making up the rest); and
 the stage-3 window, ``zero.prefetch_size`` with ``zero.max_live_size``: the config's, one unit ahead
 within the root and two units gathered, or none ahead within the root and one unit (the tight ones
-for a device that cannot hold the model gathered); and ``optimizer.moments``, which ``plan`` tries in
-turn rather than beside the others: lossless fp32 moments first, bf16 only when no layout of those
-fits. A key the user *pins* (set in their config or as an override) is a constraint: every candidate
+for a device that cannot hold the model gathered); and the optimizer state's format,
+``optimizer.master`` and ``optimizer.moments``, which ``plan`` tries in turn rather than beside the
+others (each format a search of its own, the next only when no layout of the last fits): the config's,
+then a split master (lossless, bf16 runs), then bf16 moments too. A key the user *pins* (set in their config or as an override) is a constraint: every candidate
 keeps its value. A candidate *fits* when
 the memory checks the engine itself runs at start accept it (``check_plan`` against the budgets,
 ``check_ram`` against the RAM there is, swap space against the free disk); the fitting ones are
@@ -41,7 +42,7 @@ __all__ = ["SEARCHED", "Candidate", "Evaluator", "candidates", "rank", "refusal"
 
 SEARCHED = ("zero.stage", "offload.optimizer.tier", "offload.optimizer.fraction", "offload.param.tier",
             "train.activation_checkpointing", "offload.activations.tier", "train.micro_batch_size",
-            "zero.prefetch_size", "zero.max_live_size", "optimizer.moments")
+            "zero.prefetch_size", "zero.max_live_size", "optimizer.master", "optimizer.moments")
 FRACTIONS = (1.0, 0.5)
 MICRO_BATCHES = 4
 """At most this many micro-batch sizes (the largest that divide the batch): beyond, the per-token cost
@@ -77,6 +78,8 @@ class Candidate:
             parts.append("checkpointing" + (f", activations {c.offload.activations.tier}"
                                             if leaves_device(c.offload.activations.tier) else ""))
         parts.append(f"micro {c.train.micro_batch_size}x{c.train.grad_accum_steps}")
+        if c.optimizer.master != "fp32":
+            parts.append(f"master {c.optimizer.master}")
         if c.optimizer.moments != "fp32":
             parts.append(f"moments {c.optimizer.moments}")
         if partitioned and c.zero.prefetch_size == 0:
@@ -108,8 +111,8 @@ def candidates(base: Config, pinned: Iterable[str], batch: int, world_size: int,
         "offload.activations.tier": (COMPUTE, STAGING),
         "train.micro_batch_size": tuple(reversed(micros)), "window": windows}
     window_free = not {"zero.prefetch_size", "zero.max_live_size"} & pinned
-    free = [key for key in SEARCHED if key not in pinned and key not in ("zero.prefetch_size", "zero.max_live_size",
-                                                                            "optimizer.moments")]  # plan's, in turn
+    in_turn = ("zero.prefetch_size", "zero.max_live_size", "optimizer.master", "optimizer.moments")  # see the note
+    free = [key for key in SEARCHED if key not in pinned and key not in in_turn]
     free += ["window"] if window_free and largest else []
     out, seen = [], set()
     for values in itertools.product(*(choices[key] for key in free)):

@@ -84,12 +84,20 @@ class UnitPlacement:
     """That update runs before the global norm is known: the step commits it or redoes it clipped."""
     master_is_param: bool
     """The fp32 masters are the weights' own shard: no copy, no bytes."""
+    master_split: bool
+    """The master is the weights' shard plus a residual in the optimizer block (``optimizer.master =
+    "split"``, state_formats' [Note: split masters]): an update reads the weights it rewrites."""
     params_in_masters: bool
     """A partitioned shard on NVMe is read from the optimizer block's master segment (fp32): the unit
     has no frozen values, which the master does not hold."""
     published_by_all_gather: bool
     """Its updated weights reach every rank by an all-gather after the update: trainable units at stages
     1–2, and those stage 3 keeps whole (fewer than ``zero.persist_threshold`` parameters)."""
+
+    @property
+    def master_format(self) -> str | None:
+        """How the optimizer block holds the master: None (the weights are it), "fp32" or "split"."""
+        return None if self.master_is_param else "split" if self.master_split else "fp32"
 
     @property
     def offloaded(self) -> bool:
@@ -183,11 +191,12 @@ def activations_leave_device(config: Config, device: torch.device) -> bool:
 
 def updates_in_backward(config: Config) -> bool:
     """Whether units whose gradients leave the device are updated in the backward that closes a window
-    (``optimizer.update_in_backward``; ``auto``: unless an fp16 loss scale may skip the step). With
+    (``optimizer.update_in_backward``; ``auto``: unless an fp16 loss scale may skip the step, or a split
+    master would lose the weight it was overwritten from). With
     ``train.grad_clip`` only units whose optimizer block streams from NVMe are, tentatively (``place``)."""
     mode = config.optimizer.update_in_backward
-    if mode == "auto":
-        return config.train.precision != "fp16"
+    if mode == "auto":  # a split master's weight, overwritten in backward, could not be undone
+        return config.train.precision != "fp16" and config.optimizer.master != "split"
     return mode == "on"
 
 
@@ -240,6 +249,7 @@ def _placement(layouts: list[UnitLayout], config: Config, *, grads_wait_in_host:
             grad_leaves=grad_leaves, grads_kept=kept, grad_home=grad_home, updates_in_backward=early,
             updates_tentatively=early and tentative,
             master_is_param=fp32 and offload.param.tier == COMPUTE and optimizer == COMPUTE,
+            master_split=config.optimizer.master == "split" and layout.trainable,
             params_in_masters=(fp32 and partitioned and param_home in _NOT_ADDRESSABLE and optimizer in
                                _NOT_ADDRESSABLE and layout.trainable_numel == layout.padded_numel),
             published_by_all_gather=stage >= 1 and layout.trainable and not partitioned))

@@ -6,7 +6,9 @@ partitioned unit's shard block (stage 3; stored home in the background), a shard
 input (stages 1–2; the gather is started at once and waited for by ``finish``), else the unit's own
 weights; none when the fp32 masters are the weights, or when the shard is read from the masters
 (``tiers`` prefix blocks). ``send`` first fills what the update did not write in the shard's
-trainable part (unused parameters, padding) from the masters, then sends the weights on. Weights that
+trainable part (unused parameters, padding) from the masters, then sends the weights on. A split
+master's target holds the weights before the update (its high half: state_formats' [Note: split
+masters]), read from home like frozen values, so nothing is filled from it. Weights that
 cross between the update's side and the target's side of the host-device link are counted there
 (``LinkStats``).
 
@@ -69,12 +71,17 @@ class Publication:
             block = unit.param_block
             if unit.master_is_param or not block.writable or not (trainable or self.whole_shards):
                 return None
-            # read first on NVMe when frozen values share what is written, so that they stay as they are
-            target = self.writer.begin(self._home(unit), read=mixed and not block.resident)
+            # read first on NVMe when frozen values share what is written, so that they stay as they are, and
+            # for a split master, whose update reads the weights it rewrites
+            split = unit.placement.master_split
+            target = self.writer.begin(self._home(unit), read=(mixed or split) and not block.resident)
             return target if self.whole_shards else target[:trainable]
         if self._gathered(unit):
             # The all-gather writes this rank's shard too, so its input must not alias the output.
-            return self.device_tier.empty(Kind.BUFFER, unit.layout.shard_numel, unit.compute_dtype)
+            target = self.device_tier.empty(Kind.BUFFER, unit.layout.shard_numel, unit.compute_dtype)
+            if unit.placement.master_split:
+                target.copy_(unit.flat_param[unit.shard_range])
+            return target
         return None if unit.master_is_param else unit.flat_param[unit.shard_range][:trainable]
 
     def in_place(self, unit: FlatUnit) -> bool:
@@ -95,7 +102,8 @@ class Publication:
             return
         with profiled("zerooffload::publish"):
             trainable = unit.trainable_numel
-            _copy_unstepped(target[:trainable], unit.master, stepped)
+            if not unit.placement.master_split:  # a split master's unstepped weights are in the target already
+                _copy_unstepped(target[:trainable], unit.master, stepped)
             self._count(unit, target, updated_on_device)
             if unit.partitioned:
                 self.writer.commit(self._home(unit))

@@ -58,35 +58,37 @@ class StateDicts:
     def fp32_shard(self, opt_state: UnitOptimizerState) -> torch.Tensor:
         """This rank's whole shard of ``opt_state``'s unit in fp32 (``opt_state`` loaded): the master
         over the trainable part, the weights past it. Those are frozen values, exact in fp32 runs; in
-        bf16/fp16 ones the compute-dtype values, since a frozen parameter keeps no fp32 copy."""
+        bf16/fp16 ones the compute-dtype values, since a frozen parameter keeps no fp32 copy. A split
+        master is joined from the weights (state_formats' [Note: split masters])."""
         unit = opt_state.unit
-        master, trainable = opt_state.master(), unit.trainable_numel
-        if trainable == unit.layout.shard_numel:
-            return master
-        shard = torch.empty(unit.layout.shard_numel, dtype=torch.float32, device=master.device)
-        shard[:trainable].copy_(master)
-        with self._frozen_weights(unit) as frozen:
-            shard[trainable:].copy_(frozen)
+        trainable = unit.trainable_numel
+        if trainable == unit.layout.shard_numel and not opt_state.split:
+            return opt_state.master()
+        with self._shard_weights(unit) as weights:
+            opt_state.unpack_master(weights[:trainable])
+            master = opt_state.master()
+            shard = torch.empty(unit.layout.shard_numel, dtype=torch.float32, device=master.device)
+            shard[:trainable].copy_(master)
+            shard[trainable:].copy_(weights[trainable:])
+            opt_state.drop_master()
         return shard
 
     @contextlib.contextmanager
-    def _frozen_weights(self, unit: FlatUnit) -> Iterator[torch.Tensor]:
-        """This rank's weights of ``unit`` past its trainable part, readable for the duration: read from
-        the shard's home when that is not addressable (shards read ahead are let go first: they hold
-        the block)."""
-        trainable = unit.trainable_numel
+    def _shard_weights(self, unit: FlatUnit) -> Iterator[torch.Tensor]:
+        """This rank's weights of ``unit``'s shard, readable for the duration: read from the shard's home
+        when that is not addressable (shards read ahead are let go first: they hold the block)."""
         if unit.param_state is ParamState.GATHERED:  # the full weights are here (always, unless partitioned)
-            yield unit.flat_param[unit.shard_range][trainable:]
+            yield unit.flat_param[unit.shard_range]
             return
         if unit.param_block.resident:
-            yield unit.param_block.data[trainable:]
+            yield unit.param_block.data
             return
         self.param_scheduler.free_all()
         block, staging = unit.param_block, self.state.staging
         buffer = staging.empty(Kind.BUFFER, block.nbytes, torch.uint8)
         try:
             block.load(buffer).wait()
-            yield block.data[trainable:]
+            yield block.data
         finally:
             block.unload()
             staging.free(Kind.BUFFER, buffer)
@@ -101,21 +103,24 @@ class StateDicts:
         try:
             yield self.state.module
             for opt_state, old in zip(self.state.visit(write=True), before):
-                self._write_gathered(opt_state.unit, old, modifier_rank)
+                self._write_gathered(opt_state, old, modifier_rank)
         finally:
             self.param_scheduler.free_all()
 
-    def _write_gathered(self, unit: FlatUnit, old: torch.Tensor, modifier_rank: int) -> None:
-        """``modifier_rank``'s full parameters of ``unit`` to every rank, and the changed values of this
+    def _write_gathered(self, opt_state: UnitOptimizerState, old: torch.Tensor, modifier_rank: int) -> None:
+        """``modifier_rank``'s full parameters of the unit to every rank, and the changed values of this
         rank's shard into its masters (and its shard home, if any changed; frozen values have no
-        master: the weights and their home hold them)."""
+        master: the weights and their home hold them; a split master is its weights exactly there)."""
+        unit = opt_state.unit
         broadcast(self.state.comm, unit.flat_param, src=modifier_rank)
         new = unit.flat_param[unit.shard_range]
         changed = new != old
         if unit.partitioned and unit.param_block.writable and bool(changed.any()):
             write_block(unit.param_block, new, self.state.staging)
-        if not unit.master_is_param:
-            trainable = unit.trainable_numel
+        trainable = unit.trainable_numel
+        if opt_state.split:
+            opt_state.clear_residual(changed[:trainable].cpu())
+        elif not unit.master_is_param:
             changed, new = changed[:trainable], new[:trainable]
             unit.master[changed.to(unit.master.device)] = new[changed].float().to(unit.master.device)
 
@@ -129,6 +134,11 @@ class StateDicts:
         publication = self.updater.publication(whole_shards=True)
         for opt_state in self.state.visit(write=True, read=not whole):
             target = publication.target(opt_state.unit)
+            trainable = opt_state.unit.trainable_numel
+            if opt_state.split:  # its master is joined from the weights in the target, and split back into them
+                opt_state.unpack_master(target[:trainable])
             fill(opt_state, publication.frozen_part(opt_state.unit))
+            if opt_state.split:
+                opt_state.pack_master(target[:trainable])
             self.updater.send(publication, opt_state, target, stepped=[])
         publication.finish()

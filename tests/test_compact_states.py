@@ -1,0 +1,202 @@
+"""Compact optimizer states through the engine: ``optimizer.master = "split"`` and ``optimizer.moments =
+"bf16"`` on every tier and stage, in checkpoints and in the accounting.
+
+References: the same engine with an fp32 master and fp32 moments (itself checked against plain PyTorch
+in test_engine_equivalence.py), which a split master must equal bit for bit, and the bytes per element
+DESIGN's formula gives (4 for an fp32 master, 2 + 1/8 for a split one, 2 per bf16 moment).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from reference import make_batches, make_model, update_errors
+from zerooffload.config import Config, ConfigError
+
+NVME = {"param": {"tier": "nvme"}, "optimizer": {"tier": "nvme"}}
+LAYOUTS = {
+    "stage0-device": (0, {}, 0.0),
+    "stage1-host": (1, {"optimizer": {"tier": "host"}}, 0.0),
+    "stage2-nvme-clipped": (2, {"optimizer": {"tier": "nvme"}}, 0.05),  # tentative updates in backward
+    "stage3-nvme": (3, NVME, 0.0),
+}
+
+
+def _config(moments: str, stage: int, offload: dict, clip: float, swap: str, master: str = "fp32",
+            precision: str = "fp32") -> dict:
+    return {"zero": {"stage": stage}, "train": {"grad_clip": clip, "precision": precision},
+            "optimizer": {"lr": 1e-2, "weight_decay": 0.1, "moments": moments, "master": master}, "offload": offload,
+            "nvme": {"path": swap}}
+
+
+def _train(engine, first: int, last: int) -> None:
+    for (idx, targets), in make_batches(6, 1, 4)[first:last]:
+        engine.backward(engine(idx, targets))
+        engine.step()
+
+
+def _run(make_engine, tmp_path, moments: str, layout: str, steps: int = 5) -> dict:
+    stage, offload, clip = LAYOUTS[layout]
+    swap = tmp_path / f"{moments}-{layout}"
+    swap.mkdir()
+    engine = make_engine(make_model(0), _config(moments, stage, offload, clip, str(swap)))
+    initial = engine.full_state_dict()
+    _train(engine, 0, steps)
+    report = engine.memory_report()
+    held = sum(report.bytes(tier, "optimizer") for tier in report.bytes_by_tier)
+    dtypes = {state.moment(name).dtype for state in engine.opt_states for name in state.moment_names
+              if state.block.resident}
+    expected = sum(s.unit.trainable_span * (4 * s.has_master + len(s.moment_names) * (2 if moments == "bf16" else 4))
+                   * (2 if s.unit.placement.updates_tentatively else 1)  # a version aside until the step
+                   for s in engine.opt_states)  # DESIGN: an fp32 master (unless the weights are fp32), 2 moments
+    result = {"initial": initial, "final": engine.full_state_dict(), "optimizer_bytes": held, "dtypes": dtypes,
+              "expected_bytes": expected}
+    engine.close()
+    return result
+
+
+def _equal(a: dict, b: dict) -> bool:
+    return list(a) == list(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_bf16_moments_follow_fp32_moments_in_fewer_bytes(make_engine, tmp_path, layout):
+    fp32 = _run(make_engine, tmp_path, "fp32", layout)
+    bf16 = _run(make_engine, tmp_path, "bf16", layout)
+    errors = update_errors(fp32["initial"], bf16["final"], fp32["final"])
+    assert 0 < max(errors.values()) < 1e-2, errors  # moved as fp32 moments move it, and not bitwise so
+    assert bf16["optimizer_bytes"] == bf16["expected_bytes"] < fp32["optimizer_bytes"] == fp32["expected_bytes"]
+    assert bf16["dtypes"] <= {torch.bfloat16}
+
+
+def test_bf16_moments_give_the_same_bits_on_every_tier_and_stage(make_engine, tmp_path):
+    """The rounding noise is keyed by parameter and element, not by shard or tier."""
+    runs = {layout: _run(make_engine, tmp_path, "bf16", layout)["final"]
+            for layout in LAYOUTS if "clipped" not in layout}
+    first = next(iter(runs.values()))
+    assert all(_equal(first, other) for other in runs.values())
+
+
+def test_a_checkpoint_of_bf16_moments_resumes_bitwise_and_loads_into_fp32_moments(make_engine, tmp_path):
+    stage, offload, clip = LAYOUTS["stage3-nvme"]
+    (tmp_path / "swap").mkdir()
+    config = _config("bf16", stage, offload, clip, str(tmp_path / "swap"))
+    straight = make_engine(make_model(0), config)
+    _train(straight, 0, 2)
+    straight.save_checkpoint(tmp_path / "ckpt")
+    _train(straight, 2, 4)
+    expected = straight.full_state_dict()
+    straight.close()
+    resumed = make_engine(make_model(1), config)
+    resumed.load_checkpoint(tmp_path / "ckpt")
+    _train(resumed, 2, 4)
+    assert _equal(resumed.full_state_dict(), expected)
+    resumed.close()
+    widened = make_engine(make_model(1), {**config, "optimizer": {**config["optimizer"], "moments": "fp32"}})
+    widened.load_checkpoint(tmp_path / "ckpt")
+    narrow = make_engine(make_model(1), config)
+    narrow.load_checkpoint(tmp_path / "ckpt")
+    for wide_state, narrow_state in zip(widened.state_dicts.visit(write=False), narrow.state_dicts.visit(write=False)):
+        for name in wide_state.moment_names:
+            assert torch.equal(wide_state.moment(name), narrow_state.moment(name).float())
+
+
+def test_sgd_keeps_fp32_momentum():
+    with pytest.raises(ConfigError, match=r"optimizer.moments = 'bf16' is for Adam's moments: optimizer.type = 'sgd'"):
+        Config.load({"optimizer": {"type": "sgd", "moments": "bf16"}})
+
+
+def test_bf16_moments_without_the_native_pass_are_refused_by_key(make_engine, monkeypatch):
+    from zerooffload.optim import optimizer
+    monkeypatch.setattr(optimizer, "simd_level", lambda: "torch")
+    with pytest.raises(ConfigError, match=r"optimizer.moments = 'bf16' needs the native CPU Adam pass, .* not built"):
+        make_engine(make_model(0), {"optimizer": {"moments": "bf16"}})
+
+
+
+# ------------------------------------------------------------------------------------ split masters
+def _split_run(make_engine, tmp_path, master: str, layout: str, steps: int = 5) -> dict:
+    stage, offload, clip = LAYOUTS[layout]
+    swap = tmp_path / f"{master}-{layout}"
+    swap.mkdir()
+    engine = make_engine(make_model(0), _config("fp32", stage, offload, clip, str(swap), master, "bf16"))
+    written = 0
+    for first in range(steps):
+        _train(engine, first, first + 1)
+        written += engine.stats.io.write_bytes
+    report = engine.memory_report()
+    spans = [(s.unit.trainable_span, 2 if s.unit.placement.updates_tentatively else 1) for s in engine.opt_states]
+    result = {"final": engine.full_state_dict(), "optimizer_bytes": sum(report.bytes(t, "optimizer")
+                                                                           for t in report.bytes_by_tier),
+              "spans": spans, "written": written, "swap": report.bytes("nvme", "optimizer") + report.bytes("nvme", "param")
+              if "nvme" in report.bytes_by_tier else 0,
+              "weights": {n: p.detach().clone() for n, p in engine.module.named_parameters()} if stage < 3 else {}}
+    engine.close()
+    return result
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS)[1:])  # stage 0 keeps no optimizer shards to split apart
+def test_a_split_master_trains_bitwise_as_the_fp32_master(make_engine, tmp_path, layout):
+    fp32 = _split_run(make_engine, tmp_path, "fp32", layout)
+    split = _split_run(make_engine, tmp_path, "split", layout)
+    assert _equal(split["final"], fp32["final"]) and _equal(split["weights"], fp32["weights"])
+    expected = sum((2 * span + span // 8 + 8 * span) * versions for span, versions in split["spans"])
+    assert split["optimizer_bytes"] == expected < fp32["optimizer_bytes"]
+
+
+def test_a_split_master_on_nvme_writes_and_keeps_fewer_bytes(make_engine, tmp_path):
+    """Stage 3, parameters and optimizer on NVMe, bf16: swap bytes and bytes written per step within
+    0.88 of the fp32 master's (bf16 weights 2 B + state 12 B against 2 + 10.125 B: 0.866)."""
+    fp32 = _split_run(make_engine, tmp_path, "fp32", "stage3-nvme")
+    split = _split_run(make_engine, tmp_path, "split", "stage3-nvme")
+    assert split["swap"] <= 0.88 * fp32["swap"] and split["written"] <= 0.88 * fp32["written"], (split, fp32)
+
+
+def test_a_checkpoint_of_a_split_master_resumes_bitwise_and_consolidates_to_the_fp32_master(make_engine, tmp_path):
+    stage, offload, clip = LAYOUTS["stage3-nvme"]
+    (tmp_path / "swap").mkdir()
+    split, fp32 = (_config("fp32", stage, offload, clip, str(tmp_path / "swap"), master, "bf16")
+                   for master in ("split", "fp32"))
+    straight = make_engine(make_model(0), split)
+    _train(straight, 0, 2)
+    straight.save_checkpoint(tmp_path / "ckpt")
+    _train(straight, 2, 4)
+    expected = straight.full_state_dict()
+    straight.close()
+    for config in (split, fp32):  # the checkpoint holds the fp32 master: either format resumes it
+        resumed = make_engine(make_model(1), config)
+        resumed.load_checkpoint(tmp_path / "ckpt")
+        _train(resumed, 2, 4)
+        assert _equal(resumed.full_state_dict(), expected)
+        resumed.close()
+
+
+def test_writes_in_gathered_reach_a_split_master_as_they_reach_the_fp32_one(make_engine, tmp_path):
+    """Where a write changes a weight, the master becomes it exactly; elsewhere it keeps its fp32 value."""
+    finals = []
+    for master in ("fp32", "split"):
+        engine = make_engine(make_model(0), _config("fp32", 1, {"optimizer": {"tier": "host"}}, 0.0, str(tmp_path),
+                                                    master, "bf16"))
+        _train(engine, 0, 2)
+        with engine.gathered() as module:
+            for param in module.parameters():
+                param.data[::3] = 0.375
+        _train(engine, 2, 3)  # and it trains on from there
+        finals.append(engine.full_state_dict())
+        engine.close()
+    assert _equal(*finals)
+
+
+@pytest.mark.parametrize("overrides, line", [
+    ({"train": {"precision": "fp32"}}, "optimizer.master = 'split' needs train.precision = 'bf16' (the fp32 master "
+                                        "is the weight itself: there is nothing to split)"),
+    ({"train": {"precision": "fp16"}}, "optimizer.master = 'split' needs train.precision = 'bf16' (fp16 weights "
+                                        "keep an fp32 master"),
+    ({"train": {"precision": "bf16"}, "optimizer": {"master": "split", "update_in_backward": "on"}},
+     "optimizer.update_in_backward = 'on' cannot go with optimizer.master = 'split'"),
+])
+def test_a_split_master_is_refused_where_it_cannot_apply(overrides, line):
+    config = {"optimizer": {"master": "split"}, **overrides}
+    with pytest.raises(ConfigError) as info:
+        Config.load(config)
+    assert str(info.value).startswith(line)
