@@ -51,9 +51,9 @@ def run_training(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    config, prediction = planned_config(args)
     checkpoints = Path(args.out) / "checkpoints"
-    tag = resume_tag(checkpoints, args.tag) if args.resume else None  # nothing to resume from fails now too
+    tag = resume_tag(checkpoints, args.tag) if args.resume else None  # nothing to resume from: refused first
+    config, prediction = planned_config(args)  # (with a cached probe this times a block)
     torch.manual_seed(config.train.seed)
     model_config = PRESETS[args.model]
     with init_context(config):  # nothing is allocated before the engine checks that the run fits
