@@ -12,9 +12,10 @@ the median per-round ratio, min/median/max reported):
   iteration  forward + backward + step, stages 1 and 2           vs  torch: fp32 parameters, bf16 autocast,
              (torch's own mixed precision, whose forward casts the weights), fused AdamW       ≤ 1.00x each
   backward   stage 2 backward, units updated in it              vs  torch backward + 1.15 x the kernel ≤ 1.00x
-  moments    ``engine.step()`` with ``optimizer.moments = "bf16"`` vs  torch, as in step        ≤ 0.65x
-             and vs ``engine.step()`` with fp32 moments                                           ≤ 0.79x
-             (each its byte floor, 20/34 and 20/28 B per element, plus 10%)
+  formats    ``engine.step()`` with compact optimizer states     vs  torch, as in step:
+             ``optimizer.master = "split"``                                                     ≤ 0.78x
+             split and ``optimizer.moments = "bf16"``                                           ≤ 0.60x
+             (byte floors: 26.25/34 = 0.77, 18.25/34 = 0.54)
 
 The step comparison also prints each side's rate in the bytes it must move (``BYTES_PER_ELEMENT``) and the
 byte floor: where both sides stream at the same rate, engine/torch cannot fall below it.
@@ -26,7 +27,7 @@ Whole iterations run at ``--batch`` rows (1 by default: bf16 matrix products on 
 BF16 or AMX take ~70 ms per 3162² unit and row, and would bury the optimizer phase under them).
 
 Usage:  python bench/optimizer_phase.py [--rounds 5] [--steps 3] [--batch 1]
-                                       [--only step,clip,iteration,backward,moments]
+                                       [--only step,clip,iteration,backward,formats]
 """
 from __future__ import annotations
 
@@ -70,10 +71,10 @@ def _mean_seconds(fn: Callable[[], None], steps: int, before: Callable[[], None]
 class Engine:
     """The engine side: one engine per configuration, kept for every round."""
 
-    def __init__(self, stage: int, clip: float, batch: torch.Tensor, moments: str = "fp32"):
+    def __init__(self, stage: int, clip: float, batch: torch.Tensor, master: str = "fp32", moments: str = "fp32"):
         config = {"zero": {"stage": stage}, "train": {"precision": "bf16", "grad_clip": clip},
                   "optimizer": {"lr": LR, "betas": list(BETAS), "eps": EPS, "weight_decay": WEIGHT_DECAY,
-                                "moments": moments},
+                                "master": master, "moments": moments},
                   "offload": {"optimizer": {"tier": "host"}}}
         self.engine = zo.initialize(_model(), config)
         self.batch = batch
@@ -195,10 +196,12 @@ def _report(title: str, ours: list[float], theirs: list[float], names: tuple[str
     report_pairs(title, names, list(zip(ours, theirs)), target, unit="s")
 
 
-BYTES_PER_ELEMENT = {"engine": 28, "kernel": 28, "torch": 34, "bf16 moments": 20}
+BYTES_PER_ELEMENT = {"engine": 28, "kernel": 28, "torch": 34, "split": 26.25, "split + bf16 moments": 18.25}
 """What each side must move per element at the least: fp32 master, exp_avg and exp_avg_sq read and
 written (24), the gradient read (bf16 here: 2; torch's fp32: 4) and the bf16 weight written (2; torch's
-cast reads the master again: 4 + 2); with bf16 moments, 8 of the 24 go (16)."""
+cast reads the master again: 4 + 2). A split master reads and writes its weight and its residual and bit
+instead of the fp32 master (2 + 2.125 each way, the weight written anyway); bf16 moments 2 bytes each way
+each."""
 
 
 def _bandwidth_floor(times: dict[str, list[float]]) -> None:
@@ -261,22 +264,22 @@ def bench_backward(args, batch) -> None:
             ("engine", "torch+1.15k"), 1.00)
 
 
-def bench_moments(args, batch) -> None:
-    compact, fp32, reference = Engine(1, 0.0, batch, "bf16"), Engine(1, 0.0, batch), Torch(0.0, batch)
-    print("moments: engine.step() with bf16 moments vs torch fused AdamW + bf16 cast vs fp32 moments")
-    times = _rounds(args.rounds, {"bf16 moments": lambda: compact.step_seconds(args.steps),
-                                  "torch": lambda: reference.step_seconds(args.steps),
-                                  "engine": lambda: fp32.step_seconds(args.steps)})
-    floors = {side: BYTES_PER_ELEMENT["bf16 moments"] / BYTES_PER_ELEMENT[side] for side in ("torch", "engine")}
-    _report("moments: engine.step() (stage 1, host, bf16, bf16 moments) vs torch fused AdamW + cast",
-            times["bf16 moments"], times["torch"], ("bf16 moments", "torch"), round(floors["torch"] * 1.1, 2))
-    _report("moments: engine.step() with bf16 moments vs with fp32 moments", times["bf16 moments"], times["engine"],
-            ("bf16 moments", "fp32 moments"), round(floors["engine"] * 1.1, 2))
-    print("byte floors (equal rates): " + ", ".join(f"vs {side} {floor:.3f}" for side, floor in floors.items()))
+def bench_formats(args, batch) -> None:
+    sides = {"split": Engine(1, 0.0, batch, "split"), "split + bf16 moments": Engine(1, 0.0, batch, "split", "bf16")}
+    reference = Torch(0.0, batch)
+    print("formats: engine.step() with compact optimizer states vs torch fused AdamW + bf16 cast")
+    times = _rounds(args.rounds, {"torch": lambda: reference.step_seconds(args.steps),
+                                  **{name: (lambda engine=engine: engine.step_seconds(args.steps))
+                                     for name, engine in sides.items()}})
+    for name, target in (("split", 0.78), ("split + bf16 moments", 0.60)):
+        _report(f"formats: engine.step() (stage 1, host, bf16, {name}) vs torch fused AdamW + cast", times[name],
+                times["torch"], (name, "torch"), target)
+    print("byte floors (equal rates): " + ", ".join(
+        f"{name} {BYTES_PER_ELEMENT[name] / BYTES_PER_ELEMENT['torch']:.3f}" for name in sides))
 
 
 BENCHES = {"step": bench_step, "clip": bench_clip, "iteration": bench_iteration, "backward": bench_backward,
-           "moments": bench_moments}
+           "formats": bench_formats}
 
 
 def main() -> None:

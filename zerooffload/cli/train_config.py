@@ -14,7 +14,9 @@ fell to 4.6; yet the nano preset, started at a hundredth of its peak, spiked fro
 end of its warmup, and not from a tenth. So the warmup starts at a tenth of the peak up to 10M
 parameters and at a hundredth from 300M on, log-linearly between (``min_lr``, also where the cosine
 ends), and lasts longer the larger the model: ``warmup_steps`` (20, or one per 3M parameters). The
-initialization is GPT-2's (``models.gpt``: residual projections scaled by 1/sqrt(2 x layers)).
+initialization is GPT-2's (``models.gpt``: residual projections scaled by 1/sqrt(2 x layers)). From
+``BF16_FROM`` parameters on (the ``7b`` preset) the defaults are bf16 and a batch of one sequence: fp32
+matmuls run ~6x slower than bf16 on these CPUs, and a step of 16 x 1024 tokens would take an hour.
 ``plan`` starts from the same defaults, so a plan it writes trains the batch ``train`` would have
 trained.
 """
@@ -30,6 +32,8 @@ __all__ = ["DEFAULT_STEPS", "WARMUP_STEPS", "learning_rate", "load_train_config"
 _LR_BY_SIZE = ((1e6, 3e-3), (125e6, 6e-4), (350e6, 3e-4), (760e6, 2.5e-4), (1.3e9, 2e-4), (2.7e9, 1.6e-4),
                (6.7e9, 1.2e-4))
 """(parameters, peak learning rate): GPT-3's table, and 3e-3 for a model of 1M (see the note)."""
+BF16_FROM = 5e9
+"""From this many parameters on, ``train_defaults`` are bf16 and a micro-batch of 1 (see the note)."""
 WARMUP_STEPS = 20
 """The shortest warmup (``warmup_steps``)."""
 WARMUP_PARAMS_PER_STEP = 3e6
@@ -62,9 +66,11 @@ def warmup_start(params: float) -> float:
 def train_defaults(params: float) -> dict:
     """What ``train`` and ``plan`` use without ``--config`` for a model of ``params`` parameters: a batch
     of 16, clipping at 1.0, AdamW at ``learning_rate(params)`` with a warmup-cosine schedule from and
-    to ``warmup_start(params)`` of it (fp32: faster than bf16 at the small presets' sizes)."""
+    to ``warmup_start(params)`` of it (fp32: faster than bf16 at the small presets' sizes; from
+    ``BF16_FROM`` parameters, bf16 and a batch of 1)."""
     lr = learning_rate(params)
-    return {"train": {"micro_batch_size": 16, "grad_clip": 1.0},
+    large = {"micro_batch_size": 1, "precision": "bf16"} if params >= BF16_FROM else {}
+    return {"train": {"micro_batch_size": 16, "grad_clip": 1.0, **large},
             "optimizer": {"lr": float(f"{lr:.3g}"), "weight_decay": 0.1, "betas": [0.9, 0.95]},
             "scheduler": {"type": "warmup_cosine", "warmup_steps": warmup_steps(params),
                           "min_lr": float(f"{lr * warmup_start(params):.3g}")}}

@@ -36,4 +36,5 @@ PRESETS = {
     "350m": GPTConfig(n_layer=24, n_head=16, n_embd=1024, block_size=1024),    # ~0.30B
     "1b": GPTConfig(n_layer=24, n_head=16, n_embd=2048, block_size=1024),      # ~1.2B
     "2b": GPTConfig(n_layer=32, n_head=24, n_embd=2304, block_size=1024),      # ~2.0B: bf16 model states ~33 GB
+    "7b": GPTConfig(n_layer=32, n_head=32, n_embd=4096, block_size=1024),      # ~6.4B: bf16 model states ~90 GB
 }

@@ -1,0 +1,90 @@
+#!/usr/bin/env python3
+"""The 7b showcase: ``zerooffload train --model 7b --plan auto --steps 3`` on this machine, as a user runs it.
+
+The ``7b`` preset (d_model 4096, 32 layers, ~6.4B parameters; train's defaults for its size: bf16, a batch
+of 1 x 1024 tokens, AdamW, clipping at 1.0) under a 60 GB cap on the swap files (``nvme.max_bytes``), and
+each further case's overrides beside it. ``plan`` chooses the layout and the optimizer state's format
+(the lossless ones first). From each run's summary.json: the losses (finite?), seconds per step
+(measured: the mean past the first step, which reads the swap files cold), the plan's prediction and
+its floors (compute: forward and backward; I/O: the NVMe bytes a step reads and writes at the probed
+rates), the peak RSS above the start (measured apart from the engine: cli/measured.py) and the swap
+bytes, each beside the plan's.
+
+    python bench/showcase_7b.py [--steps 3] [--cases cap,16gb] [--dir /tmp]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+CASES = {"cap": ("60 GB swap cap", ["nvme.max_bytes=60GB"]),
+         "16gb": ("60 GB cap, 5 GiB budgets (a 16 GB workstation)",
+                  ["nvme.max_bytes=60GB", "memory.host_budget=5GiB", "memory.device_budget=5GiB"])}
+
+
+def run(overrides: list[str], steps: int, work: Path) -> tuple[dict | None, str, str, float]:
+    """One ``train --plan auto`` of 7b: its summary (None if it failed), the plan's chosen layout, the
+    last line it printed on failure, and the wall seconds."""
+    out, swap = work / "out", work / "swap"
+    swap.mkdir(parents=True, exist_ok=True)
+    start = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "zerooffload", "train", "--model", "7b", "--steps", str(steps),
+                           "--plan", "auto", "--out", str(out), f"nvme.path={swap}", *overrides],
+                          capture_output=True, text=True, timeout=4 * 3600)
+    wall = time.monotonic() - start
+    chosen = re.search(r"^plan: (.*) \(of \d+ that fit\)", done.stderr, re.MULTILINE)
+    last = done.stderr.strip().splitlines()[-1] if done.stderr.strip() else ""
+    summary = json.loads((out / "summary.json").read_text()) if done.returncode == 0 else None
+    return summary, chosen.group(1) if chosen else "?", last, wall
+
+
+def report(name: str, summary: dict | None, layout: str, last: str, wall: float) -> None:
+    print(f"\n### {name}\nlayout the plan chose: {layout}; wall {wall / 60:.1f} min")
+    if summary is None:
+        print(f"FAILED: {last}")
+        return
+    measured, predicted = summary["measured"], summary["predicted"]
+    losses = summary["losses"]
+    work, moved = predicted["work"], predicted["moved_bytes"]
+    rows = [("loss per step", " -> ".join(f"{x:.3f}" for x in losses), "finite" if all(map(math.isfinite, losses))
+             else "NOT finite"),
+            ("s/step (past the first)", f"{measured['step_seconds']:.1f}", f"plan {predicted['step_seconds']:.1f}"),
+            ("compute floor s (fwd+bwd)", f"{work['compute']:.1f}", ""),
+            ("I/O floor s (NVMe read / write)", f"{work['nvme_read']:.1f} / {work['nvme_write']:.1f}",
+             f"{moved['nvme_read'] / 1e9:.1f} / {moved['nvme_write'] / 1e9:.1f} GB per step"),
+            ("peak RSS above start GB", f"{measured['peak_bytes']['device+host'] / 1e9:.2f}",
+             f"plan {predicted['ram_peak_bytes'] / 1e9:.2f}"),
+            ("swap GB", f"{measured['peak_bytes']['nvme'] / 1e9:.2f}", f"plan {predicted['peak_bytes']['nvme'] / 1e9:.2f}")]
+    print("| figure | measured | beside it |\n|---|---|---|")
+    for row in rows:
+        print("| " + " | ".join(row) + " |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--cases", default=",".join(CASES))
+    parser.add_argument("--dir", default=tempfile.gettempdir())
+    args = parser.parse_args()
+    print(f"machine: {os.cpu_count()} CPUs, {os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.0f} GiB "
+          f"RAM; zerooffload train --model 7b --plan auto --steps {args.steps}")
+    for case in args.cases.split(","):
+        name, overrides = CASES[case]
+        work = Path(tempfile.mkdtemp(prefix="zo-7b-", dir=args.dir))
+        try:
+            report(name, *run(overrides, args.steps, work))
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
