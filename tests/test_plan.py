@@ -25,7 +25,7 @@ import torch
 
 import zerooffload as zo
 from zerooffload.cli.plan import format_plan
-from zerooffload.cli.train_plan import predicted_peaks
+from zerooffload.cli.train_plan import best_layout, predicted_peaks
 from zerooffload.config import Config
 from zerooffload.models import GPT, PRESETS
 from zerooffload.planning import PlanResult, cached_probe, pinned_keys, plan, probe_machine, read_prediction
@@ -188,6 +188,8 @@ def test_compact_moments_only_when_no_lossless_layout_fits_under_the_swap_cap(ca
 
     compact = planned(10)
     assert compact.best.config.optimizer.moments == "bf16" and "moments bf16" in compact.best.describe()
+    overrides, _ = best_layout(compact)  # what train --plan auto applies to the user's config
+    assert Config.load(_config(cache), overrides=overrides).optimizer.moments == "bf16"
     assert all("nvme.max_bytes" in c.refusal for c in compact.refused if c.config.optimizer.moments == "fp32")
     assert format_plan(compact, 3).splitlines()[1].startswith("no layout of the formats before fits: these keep an "
                                                               "fp32 master, bf16 moments")

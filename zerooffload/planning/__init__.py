@@ -117,8 +117,10 @@ def plan(model: str | ModelSpec, config: Config | dict | str | None = None, *, p
     pinned = pinned_keys(config) if pinned is None else set(pinned)
     evaluator = Evaluator(spec, probe, world_size, progress, timed=timed)
     refused: list[Candidate] = []
-    for state_format in _state_formats(config, pinned):
+    for format_overrides, state_format in _state_formats(config, pinned):
         pool = candidates(state_format, pinned, batch, world_size, probe.device, _unit_bytes(spec, config, world_size))
+        for candidate in pool:  # a format is part of the layout: train --plan applies the overrides alone
+            candidate.overrides = {**format_overrides, **candidate.overrides}
         progress(f"predicting {len(pool)} layouts" + ("" if state_format is config else
                                                        f" with {state_format_words(state_format)}: none fits with "
                                                        "fewer changes"))
@@ -129,18 +131,19 @@ def plan(model: str | ModelSpec, config: Config | dict | str | None = None, *, p
     return PlanResult(spec, probe, fitting, refused, batch, world_size, evaluator)
 
 
-def _state_formats(config: Config, pinned: set[str]) -> list[Config]:
-    """The optimizer state formats a plan tries, in turn, until a layout fits: the config's; then, where
-    the user left them free, a split master (lossless: bf16 runs of Adam only); then bf16 moments too."""
-    formats, overrides = [config], []
+def _state_formats(config: Config, pinned: set[str]) -> list[tuple[dict[str, str], Config]]:
+    """The optimizer state formats a plan tries, in turn, until a layout fits, as overrides and the config
+    they make: the config's; then, where the user left them free, a split master (lossless: bf16 runs of
+    Adam only); then bf16 moments too."""
+    formats, overrides = [({}, config)], {}
     adam = config.optimizer.type != "sgd"
     if adam and "optimizer.master" not in pinned and config.optimizer.master == "fp32" and \
             config.train.precision == "bf16":
-        overrides.append('optimizer.master="split"')
-        formats.append(Config.load(config, overrides=overrides))
+        overrides = {**overrides, "optimizer.master": "split"}
+        formats.append((overrides, Config.load(config, overrides=[f'{k}="{v}"' for k, v in overrides.items()])))
     if adam and "optimizer.moments" not in pinned and config.optimizer.moments == "fp32":
-        overrides.append('optimizer.moments="bf16"')
-        formats.append(Config.load(config, overrides=overrides))
+        overrides = {**overrides, "optimizer.moments": "bf16"}
+        formats.append((overrides, Config.load(config, overrides=[f'{k}="{v}"' for k, v in overrides.items()])))
     return formats
 
 
