@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from reference import make_batches, make_model, update_errors
+from zerooffload.checkpoint import consolidate
 from zerooffload.config import Config, ConfigError
 
 NVME = {"param": {"tier": "nvme"}, "optimizer": {"tier": "nvme"}}
@@ -77,21 +79,34 @@ def test_bf16_moments_give_the_same_bits_on_every_tier_and_stage(make_engine, tm
     assert all(_equal(first, other) for other in runs.values())
 
 
+def _saved_and_continued(make_engine, config: dict, directory) -> tuple[dict, dict]:
+    """Two steps, a checkpoint in ``directory``, two more: the full state when saved, and at the end."""
+    engine = make_engine(make_model(0), config)
+    _train(engine, 0, 2)
+    engine.save_checkpoint(directory)
+    saved = engine.full_state_dict()
+    _train(engine, 2, 4)
+    final = engine.full_state_dict()
+    engine.close()
+    return saved, final
+
+
+def _resumed(make_engine, config: dict, directory) -> dict:
+    """The full state after loading ``directory`` into a fresh engine (another init) and two steps."""
+    engine = make_engine(make_model(1), config)
+    engine.load_checkpoint(directory)
+    _train(engine, 2, 4)
+    final = engine.full_state_dict()
+    engine.close()
+    return final
+
+
 def test_a_checkpoint_of_bf16_moments_resumes_bitwise_and_loads_into_fp32_moments(make_engine, tmp_path):
     stage, offload, clip = LAYOUTS["stage3-nvme"]
     (tmp_path / "swap").mkdir()
     config = _config("bf16", stage, offload, clip, str(tmp_path / "swap"))
-    straight = make_engine(make_model(0), config)
-    _train(straight, 0, 2)
-    straight.save_checkpoint(tmp_path / "ckpt")
-    _train(straight, 2, 4)
-    expected = straight.full_state_dict()
-    straight.close()
-    resumed = make_engine(make_model(1), config)
-    resumed.load_checkpoint(tmp_path / "ckpt")
-    _train(resumed, 2, 4)
-    assert _equal(resumed.full_state_dict(), expected)
-    resumed.close()
+    _, expected = _saved_and_continued(make_engine, config, tmp_path / "ckpt")
+    assert _equal(_resumed(make_engine, config, tmp_path / "ckpt"), expected)
     widened = make_engine(make_model(1), {**config, "optimizer": {**config["optimizer"], "moments": "fp32"}})
     widened.load_checkpoint(tmp_path / "ckpt")
     narrow = make_engine(make_model(1), config)
@@ -157,18 +172,11 @@ def test_a_checkpoint_of_a_split_master_resumes_bitwise_and_consolidates_to_the_
     (tmp_path / "swap").mkdir()
     split, fp32 = (_config("fp32", stage, offload, clip, str(tmp_path / "swap"), master, "bf16")
                    for master in ("split", "fp32"))
-    straight = make_engine(make_model(0), split)
-    _train(straight, 0, 2)
-    straight.save_checkpoint(tmp_path / "ckpt")
-    _train(straight, 2, 4)
-    expected = straight.full_state_dict()
-    straight.close()
+    saved, expected = _saved_and_continued(make_engine, split, tmp_path / "ckpt")
     for config in (split, fp32):  # the checkpoint holds the fp32 master: either format resumes it
-        resumed = make_engine(make_model(1), config)
-        resumed.load_checkpoint(tmp_path / "ckpt")
-        _train(resumed, 2, 4)
-        assert _equal(resumed.full_state_dict(), expected)
-        resumed.close()
+        assert _equal(_resumed(make_engine, config, tmp_path / "ckpt"), expected)
+    consolidated = load_file(consolidate(tmp_path / "ckpt", tmp_path / "model.safetensors"))
+    assert all(torch.equal(consolidated[name], value) for name, value in saved.items())
 
 
 def test_writes_in_gathered_reach_a_split_master_as_they_reach_the_fp32_one(make_engine, tmp_path):

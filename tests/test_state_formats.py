@@ -34,7 +34,13 @@ def _hard_values() -> torch.Tensor:
     return torch.cat([floats, special, torch.randn(10_000, generator=torch.Generator().manual_seed(0))])
 
 
-def test_a_split_master_joins_back_bit_for_bit_and_its_weight_is_torchs_cast():
+@pytest.fixture(params=[formats.CHUNK, 13], ids=["whole", "chunked"])
+def chunk(request, monkeypatch):
+    """The conversions as they run (whole, for these sizes) and cut into chunks of 13 elements."""
+    monkeypatch.setattr(formats, "CHUNK", request.param)
+
+
+def test_a_split_master_joins_back_bit_for_bit_and_its_weight_is_torchs_cast(chunk):
     master = _hard_values()
     weight, residual, bits = formats.split_master(master)
     assert torch.equal(_bits(formats.join_master(weight, residual, bits)), _bits(master))
@@ -49,7 +55,7 @@ def test_a_nan_master_stays_a_nan():
 
 
 @pytest.mark.parametrize("bit0, count", [(0, 17), (3, 29), (13, 1), (7, 64)])
-def test_bits_are_written_in_place_and_their_neighbours_kept(bit0, count):
+def test_bits_are_written_in_place_and_their_neighbours_kept(bit0, count, chunk):
     packed = torch.randint(0, 256, (16,), dtype=torch.uint8, generator=torch.Generator().manual_seed(bit0))
     before = formats.read_bits(packed, 0, 128).clone()
     bits = torch.rand(count, generator=torch.Generator().manual_seed(count)) < 0.5

@@ -55,18 +55,43 @@ def _bf16_nearest(bits: torch.Tensor, nan: torch.Tensor) -> torch.Tensor:
     return torch.where(nan, 0xFFFF, ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) & 0xFFFF)
 
 
+CHUNK = 1 << 20
+"""Elements a format conversion takes at a time: its int64 temporaries stay within ~50 MB, whatever
+the unit (a 7B model's units hold 200M elements; whole, they would take gigabytes)."""
+
+
+def _chunks(count: int) -> range:
+    return range(0, count, CHUNK)
+
+
 def split_master(master: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """fp32 ``master`` as (bf16 weight, int16 residual, bool residual bit) ([Note: split masters])."""
-    bits = _bits(master)
-    weight = _bf16_nearest(bits, torch.isnan(master.reshape(-1)))
-    rest = (bits - (weight << 16)) & _LOW32
-    return _as_uint16(weight, torch.bfloat16), _as_uint16(rest & 0xFFFF, torch.int16), rest == 0x8000
+    flat = master.reshape(-1)
+    weight = torch.empty(flat.numel(), dtype=torch.bfloat16, device=flat.device)
+    residual = torch.empty(flat.numel(), dtype=torch.int16, device=flat.device)
+    tie = torch.empty(flat.numel(), dtype=torch.bool, device=flat.device)
+    for start in _chunks(flat.numel()):
+        part = flat[start:start + CHUNK]
+        bits = _bits(part)
+        high = _bf16_nearest(bits, torch.isnan(part))
+        rest = (bits - (high << 16)) & _LOW32
+        stop = start + part.numel()
+        weight[start:stop] = _as_uint16(high, torch.bfloat16)
+        residual[start:stop] = _as_uint16(rest & 0xFFFF, torch.int16)
+        tie[start:stop] = rest == 0x8000
+    return weight, residual, tie
 
 
 def join_master(weight: torch.Tensor, residual: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
     """The fp32 master of a bf16 weight, its int16 residual and bool residual bits."""
-    value = (_uint16(weight) << 16) + residual.reshape(-1).to(torch.int64) + (bits.reshape(-1).to(torch.int64) << 16)
-    return _from_bits(value & _LOW32)
+    weight, residual, bits = weight.reshape(-1), residual.reshape(-1), bits.reshape(-1)
+    master = torch.empty(weight.numel(), dtype=torch.float32, device=weight.device)
+    for start in _chunks(weight.numel()):
+        stop = start + CHUNK
+        value = ((_uint16(weight[start:stop]) << 16) + residual[start:stop].to(torch.int64)
+                 + (bits[start:stop].to(torch.int64) << 16))
+        master[start:stop] = _from_bits(value & _LOW32)
+    return master
 
 
 def _unpack(packed: torch.Tensor) -> torch.Tensor:
@@ -75,18 +100,22 @@ def _unpack(packed: torch.Tensor) -> torch.Tensor:
 
 def read_bits(packed: torch.Tensor, bit0: int, count: int) -> torch.Tensor:
     """Bits ``bit0 .. bit0 + count`` of uint8 ``packed`` (least significant first) as bools."""
-    first = bit0 >> 3
-    return _unpack(packed[first:(bit0 + count + 7) >> 3])[bit0 - 8 * first:][:count]
+    out = torch.empty(count, dtype=torch.bool)
+    for start in _chunks(count):
+        first, n = (bit0 + start) >> 3, min(CHUNK, count - start)
+        out[start:start + n] = _unpack(packed[first:(bit0 + start + n + 7) >> 3])[bit0 + start - 8 * first:][:n]
+    return out
 
 
 def write_bits(packed: torch.Tensor, bit0: int, bits: torch.Tensor) -> None:
     """Set bits ``bit0 ..`` of uint8 ``packed`` to the bools ``bits``, leaving the others as they are."""
-    if bits.numel() == 0:
-        return
-    first, stop = bit0 >> 3, (bit0 + bits.numel() + 7) >> 3
-    every = _unpack(packed[first:stop])
-    every[bit0 - 8 * first:][:bits.numel()] = bits.reshape(-1)
-    packed[first:stop] = (every.reshape(-1, 8).to(torch.int64) << torch.arange(8)).sum(1).to(torch.uint8)
+    bits = bits.reshape(-1)
+    for start in _chunks(bits.numel()):
+        part, at = bits[start:start + CHUNK], bit0 + start
+        first, stop = at >> 3, (at + part.numel() + 7) >> 3
+        every = _unpack(packed[first:stop])
+        every[at - 8 * first:][:part.numel()] = part
+        packed[first:stop] = (every.reshape(-1, 8).to(torch.int64) << torch.arange(8)).sum(1).to(torch.uint8)
 
 
 def _mix32(x: torch.Tensor) -> torch.Tensor:
