@@ -32,6 +32,7 @@ setup(ext_modules=[
            ["bindings.h", "aio.h", "aio_backend.h", "checksum.h"]),
     # -ffp-contract=off as well as the file's own pragma: a compiler that ignores GCC's pragma
     # (clang) would otherwise fuse products differently per level (see cpu_adam.c).
-    native("_cpu_adam", ["cpu_adam_module.c", "cpu_adam.c"], ["bindings.h", "cpu_adam.h"],
+    native("_cpu_adam", ["cpu_adam_module.c", "cpu_adam.c", "adam_avx2.c", "adam_avx512.c"],
+           ["bindings.h", "cpu_adam.h", "adam_pass.h"],
            ("-ffp-contract=off",)),
 ])

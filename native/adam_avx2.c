@@ -1,0 +1,183 @@
+/*
+ * adam_avx2.c - the AVX2 (+FMA, F16C) level of the fused Adam pass: 8 elements a vector
+ * (adam_pass.h). Compiled for plain x86-64; each function targets AVX2 itself (cpu_adam.c's note on
+ * architectures), and nothing here runs unless the CPU has it.
+ */
+#include "adam_pass.h"
+
+#if ZO_ADAM_X86
+/* ---------------------------------------------------------------------------------------------
+ * AVX2 + FMA + F16C: 8 elements a vector */
+
+AVX2 static ALWAYS_INLINE __m256 avx2_grad(const struct pass *s, size_t i)
+{
+    if (s->grad_dtype == ZO_DTYPE_FP32)
+        return _mm256_loadu_ps((const float *)s->grad + i);
+    __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)s->grad + i));
+    if (s->grad_dtype == ZO_DTYPE_BF16)
+        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    return _mm256_cvtph_ps(h);
+}
+
+/* 8 lanes of 0 .. 0xFFFF as 8 16-bit values. */
+AVX2 static ALWAYS_INLINE __m128i avx2_pack16(__m256i x)
+{
+    return _mm_packus_epi32(_mm256_castsi256_si128(x), _mm256_extracti128_si256(x, 1));
+}
+
+/* 8 16-bit values (bf16 weights or moments) as the high halves of 8 lanes. */
+AVX2 static ALWAYS_INLINE __m256i avx2_high16(const uint16_t *from)
+{
+    return _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)from)), 16);
+}
+
+/* fp32_to_bf16 on 8 lanes, each in the low half of its lane. */
+AVX2 static ALWAYS_INLINE __m256i avx2_bf16_lanes(__m256 p)
+{
+    __m256i u = _mm256_castps_si256(p);
+    __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)), lsb), 16);
+    __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(p, p, _CMP_UNORD_Q));
+    return _mm256_blendv_epi8(r, _mm256_set1_epi32(0xFFFF), nan);
+}
+
+AVX2 static ALWAYS_INLINE __m128i avx2_bf16(__m256 p)
+{
+    return avx2_pack16(avx2_bf16_lanes(p));
+}
+
+/* 16 bytes of out: past the caches when the pass streams its out and the address allows. */
+AVX2 static ALWAYS_INLINE void avx2_out_store(const struct pass *s, __m128i *to, __m128i x)
+{
+    if (s->stream_out && ((uintptr_t)to & 15) == 0)
+        _mm_stream_si128(to, x);
+    else
+        _mm_storeu_si128(to, x);
+}
+
+AVX2 static ALWAYS_INLINE void avx2_out(const struct pass *s, size_t i, __m256 p)
+{
+    uint16_t *half = (uint16_t *)s->out + i;
+    float *full = (float *)s->out + i;
+    if (s->out_dtype == ZO_DTYPE_FP32 && s->stream_out && ((uintptr_t)full & 31) == 0)
+        _mm256_stream_ps(full, p);
+    else if (s->out_dtype == ZO_DTYPE_FP32)
+        _mm256_storeu_ps(full, p);
+    else if (s->out_dtype == ZO_DTYPE_BF16)
+        avx2_out_store(s, (__m128i *)half, avx2_bf16(p));
+    else if (s->out_dtype == ZO_DTYPE_FP16)
+        avx2_out_store(s, (__m128i *)half, _mm256_cvtps_ph(p, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+
+/* split_join on 8 lanes, from element i (residual_bit0 + i a multiple of 8: split_head). */
+AVX2 static ALWAYS_INLINE __m256 avx2_master(const struct pass *s, size_t i)
+{
+    if (!s->split)
+        return _mm256_loadu_ps(s->param + i);
+    __m256i x = _mm256_add_epi32(avx2_high16((const uint16_t *)s->out + i),
+                                 _mm256_cvtepi16_epi32(_mm_loadu_si128((const __m128i *)(s->residual + i))));
+    __m256i lane_bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+    __m256i byte = _mm256_set1_epi32(s->residual_bits[(s->residual_bit0 + i) >> 3]);
+    __m256i set = _mm256_cmpeq_epi32(_mm256_and_si256(byte, lane_bit), lane_bit);
+    return _mm256_castsi256_ps(_mm256_add_epi32(x, _mm256_and_si256(set, _mm256_set1_epi32(0x10000))));
+}
+
+AVX2 static ALWAYS_INLINE void avx2_store_master(const struct pass *s, size_t i, __m256 p)
+{
+    if (!s->split) {
+        _mm256_storeu_ps(s->param + i, p);
+        avx2_out(s, i, p);
+        return;
+    }
+    __m256i weight = avx2_bf16_lanes(p);
+    __m256i rest = _mm256_sub_epi32(_mm256_castps_si256(p), _mm256_slli_epi32(weight, 16));
+    __m256i tie = _mm256_cmpeq_epi32(rest, _mm256_set1_epi32(0x8000));
+    _mm_storeu_si128((__m128i *)((uint16_t *)s->out + i), avx2_pack16(weight));
+    _mm_storeu_si128((__m128i *)(s->residual + i), avx2_pack16(_mm256_and_si256(rest, _mm256_set1_epi32(0xFFFF))));
+    s->residual_bits[(s->residual_bit0 + i) >> 3] = (uint8_t)_mm256_movemask_ps(_mm256_castsi256_ps(tie));
+}
+
+AVX2 static ALWAYS_INLINE __m256 avx2_moment(const struct pass *s, const void *moment, size_t i)
+{
+    if (s->moment_dtype == ZO_DTYPE_BF16)
+        return _mm256_castsi256_ps(avx2_high16((const uint16_t *)moment + i));
+    return _mm256_loadu_ps((const float *)moment + i);
+}
+
+/* mix32 on 8 lanes. */
+AVX2 static ALWAYS_INLINE __m256i avx2_mix32(__m256i x)
+{
+    x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
+    x = _mm256_mullo_epi32(x, _mm256_set1_epi32(0x7FEB352D));
+    x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 15));
+    x = _mm256_mullo_epi32(x, _mm256_set1_epi32((int)0x846CA68Bu));
+    return _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
+}
+
+/* bf16_stochastic on 8 lanes. */
+AVX2 static ALWAYS_INLINE __m128i avx2_bf16_stochastic(__m256 f, __m256i noise16)
+{
+    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_castps_si256(f), noise16), 16);
+    __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(f, f, _CMP_UNORD_Q));
+    return avx2_pack16(_mm256_blendv_epi8(r, _mm256_set1_epi32(0xFFFF), nan));
+}
+
+AVX2 static ALWAYS_INLINE void avx2_store_moments(const struct pass *s, size_t i, __m256 m, __m256 v)
+{
+    if (s->moment_dtype != ZO_DTYPE_BF16) {
+        _mm256_storeu_ps((float *)s->exp_avg + i, m);
+        _mm256_storeu_ps((float *)s->exp_avg_sq + i, v);
+        return;
+    }
+    __m256i index = _mm256_add_epi32(_mm256_set1_epi32((int)(s->noise_base + (uint32_t)i)),
+                                     _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    __m256i noise = avx2_mix32(_mm256_xor_si256(index, _mm256_set1_epi32((int)s->k.noise_seed)));
+    _mm_storeu_si128((__m128i *)((uint16_t *)s->exp_avg + i),
+                     avx2_bf16_stochastic(m, _mm256_and_si256(noise, _mm256_set1_epi32(0xFFFF))));
+    _mm_storeu_si128((__m128i *)((uint16_t *)s->exp_avg_sq + i), avx2_bf16_stochastic(v, _mm256_srli_epi32(noise, 16)));
+}
+
+AVX2 double zo_avx2_run(const void *pass, size_t begin, size_t end)
+{
+    const struct pass *s = pass;
+    const struct consts k = s->k;
+    size_t i = begin + split_head(s, begin, end, 8);
+    double sumsq = scalar_range(s, begin, i);
+    while (i + 8 <= end) {
+        size_t block_end = end - i > SUMSQ_BLOCK ? i + SUMSQ_BLOCK : end;
+        __m256 acc = _mm256_setzero_ps();
+        for (; i + 8 <= block_end; i += 8) {
+            __m256 p = avx2_master(s, i), g = avx2_grad(s, i);
+            __m256 m = avx2_moment(s, s->exp_avg, i), v = avx2_moment(s, s->exp_avg_sq, i);
+            if (s->sumsq)
+                acc = _mm256_fmadd_ps(g, g, acc);
+            ADAM_UPDATE(k, p, g, m, v, _mm256_set1_ps, _mm256_fmadd_ps, _mm256_sqrt_ps);
+            avx2_store_master(s, i, p);
+            avx2_store_moments(s, i, m, v);
+        }
+        sumsq += avx2_sum(acc);
+    }
+    _mm_sfence();  /* the streamed stores are ordered before the tail's and the join's */
+    return sumsq + scalar_range(s, i, end);
+}
+
+
+AVX2 double zo_avx2_sumsq(const void *pass, size_t begin, size_t end)
+{
+    const struct sumsq_pass *s = pass;
+    const struct pass as_grad = {.grad = s->x, .grad_dtype = s->dtype};
+    double sumsq = 0;
+    size_t i = begin;
+    while (i + 16 <= end) {  /* two accumulators: one fused multiply-add chain would bound the pass */
+        size_t block_end = end - i > SUMSQ_BLOCK ? i + SUMSQ_BLOCK : end;
+        __m256 a = _mm256_setzero_ps(), b = _mm256_setzero_ps();
+        for (; i + 16 <= block_end; i += 16) {
+            __m256 x = avx2_grad(&as_grad, i), y = avx2_grad(&as_grad, i + 8);
+            a = _mm256_fmadd_ps(x, x, a);
+            b = _mm256_fmadd_ps(y, y, b);
+        }
+        sumsq += avx2_sum(_mm256_add_ps(a, b));
+    }
+    return sumsq + scalar_sumsq_range(pass, i, end);
+}
+#endif
