@@ -13,12 +13,17 @@ are committed; a fourth side clips at 1e-9, which binds every step, so every ten
 undone and redone in the step: what a redo costs (target ≤ 2x ours without clipping: a redone step
 costs less than two); a fifth clips at 1.0 with ``optimizer.update_in_backward = off`` (every update
 waits for the norm, in the step), and from the three clipped sides the share of clipped steps below
-which tentative updates win.
+which tentative updates win. ``--only formats`` runs both sides in bf16 (the anchor's ``--dtype bf16``;
+DeepSpeed keeps an fp32 master and fp32 moments): our fp32 master, a split master, and a split master
+with bf16 moments, against DeepSpeed, in step time and swap bytes (targets: split ≤ 0.32x DeepSpeed's
+step and ≤ 0.92x our fp32 master's, swap ≤ 0.72x DeepSpeed's).
 
 Usage:
   python bench/zero3_nvme.py [--pairs 5] [--steps 6] [--nvme DIR]
          [--deepspeed-python /tmp/anchors/dsvenv/bin/python] [--anchor ../shared/anchors/zero3_nvme.py]
-  python bench/zero3_nvme.py --side ours [--grad-clip 1.0] [--update-in-backward off]   (one side alone)
+  python bench/zero3_nvme.py --only formats [--pairs 5]   (bf16: split, split + bf16 moments, DeepSpeed)
+  python bench/zero3_nvme.py --side ours [--grad-clip 1.0] [--update-in-backward off] [--dtype bf16]
+         [--master split] [--moments bf16]   (one side alone)
 """
 from __future__ import annotations
 
@@ -36,6 +41,7 @@ from io_vs_fio import peak_rss_bytes
 from pairs import interleaved_pairs, report_pairs, rotating_rounds
 
 RESULT = re.compile(r"RESULT .*step ms min/med/max = (\d+) / (\d+) / (\d+)")
+SWAP = re.compile(r"nvme swap dir bytes: (\d+) MiB")
 HERE = Path(__file__).resolve().parent
 
 
@@ -49,16 +55,18 @@ def run_ours(args) -> None:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(d, f), torch.nn.GELU(), torch.nn.Linear(f, d),
                                 torch.nn.Linear(d, f), torch.nn.GELU(), torch.nn.Linear(f, d))
-    x, y = torch.randn(args.batch, d), torch.randn(args.batch, d)
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    x, y = torch.randn(args.batch, d).to(dtype), torch.randn(args.batch, d).to(dtype)
     engine = zo.initialize(model, {
-        "zero": {"stage": 3}, "train": {"grad_clip": args.grad_clip},
-        "optimizer": {"type": "adam", "lr": 1e-4, "weight_decay": 0.0, "update_in_backward": args.update_in_backward},
+        "zero": {"stage": 3}, "train": {"grad_clip": args.grad_clip, "precision": args.dtype},
+        "optimizer": {"type": "adam", "lr": 1e-4, "weight_decay": 0.0, "update_in_backward": args.update_in_backward,
+                      "master": args.master, "moments": args.moments},
         "offload": {"param": {"tier": "nvme"}, "optimizer": {"tier": "nvme"}},
         "nvme": {"path": args.nvme, "checksum": args.checksum == "on"}})
     times = []
     for step in range(3 + args.steps):
         start = time.perf_counter()
-        loss = torch.nn.functional.mse_loss(engine(x), y)
+        loss = torch.nn.functional.mse_loss(engine(x).float(), y.float())
         engine.backward(loss)
         engine.step()
         if step >= 3:
@@ -67,18 +75,23 @@ def run_ours(args) -> None:
     print(f"ours: read wait {stats.read_wait_seconds * 1e3:.0f} ms, gather wait {stats.wait_seconds * 1e3:.0f} ms "
           f"in the last step; units redone in it {engine.stats.undone_updates}; "
           f"peak RSS {peak_rss_bytes() / 2**20:.0f} MB")
+    swap = sum(f.stat().st_blocks * 512 for f in Path(args.nvme).rglob("*") if f.is_file())
+    print(f"nvme swap dir bytes: {swap / 2**20:.0f} MiB")  # the anchor's line, as it counts them
     engine.close()
     ms = [t * 1e3 for t in times]
-    print(f"RESULT mode=ours dtype=fp32 step ms min/med/max = {min(ms):.0f} / {statistics.median(ms):.0f} / "
+    print(f"RESULT mode=ours dtype={args.dtype} step ms min/med/max = {min(ms):.0f} / {statistics.median(ms):.0f} / "
           f"{max(ms):.0f} (n={len(ms)})")
 
 
-def _side(command: list[str], env: dict) -> float:
-    """Run one side in a fresh process; its median step time in ms."""
+def _side(command: list[str], env: dict, swap: dict[str, list[float]] | None = None, name: str = "") -> float:
+    """Run one side in a fresh process; its median step time in ms (and into ``swap[name]`` the MiB its
+    swap directory held)."""
     done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=900)
     match = RESULT.search(done.stdout)
     if done.returncode != 0 or match is None:
         raise SystemExit(f"{command[:3]} failed ({done.returncode}):\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}")
+    if swap is not None:
+        swap.setdefault(name, []).append(float(SWAP.search(done.stdout).group(1)))
     return float(match.group(2))
 
 
@@ -119,6 +132,38 @@ def compare(args) -> None:
           f"(medians: committed {committed:.0f}, redone {redo:.0f}, in the step {wait:.0f} ms/step)")
 
 
+FORMATS = {"fp32 master": [], "split": ["--master", "split"], "split + bf16 moments": ["--master", "split",
+                                                                                   "--moments", "bf16"]}
+
+
+def compare_formats(args) -> None:
+    """bf16 on both sides: our optimizer state formats against each other and DeepSpeed's (fp32 master
+    and moments): step time and swap bytes."""
+    nvme = Path(args.nvme)
+    ours = [sys.executable, str(Path(__file__).resolve()), "--side", "ours", "--steps", str(args.steps),
+            "--batch", str(args.batch), "--nvme", str(nvme / "ours"), "--dtype", "bf16"]
+    theirs = [args.deepspeed_python, args.anchor, "--mode", "ds", "--dtype", "bf16", "--steps", str(args.steps),
+              "--batch", str(args.batch), "--nvme", str(nvme / "ds")]
+    env, swap = {**os.environ, "DS_ACCELERATOR": "cpu"}, {}
+    print(f"machine: {os.cpu_count()} CPUs; swap under {nvme}; {args.pairs} rounds of {args.steps} timed steps, bf16")
+    sides = {name: (lambda extra=extra, name=name: _side([*ours, *extra], env, swap, name))
+             for name, extra in FORMATS.items()}
+    sides["DeepSpeed ZeRO-3"] = lambda: _side(theirs, env, swap, "DeepSpeed ZeRO-3")
+    try:
+        times = rotating_rounds(args.pairs, sides, unit="ms/step")
+    finally:
+        shutil.rmtree(nvme, ignore_errors=True)
+    for name, other, target in (("split", "DeepSpeed ZeRO-3", 0.32), ("split", "fp32 master", 0.92),
+                                ("split + bf16 moments", "split", 1.0)):
+        report_pairs(f"ZeRO-3 NVMe, bf16: {name} against {other}", (name, other),
+                     list(zip(times[name], times[other])), target, unit="ms/step")
+    for name, target in (("fp32 master", 1.0), ("split", 0.72), ("split + bf16 moments", 0.72)):
+        ratio = statistics.median(swap[name]) / statistics.median(swap["DeepSpeed ZeRO-3"])
+        print(f"swap: {name} {statistics.median(swap[name]):.0f} MiB against DeepSpeed's "
+              f"{statistics.median(swap['DeepSpeed ZeRO-3']):.0f} MiB: {ratio:.3f} (target ≤ {target:.2f}: "
+              f"{'met' if ratio <= target else 'NOT met'})")
+
+
 def compare_checksum(args) -> None:
     """Our default side (swap digests verified) against the same with ``nvme.checksum = off``."""
     nvme = Path(args.nvme)
@@ -147,8 +192,12 @@ def main() -> None:
     parser.add_argument("--grad-clip", type=float, default=0.0, help="our side's train.grad_clip")
     parser.add_argument("--update-in-backward", default="auto", help="our side's optimizer.update_in_backward")
     parser.add_argument("--checksum", choices=["on", "off"], default="on", help="our side's nvme.checksum")
-    parser.add_argument("--only", choices=["checksum"],
-                        help="checksum: our default side against nvme.checksum = off alone (the swap digests' cost)")
+    parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="our side's train.precision")
+    parser.add_argument("--master", default="fp32", help="our side's optimizer.master")
+    parser.add_argument("--moments", default="fp32", help="our side's optimizer.moments")
+    parser.add_argument("--only", choices=["checksum", "formats"],
+                        help="checksum: our default side against nvme.checksum = off alone (the swap digests' cost); "
+                             "formats: bf16 on both sides, our state formats against DeepSpeed's")
     parser.add_argument("--anchor", default=str(HERE.parent.parent / "shared" / "anchors" / "zero3_nvme.py"))
     args = parser.parse_args()
     if args.side:
@@ -156,6 +205,8 @@ def main() -> None:
         run_ours(args)
     elif args.only == "checksum":
         compare_checksum(args)
+    elif args.only == "formats":
+        compare_formats(args)
     else:
         compare(args)
 

@@ -200,8 +200,8 @@ def test_writes_in_gathered_reach_a_split_master_as_they_reach_the_fp32_one(make
                                         "is the weight itself: there is nothing to split)"),
     ({"train": {"precision": "fp16"}}, "optimizer.master = 'split' needs train.precision = 'bf16' (fp16 weights "
                                         "keep an fp32 master"),
-    ({"train": {"precision": "bf16"}, "optimizer": {"master": "split", "update_in_backward": "on"}},
-     "optimizer.update_in_backward = 'on' cannot go with optimizer.master = 'split'"),
+    ({"train": {"precision": "bf16", "grad_clip": 1.0}, "optimizer": {"master": "split", "update_in_backward": "on"}},
+     "optimizer.update_in_backward = 'on' cannot go with optimizer.master = 'split' and train.grad_clip = 1.0"),
 ])
 def test_a_split_master_is_refused_where_it_cannot_apply(overrides, line):
     config = {"optimizer": {"master": "split"}, **overrides}

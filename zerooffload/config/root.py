@@ -61,10 +61,11 @@ class Config(Section):
         if self.optimizer.type == "sgd":
             raise ConfigError("optimizer.master = 'split' is updated by the native Adam pass: optimizer.type = 'sgd' "
                               "keeps an fp32 master; set optimizer.master = 'fp32' or type 'adamw'")
-        if self.optimizer.update_in_backward == "on":
-            raise ConfigError("optimizer.update_in_backward = 'on' cannot go with optimizer.master = 'split' (an "
-                              "update in backward may have to be undone from the weights it overwrote): set it to "
-                              "'auto' or 'off'")
+        if self.optimizer.update_in_backward == "on" and self.train.grad_clip > 0:
+            raise ConfigError("optimizer.update_in_backward = 'on' cannot go with optimizer.master = 'split' and "
+                              f"train.grad_clip = {self.train.grad_clip} (a clipped update in backward is tentative, "
+                              "and the weights it rewrote could not be restored): set it to 'auto' or 'off', or "
+                              "train.grad_clip = 0")
 
     def _check_update_in_backward(self) -> None:
         """``optimizer.update_in_backward = "on"`` only where it can apply: units whose reduced gradients

@@ -191,12 +191,11 @@ def activations_leave_device(config: Config, device: torch.device) -> bool:
 
 def updates_in_backward(config: Config) -> bool:
     """Whether units whose gradients leave the device are updated in the backward that closes a window
-    (``optimizer.update_in_backward``; ``auto``: unless an fp16 loss scale may skip the step, or a split
-    master would lose the weight it was overwritten from). With
+    (``optimizer.update_in_backward``; ``auto``: unless an fp16 loss scale may skip the step). With
     ``train.grad_clip`` only units whose optimizer block streams from NVMe are, tentatively (``place``)."""
     mode = config.optimizer.update_in_backward
-    if mode == "auto":  # a split master's weight, overwritten in backward, could not be undone
-        return config.train.precision != "fp16" and config.optimizer.master != "split"
+    if mode == "auto":
+        return config.train.precision != "fp16"
     return mode == "on"
 
 
@@ -232,6 +231,7 @@ def _placement(layouts: list[UnitLayout], config: Config, *, grads_wait_in_host:
     stage, offload = config.zero.stage, config.offload
     moved = units_to_offload(layouts, offload.optimizer.fraction)
     in_backward, tentative = updates_in_backward(config), config.train.grad_clip > 0
+    split = config.optimizer.master == "split"  # its weights, rewritten by a tentative update, could not be undone
     fp32 = config.train.precision == "fp32"
     units = []
     for index, (layout, offloaded) in enumerate(zip(layouts, moved)):
@@ -239,7 +239,8 @@ def _placement(layouts: list[UnitLayout], config: Config, *, grads_wait_in_host:
         partitioned = stage == 3 and layout.numel >= config.zero.persist_threshold
         param_home = offload.param.tier if partitioned else COMPUTE
         grad_leaves = stage >= 2 and layout.trainable and optimizer != COMPUTE
-        early = grad_leaves and in_backward and (optimizer in _NOT_ADDRESSABLE or not tentative)
+        early = grad_leaves and in_backward and (optimizer in _NOT_ADDRESSABLE or not tentative) and not (
+            split and tentative)
         kept = grad_leaves and (config.train.grad_accum_steps > 1 or not early or tentative)
         grad_home = STAGING if grads_wait_in_host and optimizer in _NOT_ADDRESSABLE else optimizer
         units.append(UnitPlacement(
