@@ -31,7 +31,7 @@ from ..block_stream import STREAM_BUFFERS, BlockWriter
 from ..comm import Comm, all_gather
 from ..tiers import Block, Kind, LinkStats, Tier
 from ..trace import profiled
-from .partition import FlatUnit
+from .partition import FlatUnit, ParamState
 from .shard_blocks import SplitShardBlock
 from .unit_layout import Piece
 
@@ -74,7 +74,10 @@ class Publication:
             # read first on NVMe when frozen values share what is written, so that they stay as they are, and
             # for a split master, whose update reads the weights it rewrites
             split = unit.placement.master_split
-            target = self.writer.begin(self._home(unit), read=(mixed or split) and not block.resident)
+            gathered = split and unit.param_state is ParamState.GATHERED and not block.resident
+            target = self.writer.begin(self._home(unit), read=(mixed or split) and not gathered and not block.resident)
+            if gathered:  # the whole block: a step's head may hold frozen values past the trainable part
+                target.copy_(unit.flat_param[unit.shard_range][:target.numel()])
             return target if self.whole_shards else target[:trainable]
         if self._gathered(unit):
             # The all-gather writes this rank's shard too, so its input must not alias the output.
