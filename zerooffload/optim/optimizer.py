@@ -61,8 +61,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """Whether torch's update (where it runs) is its fused kernel."""
         self._torch_update: torch.optim.Optimizer | None = None
         self._stepping: Callable[[], None] | None = None
-        self._noise: dict[torch.Tensor, tuple[int, int]] = {}
         """The engine's update of its units while ``step_with`` runs ``step``."""
+        self._noise: dict[torch.Tensor, tuple[int, int]] = {}
+        """Each piece's bf16 moments' rounding noise: its key and first element number (``attach_state``)."""
         self.native = config.type in ("adam", "adamw") and simd_level() != "torch" and all(
             p.device.type == "cpu" for g in self.param_groups for p in g["params"])
         for key, value in (("master", config.master), ("moments", config.moments)):

@@ -73,7 +73,8 @@ class UnitOptimizerState:
         self.has_master = not unit.master_is_param
         self.split = unit.placement.master_split
         span = unit.trainable_span
-        self._parts = _master_parts(unit.placement.master_format, span) + [(moment_dtype, span * moment_dtype.itemsize)] * len(moment_names)
+        self._parts = (_master_parts(unit.placement.master_format, span)
+                       + [(moment_dtype, span * moment_dtype.itemsize)] * len(moment_names))
         nbytes = sum(n for _, n in self._parts)
         # digests per part (or per half part: bf16 moments beside an fp32 master); a split block's whole
         unit_bytes = min((dtype.itemsize for dtype, _ in self._parts), default=4)
@@ -162,11 +163,12 @@ class UnitOptimizerState:
         else:
             master = self.master()
             self.unit.set_master(master)
+        moments = {name: self.moment(name) for name in self.moment_names}
         for piece, tensor in self.pieces:
             _point(tensor, master, piece.start, piece.stop)
             state = optimizer.state[tensor]
-            for name in self.moment_names:
-                _point(state[name], self.moment(name), piece.start, piece.stop)
+            for name, moment in moments.items():
+                _point(state[name], moment, piece.start, piece.stop)
             if self.split:
                 state["residual_bits"], state["residual_bit0"] = bits, piece.start
 

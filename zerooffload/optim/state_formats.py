@@ -49,12 +49,6 @@ def _uint16(x: torch.Tensor) -> torch.Tensor:
     return x.contiguous().view(torch.int16).to(torch.int64) & 0xFFFF
 
 
-def _bf16_nearest(bits: torch.Tensor, nan: torch.Tensor) -> torch.Tensor:
-    """Round to nearest even on the bit pattern, every NaN 0xFFFF: the native pass's (and torch's
-    vectorized) fp32 -> bf16."""
-    return torch.where(nan, 0xFFFF, ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) & 0xFFFF)
-
-
 CHUNK = 1 << 20
 """Elements a format conversion takes at a time: its int64 temporaries stay within ~50 MB, whatever
 the unit (a 7B model's units hold 200M elements; whole, they would take gigabytes)."""
@@ -72,11 +66,9 @@ def split_master(master: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torc
     tie = torch.empty(flat.numel(), dtype=torch.bool, device=flat.device)
     for start in _chunks(flat.numel()):
         part = flat[start:start + CHUNK]
-        bits = _bits(part)
-        high = _bf16_nearest(bits, torch.isnan(part))
-        rest = (bits - (high << 16)) & _LOW32
         stop = start + part.numel()
-        weight[start:stop] = _as_uint16(high, torch.bfloat16)
+        weight[start:stop] = part  # torch's cast: round to nearest even, as the fp32 master's out
+        rest = (_bits(part) - (_uint16(weight[start:stop]) << 16)) & _LOW32
         residual[start:stop] = _as_uint16(rest & 0xFFFF, torch.int16)
         tie[start:stop] = rest == 0x8000
     return weight, residual, tie
@@ -118,8 +110,8 @@ def write_bits(packed: torch.Tensor, bit0: int, bits: torch.Tensor) -> None:
         packed[first:stop] = (every.reshape(-1, 8).to(torch.int64) << torch.arange(8)).sum(1).to(torch.uint8)
 
 
-def _mix32(x: torch.Tensor) -> torch.Tensor:
-    """lowbias32 on int64 values in [0, 2^32), as the native pass's mix32."""
+def _mix32(x):
+    """lowbias32 on values in [0, 2^32) (an int, or an int64 tensor), as the native pass's mix32."""
     x = x ^ (x >> 16)
     x = (x * 0x7FEB352D) & _LOW32
     x = x ^ (x >> 15)
@@ -129,8 +121,7 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
 
 def noise_seed(key: int, step: int) -> int:
     """The native pass's per-call seed of the rounding noise."""
-    mixed = int(_mix32(torch.tensor([step & _LOW32]))[0])
-    return int(_mix32(torch.tensor([(key & _LOW32) ^ mixed]))[0])
+    return _mix32((key & _LOW32) ^ _mix32(step & _LOW32))
 
 
 def rounding_noise(key: int, step: int, base: int, count: int) -> torch.Tensor:

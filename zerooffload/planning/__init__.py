@@ -135,15 +135,14 @@ def _state_formats(config: Config, pinned: set[str]) -> list[tuple[dict[str, str
     """The optimizer state formats a plan tries, in turn, until a layout fits, as overrides and the config
     they make: the config's; then, where the user left them free, a split master (lossless: bf16 runs of
     Adam only); then bf16 moments too."""
+    optimizer, adam = config.optimizer, config.optimizer.type != "sgd"
+    steps = {"optimizer.master": ("split", adam and optimizer.master == "fp32" and config.train.precision == "bf16"),
+             "optimizer.moments": ("bf16", adam and optimizer.moments == "fp32")}
     formats, overrides = [({}, config)], {}
-    adam = config.optimizer.type != "sgd"
-    if adam and "optimizer.master" not in pinned and config.optimizer.master == "fp32" and \
-            config.train.precision == "bf16":
-        overrides = {**overrides, "optimizer.master": "split"}
-        formats.append((overrides, Config.load(config, overrides=[f'{k}="{v}"' for k, v in overrides.items()])))
-    if adam and "optimizer.moments" not in pinned and config.optimizer.moments == "fp32":
-        overrides = {**overrides, "optimizer.moments": "bf16"}
-        formats.append((overrides, Config.load(config, overrides=[f'{k}="{v}"' for k, v in overrides.items()])))
+    for key, (value, applies) in steps.items():
+        if applies and key not in pinned:
+            overrides = {**overrides, key: value}
+            formats.append((overrides, Config.load(config, overrides=[f'{k}="{v}"' for k, v in overrides.items()])))
     return formats
 
 

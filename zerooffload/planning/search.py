@@ -10,8 +10,8 @@ within the root and two units gathered, or none ahead within the root and one un
 for a device that cannot hold the model gathered); and the optimizer state's format,
 ``optimizer.master`` and ``optimizer.moments``, which ``plan`` tries in turn rather than beside the
 others (each format a search of its own, the next only when no layout of the last fits): the config's,
-then a split master (lossless, bf16 runs), then bf16 moments too. A key the user *pins* (set in their config or as an override) is a constraint: every candidate
-keeps its value. A candidate *fits* when
+then a split master (lossless, bf16 runs), then bf16 moments too. A key the user *pins* (set in their
+config or as an override) is a constraint: every candidate keeps its value. A candidate *fits* when
 the memory checks the engine itself runs at start accept it (``check_plan`` against the budgets,
 ``check_ram`` against the RAM there is, swap space against the free disk); the fitting ones are
 ranked by predicted step time, and within ``TIE`` of each other by the bytes they put on disk, then in

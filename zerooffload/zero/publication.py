@@ -82,8 +82,8 @@ class Publication:
         if self._gathered(unit):
             # The all-gather writes this rank's shard too, so its input must not alias the output.
             target = self.device_tier.empty(Kind.BUFFER, unit.layout.shard_numel, unit.compute_dtype)
-            if unit.placement.master_split:
-                target.copy_(unit.flat_param[unit.shard_range])
+            if unit.placement.master_split:  # its trainable part: ``send`` copies the rest
+                target[:trainable].copy_(unit.flat_param[unit.shard_range][:trainable])
             return target
         return None if unit.master_is_param else unit.flat_param[unit.shard_range][:trainable]
 
