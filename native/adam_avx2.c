@@ -107,11 +107,10 @@ AVX2 static ALWAYS_INLINE __m256 avx2_moment(const struct pass *s, const void *m
 /* mix32 on 8 lanes. */
 AVX2 static ALWAYS_INLINE __m256i avx2_mix32(__m256i x)
 {
-    x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
-    x = _mm256_mullo_epi32(x, _mm256_set1_epi32(0x7FEB352D));
-    x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 15));
-    x = _mm256_mullo_epi32(x, _mm256_set1_epi32((int)0x846CA68Bu));
-    return _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
+    typedef uint32_t lanes __attribute__((vector_size(32)));
+    lanes v = (lanes)x;
+    MIX32(v);
+    return (__m256i)v;
 }
 
 /* bf16_stochastic on 8 lanes. */

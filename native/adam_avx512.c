@@ -99,11 +99,10 @@ AVX512 static ALWAYS_INLINE __m512 avx512_moment(const struct pass *s, const voi
 /* mix32 on 16 lanes. */
 AVX512 static ALWAYS_INLINE __m512i avx512_mix32(__m512i x)
 {
-    x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
-    x = _mm512_mullo_epi32(x, _mm512_set1_epi32(0x7FEB352D));
-    x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 15));
-    x = _mm512_mullo_epi32(x, _mm512_set1_epi32((int)0x846CA68Bu));
-    return _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
+    typedef uint32_t lanes __attribute__((vector_size(64)));
+    lanes v = (lanes)x;
+    MIX32(v);
+    return (__m512i)v;
 }
 
 /* bf16_stochastic on 16 lanes. */

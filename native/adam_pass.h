@@ -199,13 +199,20 @@ static ALWAYS_INLINE void set_residual_bit(const struct pass *s, size_t i, uint3
 
 /* lowbias32 (Chris Wellons' integer hash): a bijection of 32 bits whose output bits each depend on
  * every input bit; the bf16 moments' rounding noise. */
+#define MIX32(x)                \
+    do {                        \
+        (x) ^= (x) >> 16;       \
+        (x) *= 0x7FEB352Du;     \
+        (x) ^= (x) >> 15;       \
+        (x) *= 0x846CA68Bu;     \
+        (x) ^= (x) >> 16;       \
+    } while (0)
+
+/* MIX32 on one uint32_t, or on every lane of a GCC vector of them (the vector levels' mix32). */
 static ALWAYS_INLINE uint32_t mix32(uint32_t x)
 {
-    x ^= x >> 16;
-    x *= 0x7FEB352Du;
-    x ^= x >> 15;
-    x *= 0x846CA68Bu;
-    return x ^ (x >> 16);
+    MIX32(x);
+    return x;
 }
 
 /* f rounded to bf16 stochastically with 16 bits of noise (cpu_adam.h: bf16 moments); NaN as torch's. */

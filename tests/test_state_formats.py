@@ -168,6 +168,32 @@ def test_a_split_master_updates_bitwise_as_the_fp32_master(level, tmp_path):
     assert torch.equal(_bits(joined), _bits(reference["master"]))
 
 
+_NOISE_CHILD = r"""
+import torch
+from zerooffload.optim import fused_adam_step, simd_level
+n = 100_003
+generator = torch.Generator().manual_seed(0)
+param, grad = torch.randn(n, generator=generator), torch.randn(n, generator=generator)
+m, v = torch.zeros(n, dtype=torch.bfloat16), torch.zeros(n, dtype=torch.bfloat16)
+for step in (1, 2, 3):
+    fused_adam_step(param, grad, m, v, step=step, noise_key=5, noise_base=77, lr=1e-2, betas=(0.9, 0.999), eps=1e-8,
+                    weight_decay=0.0)
+print(simd_level(), m.view(torch.int16).sum().item(), v.view(torch.int16).double().square().sum().item())
+"""
+
+
+@pytest.mark.skipif(cpu_adam.simd_level() == "torch", reason="the native extension zerooffload._cpu_adam is not built")
+def test_bf16_moments_round_with_the_same_noise_at_every_level():
+    """Each vector level hashes the noise itself: their bits must be the scalar level's."""
+    ran = {}
+    for level in LEVELS:
+        done = run_child(level, _NOISE_CHILD)
+        assert done.returncode == 0, done.stderr[-3000:]
+        name, *sums = done.stdout.split()
+        ran[name] = sums
+    assert len(set(map(tuple, ran.values()))) == 1, ran
+
+
 def _reference_adjacent() -> dict:
     """The fp32 master of ``_run_adjacent``, updated whole."""
     data = _inputs(700_001, 7)
