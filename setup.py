@@ -30,9 +30,9 @@ def native(name: str, sources: list[str], headers: list[str], extra: tuple[str, 
 setup(ext_modules=[
     native("_aio", ["aio_module.c", "aio_engine.c", "aio_pool.c", "aio_uring.c", "checksum.c"],
            ["bindings.h", "aio.h", "aio_backend.h", "checksum.h"]),
-    # -ffp-contract=off as well as the file's own pragma: a compiler that ignores GCC's pragma
-    # (clang) would otherwise fuse products differently per level (see cpu_adam.c).
+    # -ffp-contract=off and -fno-trapping-math as well as the files' own pragmas: a compiler that ignores
+    # GCC's pragmas (clang) would otherwise fuse products differently per level (see cpu_adam.c).
     native("_cpu_adam", ["cpu_adam_module.c", "cpu_adam.c", "adam_avx2.c", "adam_avx512.c"],
-           ["bindings.h", "cpu_adam.h", "adam_pass.h"],
-           ("-ffp-contract=off",)),
+           ["bindings.h", "cpu_adam.h", "adam_pass.h", "int8_moments.h"],
+           ("-ffp-contract=off", "-fno-trapping-math")),
 ])

@@ -3,7 +3,7 @@
  * (adam_pass.h). Compiled for plain x86-64; each function targets AVX2 itself (cpu_adam.c's note on
  * architectures), and nothing here runs unless the CPU has it.
  */
-#include "adam_pass.h"
+#include "int8_moments.h"
 
 #if ZO_ADAM_X86
 /* ---------------------------------------------------------------------------------------------
@@ -136,7 +136,8 @@ AVX2 static ALWAYS_INLINE void avx2_store_moments(const struct pass *s, size_t i
     _mm_storeu_si128((__m128i *)((uint16_t *)s->exp_avg_sq + i), avx2_bf16_stochastic(v, _mm256_srli_epi32(noise, 16)));
 }
 
-AVX2 double zo_avx2_run(const void *pass, size_t begin, size_t end)
+/* A range of fp32 or bf16 moments. */
+AVX2 static double avx2_range(const void *pass, size_t begin, size_t end)
 {
     const struct pass *s = pass;
     const struct consts k = s->k;
@@ -158,6 +159,14 @@ AVX2 double zo_avx2_run(const void *pass, size_t begin, size_t end)
     }
     _mm_sfence();  /* the streamed stores are ordered before the tail's and the join's */
     return sumsq + scalar_range(s, i, end);
+}
+
+AVX2 double zo_avx2_run(const void *pass, size_t begin, size_t end)
+{
+    const struct pass *s = pass;
+    if (s->moment_dtype == ZO_DTYPE_INT8)
+        return int8_range(s, begin, end, avx2_range);
+    return avx2_range(s, begin, end);
 }
 
 

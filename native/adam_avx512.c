@@ -3,7 +3,7 @@
  * Compiled for plain x86-64; each function targets AVX-512F itself (cpu_adam.c's note on
  * architectures), and nothing here runs unless the CPU has it.
  */
-#include "adam_pass.h"
+#include "int8_moments.h"
 
 #if ZO_ADAM_X86
 /* ---------------------------------------------------------------------------------------------
@@ -129,7 +129,8 @@ AVX512 static ALWAYS_INLINE void avx512_store_moments(const struct pass *s, size
                         avx512_bf16_stochastic(v, _mm512_srli_epi32(noise, 16)));
 }
 
-AVX512 double zo_avx512_run(const void *pass, size_t begin, size_t end)
+/* A range of fp32 or bf16 moments. */
+AVX512 static double avx512_range(const void *pass, size_t begin, size_t end)
 {
     const struct pass *s = pass;
     const struct consts k = s->k;
@@ -152,5 +153,13 @@ AVX512 double zo_avx512_run(const void *pass, size_t begin, size_t end)
     }
     _mm_sfence();
     return sumsq + scalar_range(s, i, end);
+}
+
+AVX512 double zo_avx512_run(const void *pass, size_t begin, size_t end)
+{
+    const struct pass *s = pass;
+    if (s->moment_dtype == ZO_DTYPE_INT8)
+        return int8_range(s, begin, end, avx512_range);
+    return avx512_range(s, begin, end);
 }
 #endif

@@ -26,11 +26,15 @@
  * are fused would depend on the level and on the optimizer's whims. Off: the fused multiply-adds
  * that torch's binary has are written out (ADAM_UPDATE), every other product is rounded. */
 #pragma GCC optimize("fp-contract=off")
+/* Floating-point exceptions are never read here, so GCC may compute both sides of a choice and keep
+ * one (int8_moments.h's code and value are branch-free that way): with trapping math on, it keeps
+ * such loops scalar. Results are IEEE's either way. */
+#pragma GCC optimize("no-trapping-math")
 
 #define ALWAYS_INLINE inline __attribute__((always_inline))
 #if ZO_ADAM_X86
 #define AVX2 __attribute__((target("avx2,fma,f16c")))
-#define AVX512 __attribute__((target("avx512f,avx2,fma,f16c")))
+#define AVX512 __attribute__((target("avx512f,avx512bw,avx2,fma,f16c,prefer-vector-width=512")))
 #endif
 
 enum decay_kind {
@@ -56,6 +60,7 @@ struct consts {
 struct pass {
     float *param;
     void *exp_avg, *exp_avg_sq;
+    float *exp_avg_scale, *exp_avg_sq_scale;  /* int8 moments: each block's scale (int8_moments.h) */
     const void *grad;
     void *out;
     int grad_dtype, out_dtype, moment_dtype;

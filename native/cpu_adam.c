@@ -33,11 +33,19 @@
 #include <stdlib.h>
 #include <unistd.h>
 
-#include "adam_pass.h"
+#include "int8_moments.h"
+
+static double scalar_fp32_run(const void *pass, size_t begin, size_t end)
+{
+    return scalar_range(pass, begin, end);
+}
 
 static double scalar_run(const void *pass, size_t begin, size_t end)
 {
-    return scalar_range(pass, begin, end);
+    const struct pass *s = pass;
+    if (s->moment_dtype == ZO_DTYPE_INT8)
+        return int8_range(s, begin, end, scalar_fp32_run);
+    return scalar_range(s, begin, end);
 }
 
 /* ---------------------------------------------------------------------------------------------
@@ -73,7 +81,7 @@ static int cpu_level(void)
 {
 #if ZO_ADAM_X86
     __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx512f"))
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw"))
         return ZO_SIMD_AVX512;
     if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
         return ZO_SIMD_AVX2;
@@ -169,6 +177,7 @@ static unsigned thread_count(unsigned asked, size_t n)
  * whatever the threads and their timing. */
 #define SPLIT_BLOCK_MIN ((size_t)1 << 16)
 #define SPLIT_BLOCKS_TARGET 2048u
+_Static_assert(SUMSQ_BLOCK % ZO_INT8_BLOCK == 0, "a split's blocks must start int8 moments' blocks");
 
 struct split {
     const char *passes;
@@ -245,14 +254,16 @@ static int valid_args(const struct zo_adam_args *a)
                   a->grad_dtype == ZO_DTYPE_FP16;
     int out_ok = a->out_dtype == ZO_DTYPE_NONE || a->out_dtype == ZO_DTYPE_FP32 ||
                  a->out_dtype == ZO_DTYPE_BF16 || a->out_dtype == ZO_DTYPE_FP16;
-    int moments_ok = a->moment_dtype == ZO_DTYPE_FP32 || a->moment_dtype == ZO_DTYPE_BF16;
+    int int8 = a->moment_dtype == ZO_DTYPE_INT8;
+    int moments_ok = a->moment_dtype == ZO_DTYPE_FP32 || a->moment_dtype == ZO_DTYPE_BF16 || int8;
     int split = a->master == ZO_MASTER_SPLIT;
     if (!grad_ok || !out_ok || !moments_ok || a->step < 1 || (a->master != ZO_MASTER_FP32 && !split) ||
         (split && a->out_dtype != ZO_DTYPE_BF16))
         return 0;
     /* torch hands out a null data pointer for an empty tensor, so pointers matter only when n > 0 */
     int master_ok = split ? a->out && a->residual && a->residual_bits : a->param != NULL;
-    return a->n == 0 || (master_ok && a->grad && a->exp_avg && a->exp_avg_sq &&
+    int scales_ok = !int8 || (a->exp_avg_scale && a->exp_avg_sq_scale);
+    return a->n == 0 || (master_ok && scales_ok && a->grad && a->exp_avg && a->exp_avg_sq &&
                          (a->out_dtype == ZO_DTYPE_NONE || a->out));
 }
 
@@ -283,6 +294,7 @@ int zo_adam_steps(const struct zo_adam_args *args, size_t count, unsigned thread
         int split = a->master == ZO_MASTER_SPLIT;
         pass[i] = (struct pass){
             .param = a->param, .exp_avg = a->exp_avg, .exp_avg_sq = a->exp_avg_sq, .grad = a->grad, .out = a->out,
+            .exp_avg_scale = a->exp_avg_scale, .exp_avg_sq_scale = a->exp_avg_sq_scale,
             .grad_dtype = a->grad_dtype, .out_dtype = a->out_dtype, .moment_dtype = a->moment_dtype, .split = split,
             .residual = a->residual, .residual_bits = a->residual_bits, .residual_bit0 = a->residual_bit0,
             .noise_base = a->noise_base, .sumsq = a->grad_sumsq != NULL,

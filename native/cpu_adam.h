@@ -13,7 +13,7 @@
  *               NaN. Element j's bit is bit (residual_bit0 + j) % 8 of byte (residual_bit0 + j) / 8.
  *   grad        the gradient, fp32, bf16 or fp16; read only. It is multiplied by grad_scale
  *               first (the engine's unscale x clip coefficient), in fp32.
- *   exp_avg     first moment m, updated in place: fp32, or bf16 (moment_dtype).
+ *   exp_avg     first moment m, updated in place: fp32, bf16 or int8 (moment_dtype).
  *   exp_avg_sq  second moment v, likewise.
  *   bf16 moments are computed in fp32 and stored rounded stochastically: the bits below bf16's
  *               are added to 16 bits of noise before truncation, so a moment's expected stored value
@@ -22,6 +22,11 @@
  *               of (noise_key, step, noise_base + j) for element j: the same bits whatever the level,
  *               the thread count or where a range starts, and the same for one parameter element
  *               however the parameters are sharded, when the caller numbers them so.
+ *   int8 moments are blockwise 8-bit codes: element j of a moment is code j (uint8) of the array, in
+ *               block j / ZO_INT8_BLOCK of the pass, whose scale is exp_avg_scale[j / ZO_INT8_BLOCK]
+ *               (exp_avg_sq_scale for v), one fp32 each. The codes are a tiny float of |x| / scale
+ *               (int8_moments.h), rounded stochastically with the bf16 moments' noise. Blocks count
+ *               from the pass's element 0: a pass's first element starts a block.
  *   out         optional low-precision copy of the new param (bf16, fp16 or fp32), written in the
  *               same pass and rounded to nearest even exactly as torch's `.to(dtype)` rounds.
  *   level       the instruction set the pass runs on: AVX-512, AVX2 (+FMA, F16C) or scalar C,
@@ -45,7 +50,13 @@
 #include <stddef.h>
 #include <stdint.h>
 
-enum zo_dtype { ZO_DTYPE_NONE = 0, ZO_DTYPE_FP32 = 1, ZO_DTYPE_BF16 = 2, ZO_DTYPE_FP16 = 3 };
+enum zo_dtype { ZO_DTYPE_NONE = 0, ZO_DTYPE_FP32 = 1, ZO_DTYPE_BF16 = 2, ZO_DTYPE_FP16 = 3, ZO_DTYPE_INT8 = 4 };
+
+/* Elements of an int8 moment that share a scale. 256: the scale costs 1/64 of a byte per element
+ * (1.6%), one large value dims the codes of 255 neighbours only, and a block's decoded moments (2 KiB)
+ * stay in the first-level cache while the level's pass runs over them; every block of a split
+ * (cpu_adam.c) is a multiple of it, so a thread's range always starts a block. */
+#define ZO_INT8_BLOCK ((size_t)256)
 enum zo_simd { ZO_SIMD_SCALAR = 0, ZO_SIMD_AVX2 = 1, ZO_SIMD_AVX512 = 2 };
 enum zo_master { ZO_MASTER_FP32 = 0, ZO_MASTER_SPLIT = 1 };
 
@@ -57,14 +68,16 @@ struct zo_adam_args {
     int grad_dtype;        /* ZO_DTYPE_FP32 | BF16 | FP16 */
     void *exp_avg;
     void *exp_avg_sq;
-    int moment_dtype;      /* ZO_DTYPE_FP32 | BF16 */
+    int moment_dtype;      /* ZO_DTYPE_FP32 | BF16 | INT8 */
+    float *exp_avg_scale;  /* ZO_DTYPE_INT8: the blocks' scales, (n + ZO_INT8_BLOCK - 1) / ZO_INT8_BLOCK each */
+    float *exp_avg_sq_scale;
     void *out;             /* NULL when out_dtype is ZO_DTYPE_NONE; the weight (bf16) of a split master */
     int out_dtype;         /* ZO_DTYPE_NONE | FP32 | BF16 | FP16; BF16 with ZO_MASTER_SPLIT */
     int master;            /* ZO_MASTER_FP32 | ZO_MASTER_SPLIT */
     int16_t *residual;     /* ZO_MASTER_SPLIT: the residuals and their bits (split, above) */
     uint8_t *residual_bits;
     size_t residual_bit0;
-    uint32_t noise_key;    /* bf16 moments: the rounding noise's key and element 0's number */
+    uint32_t noise_key;    /* bf16 and int8 moments: the rounding noise's key and element 0's number */
     uint32_t noise_base;
     size_t n;              /* elements of each array */
     double lr, beta1, beta2, eps, weight_decay;

@@ -6,8 +6,8 @@
  * set: if it fails to build, the I/O engine is still there (and the optimizer falls back to torch).
  *
  * Python interface
- *   adam_steps([(param_addr, grad_addr, grad_dtype, exp_avg_addr, exp_avg_sq_addr, moment_dtype, out_addr,
- *                out_dtype, master, residual_addr, residual_bits_addr, residual_bit0, noise_key, noise_base,
+ *   adam_steps([(param_addr, grad_addr, grad_dtype, exp_avg_addr, exp_avg_sq_addr, moment_dtype, exp_avg_scale_addr,
+ *                exp_avg_sq_scale_addr, out_addr, out_dtype, master, residual_addr, residual_bits_addr, residual_bit0, noise_key, noise_base,
  *                n, lr, beta1, beta2, eps, weight_decay, grad_scale, step, adamw, want_sumsq), ...],
  *              threads) -> [float | None, ...]
  *       fused Adam/AdamW passes, each over its n elements, run as one split (cpu_adam.h's
@@ -16,7 +16,8 @@
  *   sum_squares(addr, dtype, n, threads) -> float: the sum of squares of n elements (cpu_adam.h)
  *   adam_simd() -> "avx512" | "avx2" | "scalar"; OSError(EINVAL) when ZO_ADAM_SIMD names no level.
  *       Off x86 (and when built with -DZO_ADAM_SCALAR_ONLY) it is always "scalar".
- *   DTYPE_NONE, DTYPE_FP32, DTYPE_BF16, DTYPE_FP16 (grad_dtype, out_dtype, moment_dtype)
+ *   DTYPE_NONE, DTYPE_FP32, DTYPE_BF16, DTYPE_FP16, DTYPE_INT8 (grad_dtype, out_dtype, moment_dtype)
+ *   INT8_BLOCK: elements per scale of int8 moments
  *   MASTER_FP32, MASTER_SPLIT (master)
  */
 #include "bindings.h"
@@ -26,12 +27,12 @@
 /* One update's tuple (the interface above) into a; its sum of squares goes to *sumsq when asked. */
 static int parse_update(PyObject *update, struct zo_adam_args *a, double *sumsq)
 {
-    unsigned long long param, grad, exp_avg, exp_avg_sq, out, residual, residual_bits;
+    unsigned long long param, grad, exp_avg, exp_avg_sq, m_scale, v_scale, out, residual, residual_bits;
     long long step;
     Py_ssize_t n, bit0;
     int want_sumsq;
-    if (!PyArg_ParseTuple(update, "KKiKKiKiiKKnIIndddddfLpp", &param, &grad, &a->grad_dtype, &exp_avg, &exp_avg_sq,
-                          &a->moment_dtype, &out, &a->out_dtype, &a->master, &residual, &residual_bits, &bit0,
+    if (!PyArg_ParseTuple(update, "KKiKKiKKKiiKKnIIndddddfLpp", &param, &grad, &a->grad_dtype, &exp_avg, &exp_avg_sq,
+                          &a->moment_dtype, &m_scale, &v_scale, &out, &a->out_dtype, &a->master, &residual, &residual_bits, &bit0,
                           &a->noise_key, &a->noise_base, &n, &a->lr, &a->beta1, &a->beta2, &a->eps,
                           &a->weight_decay, &a->grad_scale, &step, &a->adamw, &want_sumsq))
         return -1;
@@ -47,6 +48,8 @@ static int parse_update(PyObject *update, struct zo_adam_args *a, double *sumsq)
     a->exp_avg = (void *)(uintptr_t)exp_avg;
     a->exp_avg_sq = (void *)(uintptr_t)exp_avg_sq;
     a->out = (void *)(uintptr_t)out;
+    a->exp_avg_scale = (float *)(uintptr_t)m_scale;
+    a->exp_avg_sq_scale = (float *)(uintptr_t)v_scale;
     a->n = (size_t)n;
     a->step = step;
     a->grad_sumsq = want_sumsq ? sumsq : NULL;
@@ -145,6 +148,8 @@ PyMODINIT_FUNC PyInit__cpu_adam(void)
         PyModule_AddIntConstant(m, "DTYPE_FP32", ZO_DTYPE_FP32) < 0 ||
         PyModule_AddIntConstant(m, "DTYPE_BF16", ZO_DTYPE_BF16) < 0 ||
         PyModule_AddIntConstant(m, "DTYPE_FP16", ZO_DTYPE_FP16) < 0 ||
+        PyModule_AddIntConstant(m, "DTYPE_INT8", ZO_DTYPE_INT8) < 0 ||
+        PyModule_AddIntConstant(m, "INT8_BLOCK", (long)ZO_INT8_BLOCK) < 0 ||
         PyModule_AddIntConstant(m, "MASTER_FP32", ZO_MASTER_FP32) < 0 ||
         PyModule_AddIntConstant(m, "MASTER_SPLIT", ZO_MASTER_SPLIT) < 0) {
         Py_DECREF(m);

@@ -46,9 +46,10 @@ def _run(make_engine, tmp_path, moments: str, layout: str, steps: int = 5) -> di
     _train(engine, 0, steps)
     report = engine.memory_report()
     held = sum(report.bytes(tier, "optimizer") for tier in report.bytes_by_tier)
-    dtypes = {state.moment(name).dtype for state in engine.opt_states for name in state.moment_names
-              if state.block.resident}
-    expected = sum(s.unit.trainable_span * (4 * s.has_master + len(s.moment_names) * (2 if moments == "bf16" else 4))
+    dtypes = {engine.optimizer.state[piece][name].dtype for state in engine.opt_states if state.block.resident
+              for _, piece in state.pieces for name in state.moment_names}
+    per_moment = {"fp32": 4, "bf16": 2, "int8": 1 + 4 / 256}[moments]  # int8: a code, and a scale per 256
+    expected = sum(s.unit.trainable_span * (4 * s.has_master + len(s.moment_names) * per_moment)
                    * (2 if s.unit.placement.updates_tentatively else 1)  # a version aside until the step
                    for s in engine.opt_states)  # DESIGN: an fp32 master (unless the weights are fp32), 2 moments
     result = {"initial": initial, "final": engine.full_state_dict(), "optimizer_bytes": held, "dtypes": dtypes,
@@ -62,18 +63,24 @@ def _equal(a: dict, b: dict) -> bool:
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_bf16_moments_follow_fp32_moments_in_fewer_bytes(make_engine, tmp_path, layout):
+@pytest.mark.parametrize("moments, tolerance, dtype", [("bf16", 1e-2, torch.bfloat16), ("int8", 5e-2, torch.uint8)])
+def test_compact_moments_follow_fp32_moments_in_fewer_bytes(make_engine, tmp_path, layout, moments, tolerance, dtype):
     fp32 = _run(make_engine, tmp_path, "fp32", layout)
-    bf16 = _run(make_engine, tmp_path, "bf16", layout)
-    errors = update_errors(fp32["initial"], bf16["final"], fp32["final"])
-    assert 0 < max(errors.values()) < 1e-2, errors  # moved as fp32 moments move it, and not bitwise so
-    assert bf16["optimizer_bytes"] == bf16["expected_bytes"] < fp32["optimizer_bytes"] == fp32["expected_bytes"]
-    assert bf16["dtypes"] <= {torch.bfloat16}
+    compact = _run(make_engine, tmp_path, moments, layout)
+    errors = update_errors(fp32["initial"], compact["final"], fp32["final"])
+    assert 0 < max(errors.values()) < tolerance, errors  # moved as fp32 moments move it, and not bitwise so
+    assert fp32["optimizer_bytes"] == fp32["expected_bytes"]
+    # int8: the scales of a piece's last block, partly filled, and 16-byte alignment: a few bytes more
+    assert compact["expected_bytes"] <= compact["optimizer_bytes"] <= compact["expected_bytes"] * 1.01 + 1024
+    assert compact["optimizer_bytes"] < fp32["optimizer_bytes"]
+    assert compact["dtypes"] <= {dtype}
 
 
-def test_bf16_moments_give_the_same_bits_on_every_tier_and_stage(make_engine, tmp_path):
-    """The rounding noise is keyed by parameter and element, not by shard or tier."""
-    runs = {layout: _run(make_engine, tmp_path, "bf16", layout)["final"]
+@pytest.mark.parametrize("moments", ["bf16", "int8"])
+def test_compact_moments_give_the_same_bits_on_every_tier_and_stage(make_engine, tmp_path, moments):
+    """The rounding noise is keyed by parameter and element, not by shard or tier (int8 blocks start at
+    each piece's first element: at world 1 the pieces are the same on every stage)."""
+    runs = {layout: _run(make_engine, tmp_path, moments, layout)["final"]
             for layout in LAYOUTS if "clipped" not in layout}
     first = next(iter(runs.values()))
     assert all(_equal(first, other) for other in runs.values())
@@ -101,10 +108,11 @@ def _resumed(make_engine, config: dict, directory) -> dict:
     return final
 
 
-def test_a_checkpoint_of_bf16_moments_resumes_bitwise_and_loads_into_fp32_moments(make_engine, tmp_path):
+@pytest.mark.parametrize("moments", ["bf16", "int8"])
+def test_a_checkpoint_of_compact_moments_resumes_bitwise_and_loads_into_fp32_moments(make_engine, tmp_path, moments):
     stage, offload, clip = LAYOUTS["stage3-nvme"]
     (tmp_path / "swap").mkdir()
-    config = _config("bf16", stage, offload, clip, str(tmp_path / "swap"))
+    config = _config(moments, stage, offload, clip, str(tmp_path / "swap"))
     _, expected = _saved_and_continued(make_engine, config, tmp_path / "ckpt")
     assert _equal(_resumed(make_engine, config, tmp_path / "ckpt"), expected)
     widened = make_engine(make_model(1), {**config, "optimizer": {**config["optimizer"], "moments": "fp32"}})
@@ -112,36 +120,41 @@ def test_a_checkpoint_of_bf16_moments_resumes_bitwise_and_loads_into_fp32_moment
     narrow = make_engine(make_model(1), config)
     narrow.load_checkpoint(tmp_path / "ckpt")
     for wide_state, narrow_state in zip(widened.state_dicts.visit(write=False), narrow.state_dicts.visit(write=False)):
+        narrow_state.unpack_moments()  # int8: decoded (bf16: as stored)
         for name in wide_state.moment_names:
             assert torch.equal(wide_state.moment(name), narrow_state.moment(name).float())
+        narrow_state.drop_moments()
 
 
-def test_sgd_keeps_fp32_momentum():
-    with pytest.raises(ConfigError, match=r"optimizer.moments = 'bf16' is for Adam's moments: optimizer.type = 'sgd'"):
-        Config.load({"optimizer": {"type": "sgd", "moments": "bf16"}})
+@pytest.mark.parametrize("moments", ["bf16", "int8"])
+def test_sgd_keeps_fp32_momentum(moments):
+    with pytest.raises(ConfigError, match=rf"optimizer.moments = '{moments}' is for Adam's moments: optimizer.type = "):
+        Config.load({"optimizer": {"type": "sgd", "moments": moments}})
 
 
-def test_bf16_moments_without_the_native_pass_are_refused_by_key(make_engine, monkeypatch):
+@pytest.mark.parametrize("moments", ["bf16", "int8"])
+def test_compact_moments_without_the_native_pass_are_refused_by_key(make_engine, monkeypatch, moments):
     from zerooffload.optim import optimizer
     monkeypatch.setattr(optimizer, "simd_level", lambda: "torch")
-    with pytest.raises(ConfigError, match=r"optimizer.moments = 'bf16' needs the native CPU Adam pass, .* not built"):
-        make_engine(make_model(0), {"optimizer": {"moments": "bf16"}})
+    with pytest.raises(ConfigError, match=rf"optimizer.moments = '{moments}' needs the native CPU Adam pass, .* not "):
+        make_engine(make_model(0), {"optimizer": {"moments": moments}})
 
 
 
 # ------------------------------------------------------------------------------------ split masters
-def _split_run(make_engine, tmp_path, master: str, layout: str, steps: int = 5) -> dict:
+def _split_run(make_engine, tmp_path, master: str, layout: str, steps: int = 5, moments: str = "fp32") -> dict:
     stage, offload, clip = LAYOUTS[layout]
-    swap = tmp_path / f"{master}-{layout}"
+    swap = tmp_path / f"{master}-{moments}-{layout}"
     swap.mkdir()
-    engine = make_engine(make_model(0), _config("fp32", stage, offload, clip, str(swap), master, "bf16"))
+    engine = make_engine(make_model(0), _config(moments, stage, offload, clip, str(swap), master, "bf16"))
+    initial = engine.full_state_dict()
     written = 0
     for first in range(steps):
         _train(engine, first, first + 1)
         written += engine.stats.io.write_bytes
     report = engine.memory_report()
     spans = [(s.unit.trainable_span, 2 if s.unit.placement.updates_tentatively else 1) for s in engine.opt_states]
-    result = {"final": engine.full_state_dict(), "optimizer_bytes": sum(report.bytes(t, "optimizer")
+    result = {"initial": initial, "final": engine.full_state_dict(), "optimizer_bytes": sum(report.bytes(t, "optimizer")
                                                                            for t in report.bytes_by_tier),
               "spans": spans, "written": written, "swap": report.bytes("nvme", "optimizer") + report.bytes("nvme", "param")
               if "nvme" in report.bytes_by_tier else 0,
@@ -165,6 +178,16 @@ def test_a_split_master_on_nvme_writes_and_keeps_fewer_bytes(make_engine, tmp_pa
     fp32 = _split_run(make_engine, tmp_path, "fp32", "stage3-nvme")
     split = _split_run(make_engine, tmp_path, "split", "stage3-nvme")
     assert split["swap"] <= 0.88 * fp32["swap"] and split["written"] <= 0.88 * fp32["written"], (split, fp32)
+
+
+def test_a_split_master_and_int8_moments_on_nvme_keep_and_write_under_half_the_bytes(make_engine, tmp_path):
+    """Stage 3, parameters and optimizer on NVMe, bf16: 2 B of weights + 2.125 of split master + 2 and
+    1/32 of int8 moments against 2 + 12 B: 0.44, and training moves as with fp32 states."""
+    fp32 = _split_run(make_engine, tmp_path, "fp32", "stage3-nvme")
+    compact = _split_run(make_engine, tmp_path, "split", "stage3-nvme", moments="int8")
+    assert compact["swap"] <= 0.46 * fp32["swap"] and compact["written"] <= 0.46 * fp32["written"], (compact, fp32)
+    errors = update_errors(fp32["initial"], compact["final"], fp32["final"])
+    assert 0 < max(errors.values()) < 5e-2, errors
 
 
 def test_a_checkpoint_of_a_split_master_resumes_bitwise_and_consolidates_to_the_fp32_master(make_engine, tmp_path):

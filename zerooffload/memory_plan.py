@@ -94,7 +94,8 @@ def check_swap_cap(plan: MemoryPlan, config: Config, world_size: int) -> None:
     """Refuse (``BudgetError``) swap files past ``nvme.max_bytes`` on this machine."""
     cap, needed = config.nvme.max_bytes, swap_bytes(plan) * local_ranks(world_size)
     if cap and needed > cap:
-        more = "" if config.optimizer.moments == "bf16" else ", or in fewer bytes (optimizer.moments = 'bf16')"
+        fewer = {"fp32": "bf16", "bf16": "int8"}.get(config.optimizer.moments)
+        more = f", or in fewer bytes (optimizer.moments = '{fewer}')" if fewer else ""
         raise BudgetError(f"the swap files need {needed:,} bytes on this machine but nvme.max_bytes is {cap:,} "
                           f"({needed - cap:,} short); raise it, or keep more state in RAM (offload.*.tier){more}")
 
@@ -239,7 +240,7 @@ def memory_bytes(layouts: list[UnitLayout], placement: Placement, *, compute_byt
             plan[p.param_home][Kind.PARAM] += u.shard_numel * compute_bytes
         versions = 2 if p.updates_tentatively else 1  # a tentative update's block is stored aside until the step
         plan[p.optimizer][Kind.OPTIMIZER] += versions * state_bytes(u.shard_numel, moments, moment_dtype,
-                                                                    p.master_format)
+                                                                    p.master_format, len(u.slots))
         if p.keep_full_grad:  # accumulated whole over the window
             plan[device][Kind.GRAD] += u.padded_numel * compute_bytes
         elif p.keep_grad_shard and not p.grad_leaves:  # the reduced shard stays on the device
@@ -296,7 +297,8 @@ def temporaries(layouts: list[UnitLayout], placement: Placement, *, compute_byte
     step_fp32 = 0 if compute_bytes == 4 else (shard - moved) * 4  # scaled fp32 gradients of one unit at most
     gather = sum(u.shard_numel for u, _ in gathered_after_step) * compute_bytes  # all-gather inputs, all at once
     largest_moved = max((u.shard_numel for u, _ in moved_units), default=0)
-    largest_block = max((state_bytes(u.shard_numel, moments, moment_dtype, p.master_format) for u, p in moved_units),
+    largest_block = max((state_bytes(u.shard_numel, moments, moment_dtype, p.master_format, len(u.slots))
+                         for u, p in moved_units),
                         default=0)
     streams = any(p.streamed for _, p in moved_units)  # blocks stream through host buffers (block_stream)
     return Temporaries(staged_shards=staged_shards, grad_stream=grad_stream, reduce=reduce_phase,

@@ -3,8 +3,9 @@
 [Note: checkpoint layout]
 ``DIR/<tag>/`` holds ``manifest.json`` (written by rank 0 last), ``rank00000.bin`` ... (each rank's
 unit shards: for unit after unit, this rank's fp32 master shard and then each moment shard, padding
-included; bf16 moments widened to fp32, exactly, so that a checkpoint loads into either format, into
-bf16 from fp32 rounded to nearest even) and ``rank00000.pt`` (each rank's RNG states). ``DIR/latest``
+included; bf16 moments widened to fp32, exactly, and int8 moments decoded to fp32, exactly, so that a
+checkpoint loads into any format: into bf16 from fp32 rounded to nearest even, into int8 with codes
+rounded to nearest, which gives the codes a save decoded back) and ``rank00000.pt`` (each rank's RNG states). ``DIR/latest``
 names the newest complete tag.
 The manifest records the format version, the config, the world size and stage, every unit's layout
 (parameter names, shapes, offsets, shard size), the optimizer's per-parameter step counts and group
@@ -160,8 +161,10 @@ def _write_rank_data(engine: Trainable, partial: Path, size: int) -> dict[str, d
             for state in engine.state_dicts.visit(write=False):
                 if rank < state.unit.layout.shards:
                     writer.write(engine.state_dicts.fp32_shard(state))
+                    state.unpack_moments()
                     for name in state.moment_names:
                         writer.write(_whole_shard(state.moment(name).float(), state.unit.layout.shard_numel))
+                    state.drop_moments()
         finally:
             files = {rank_file(rank, "bin"): writer.close()}
         if rank == 0:

@@ -50,9 +50,10 @@ class OptimizerConfig(Section):
     master: Literal["fp32", "split"] = option(
         "fp32", "how the fp32 master is held: split keeps it as the bf16 weight plus a 16-bit residual and a bit, "
         "bitwise the fp32 master's updates in 2.125 bytes instead of 4 (bf16 precision; native CPU Adam pass)")
-    moments: Literal["fp32", "bf16"] = option(
-        "fp32", "dtype of Adam's moments (exp_avg, exp_avg_sq): bf16 halves their bytes, rounded stochastically "
-        "(unbiased); needs the native CPU Adam pass")
+    moments: Literal["fp32", "bf16", "int8"] = option(
+        "fp32", "format of Adam's moments (exp_avg, exp_avg_sq): bf16 halves their bytes, int8 quarters them (a "
+        "scale per 256 elements and an 8-bit float code each); both rounded stochastically (unbiased); needs the "
+        "native CPU Adam pass")
     update_in_backward: Literal["auto", "on", "off"] = option(
         "auto", "update units whose gradients leave the device in the backward that closes a window (auto: "
         "unless fp16; with train.grad_clip only units whose optimizer state is on nvme, tentatively: the step "

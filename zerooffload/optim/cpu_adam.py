@@ -9,7 +9,8 @@
   multiplied by *grad_scale* first (the engine's unscale x clip coefficient), in fp32.
 - *exp_avg*, *exp_avg_sq*: the first and second moments (torch's state names), updated in place: fp32,
   or bf16 rounded stochastically with noise keyed by *noise_key*, the step and *noise_base* + the
-  element's index (``state_formats``' [Note: bf16 moments]).
+  element's index (``state_formats``' [Note: bf16 moments]), or uint8 codes with one fp32 scale per
+  block in *exp_avg_scale* and *exp_avg_sq_scale*, rounded with the same noise ([Note: int8 moments]).
 - *out*: optional low-precision copy of the new param (bf16, fp16 or fp32), written in the same pass
   and rounded exactly as torch's ``.to(dtype)`` rounds, NaN, inf and subnormals included.
 All are contiguous CPU tensors of one numel, in any shapes; they must not overlap.
@@ -34,7 +35,8 @@ import os
 
 import torch
 
-from .state_formats import join_master, read_bits, round_bf16_stochastic, rounding_noise, split_master, write_bits
+from .state_formats import (INT8_BLOCK, decode_int8, encode_int8, int8_blocks, join_master, read_bits, round_bf16_stochastic,
+                            rounding_noise, split_master, write_bits)
 
 try:
     from .. import _cpu_adam
@@ -45,6 +47,8 @@ __all__ = ["AdamUpdate", "fused_adam_step", "fused_adam_steps", "simd_level", "s
 
 _DTYPE_NAMES = {torch.float32: "FP32", torch.bfloat16: "BF16", torch.float16: "FP16"}
 """The grad and out dtypes the pass reads and writes, by their name in the native module (DTYPE_*)."""
+_MOMENT_NAMES = {torch.float32: "FP32", torch.bfloat16: "BF16", torch.uint8: "INT8"}
+"""The moments' dtypes (uint8: int8 codes), likewise."""
 
 
 def simd_level() -> str:
@@ -82,6 +86,8 @@ class AdamUpdate:
     residual_bit0: int = 0
     noise_key: int = 0
     noise_base: int = 0
+    exp_avg_scale: torch.Tensor | None = None
+    exp_avg_sq_scale: torch.Tensor | None = None
 
     @property
     def split(self) -> bool:
@@ -97,7 +103,8 @@ def fused_adam_step(param: torch.Tensor | None, grad: torch.Tensor, exp_avg: tor
                     weight_decay: float, step: int, adamw: bool = True, grad_scale: float = 1.0,
                     threads: int = 0, grad_sumsq: bool = False, residual: torch.Tensor | None = None,
                     residual_bits: torch.Tensor | None = None, residual_bit0: int = 0, noise_key: int = 0,
-                    noise_base: int = 0) -> float | None:
+                    noise_base: int = 0, exp_avg_scale: torch.Tensor | None = None,
+                    exp_avg_sq_scale: torch.Tensor | None = None) -> float | None:
     """One Adam (``adamw=False``: L2 decay added to the gradient) or AdamW (decoupled decay) update in
     place, with ``step`` counting from 1 as torch's state["step"] after its increment; see the module
     note for the tensors. ``threads`` bounds the native pass's threads (0: every CPU this process may
@@ -107,7 +114,7 @@ def fused_adam_step(param: torch.Tensor | None, grad: torch.Tensor, exp_avg: tor
     update = AdamUpdate(param, grad, exp_avg, exp_avg_sq, out, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                         step=step, adamw=adamw, grad_scale=grad_scale, grad_sumsq=grad_sumsq, residual=residual,
                         residual_bits=residual_bits, residual_bit0=residual_bit0, noise_key=noise_key,
-                        noise_base=noise_base)
+                        noise_base=noise_base, exp_avg_scale=exp_avg_scale, exp_avg_sq_scale=exp_avg_sq_scale)
     _check_threads(threads)
     return _run([_checked(update)], threads)[0]
 
@@ -140,9 +147,10 @@ def _run(updates: list[tuple[AdamUpdate, float, float]], threads: int) -> list[f
 
 def _native_arguments(u: AdamUpdate, beta1: float, beta2: float) -> tuple:
     """One update as the native module's ``adam_steps`` takes it."""
-    split = u.split
+    split, int8 = u.split, u.exp_avg.dtype == torch.uint8
     return (0 if split else u.param.data_ptr(), u.grad.data_ptr(), _dtype_code(u.grad), u.exp_avg.data_ptr(),
-            u.exp_avg_sq.data_ptr(), _dtype_code(u.exp_avg), 0 if u.out is None else u.out.data_ptr(), _dtype_code(u.out),
+            u.exp_avg_sq.data_ptr(), _dtype_code(u.exp_avg), u.exp_avg_scale.data_ptr() if int8 else 0,
+            u.exp_avg_sq_scale.data_ptr() if int8 else 0, 0 if u.out is None else u.out.data_ptr(), _dtype_code(u.out),
             _cpu_adam.MASTER_SPLIT if split else _cpu_adam.MASTER_FP32, u.residual.data_ptr() if split else 0,
             u.residual_bits.data_ptr() if split else 0, u.residual_bit0, u.noise_key & 0xFFFFFFFF,
             u.noise_base & 0xFFFFFFFF, u.numel, float(u.lr), beta1, beta2, float(u.eps), float(u.weight_decay),
@@ -151,12 +159,17 @@ def _native_arguments(u: AdamUpdate, beta1: float, beta2: float) -> tuple:
 
 def _torch_update(u: AdamUpdate, beta1: float, beta2: float) -> float | None:
     """The update with torch's ops on fp32 values: a split master joined first and split after, bf16
-    moments widened first and rounded after as the native pass rounds them."""
+    and int8 moments widened first and rounded after as the native pass rounds them."""
     sumsq = sum_squares(u.grad).item() if u.grad_sumsq else None  # the gradient as given, before the update
     n = u.numel
     param = u.param if not u.split else join_master(
         u.out, u.residual, read_bits(u.residual_bits, u.residual_bit0, n))
-    exp_avg, exp_avg_sq = u.exp_avg.float(), u.exp_avg_sq.float()  # a copy when bf16
+    int8 = u.exp_avg.dtype == torch.uint8
+    if int8:
+        exp_avg, exp_avg_sq = decode_int8(u.exp_avg, u.exp_avg_scale, True), decode_int8(u.exp_avg_sq,
+                                                                                       u.exp_avg_sq_scale, False)
+    else:
+        exp_avg, exp_avg_sq = u.exp_avg.float(), u.exp_avg_sq.float()  # a copy when bf16
     _torch_step(param, u.grad, exp_avg, exp_avg_sq, None if u.split else u.out, lr=u.lr, beta1=beta1, beta2=beta2,
                 eps=u.eps, weight_decay=u.weight_decay, step=u.step, adamw=u.adamw, grad_scale=u.grad_scale)
     if u.split:
@@ -164,10 +177,16 @@ def _torch_update(u: AdamUpdate, beta1: float, beta2: float) -> float | None:
         u.out.view(-1).copy_(weight)
         u.residual.view(-1).copy_(residual)
         write_bits(u.residual_bits, u.residual_bit0, bits)
+    noise = rounding_noise(u.noise_key, u.step, u.noise_base, n) if u.exp_avg.dtype != torch.float32 else None
     if u.exp_avg.dtype == torch.bfloat16:
-        noise = rounding_noise(u.noise_key, u.step, u.noise_base, n)
         u.exp_avg.view(-1).copy_(round_bf16_stochastic(exp_avg, noise & 0xFFFF))
         u.exp_avg_sq.view(-1).copy_(round_bf16_stochastic(exp_avg_sq, noise >> 16))
+    if int8:
+        for codes, scales, values, noise16, signed in ((u.exp_avg, u.exp_avg_scale, exp_avg, noise & 0xFFFF, True),
+                                                       (u.exp_avg_sq, u.exp_avg_sq_scale, exp_avg_sq, noise >> 16, False)):
+            new_codes, new_scales = encode_int8(values, noise16, signed)
+            codes.view(-1).copy_(new_codes)
+            scales.copy_(new_scales)
     return sumsq
 
 
@@ -184,7 +203,8 @@ def sum_squares(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _dtype_code(tensor: torch.Tensor | None) -> int:
-    return _cpu_adam.DTYPE_NONE if tensor is None else getattr(_cpu_adam, f"DTYPE_{_DTYPE_NAMES[tensor.dtype]}")
+    names = _DTYPE_NAMES if tensor is None or tensor.dtype != torch.uint8 else _MOMENT_NAMES
+    return _cpu_adam.DTYPE_NONE if tensor is None else getattr(_cpu_adam, f"DTYPE_{names[tensor.dtype]}")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -208,8 +228,14 @@ def _check_tensors(u: AdamUpdate) -> None:
         if u.out is not None:
             _check_tensor("out", u.out, tuple(_DTYPE_NAMES), u.numel)
     _check_tensor("grad", u.grad, tuple(_DTYPE_NAMES), u.numel)
-    _check_tensor("exp_avg", u.exp_avg, (torch.float32, torch.bfloat16), u.numel)
+    _check_tensor("exp_avg", u.exp_avg, tuple(_MOMENT_NAMES), u.numel)
     _check_tensor("exp_avg_sq", u.exp_avg_sq, (u.exp_avg.dtype,), u.numel)
+    if u.exp_avg.dtype == torch.uint8:  # int8 codes: their blocks' scales
+        for name, scales in (("exp_avg_scale", u.exp_avg_scale), ("exp_avg_sq_scale", u.exp_avg_sq_scale)):
+            _check_tensor(name, scales, (torch.float32,), None)
+            if scales.numel() != int8_blocks(u.numel):
+                raise ValueError(f"{name} has {scales.numel()} elements: {int8_blocks(u.numel)} needed, a scale per "
+                                 f"{INT8_BLOCK} elements of {u.numel}")
 
 
 def _check_tensor(name: str, tensor, dtypes: tuple[torch.dtype, ...], numel: int | None) -> None:

@@ -9,7 +9,8 @@ itself is torch's own (fused AdamW/Adam/SGD kernels where the device has them), 
 dicts, so LR schedulers and per-group settings behave as with any torch optimizer; except that Adam
 and AdamW on CPU tensors run the native fused pass (``cpu_adam``: torch's arithmetic, in one pass
 that also writes the compute-dtype copy of each piece, ``outs``). Moments live in the unit's optimizer
-block (``optim.state``), accounted on its tier, and pieces' state are views of it. A split master's
+block (``optim.state``), accounted on its tier, and pieces' state are views of it (int8 moments' codes,
+with their scales beside them as ``exp_avg_scale`` and ``exp_avg_sq_scale``). A split master's
 pieces are views of its int16 residuals instead (state_formats' [Note: split masters]): the native
 pass reads each piece's weights from ``outs`` and rewrites them with the residual.
 """
@@ -165,11 +166,13 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 key, base = self._noise.get(piece, (0, 0))
                 split = dict(residual=piece, residual_bits=state["residual_bits"], residual_bit0=state["residual_bit0"]
                              ) if piece.dtype == torch.int16 else {}  # a split master: the piece is its residual
+                scales = {f"{name}_scale": state[f"{name}_scale"] for name in ("exp_avg", "exp_avg_sq")
+                          } if state["exp_avg"].dtype == torch.uint8 else {}  # int8 moments' scales
                 updates.append(AdamUpdate(None if split else piece, grad, state["exp_avg"], state["exp_avg_sq"],
                                           fused_out, lr=group["lr"], betas=group["betas"], eps=group["eps"],
                                           weight_decay=group["weight_decay"], step=int(state["step"].item()),
                                           adamw=self.kind == "adamw", grad_scale=grad_scale, grad_sumsq=grad_sumsq,
-                                          noise_key=key, noise_base=base, **split))
+                                          noise_key=key, noise_base=base, **split, **scales))
         sums = fused_adam_steps(updates) if updates else []
         for out, piece in copies:
             out.copy_(piece)

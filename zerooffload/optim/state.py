@@ -24,18 +24,25 @@
 """
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from ..tiers import Kind, Tier
-from .state_formats import join_master, read_bits, split_master, write_bits
+from .state_formats import (INT8_BLOCK, decode_int8, encode_int8, int8_blocks, join_master, read_bits, split_master,
+                            write_bits)
 from ..zero.partition import FlatUnit
 from ..zero.shard_blocks import span_block
 from ..zero.unit_layout import Piece
 
 __all__ = ["UnitOptimizerState", "MOMENT_DTYPES", "state_bytes"]
 
-MOMENT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-"""``optimizer.moments``' dtypes."""
+MOMENT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.uint8}
+"""``optimizer.moments``' dtypes (int8: the codes; their scales are fp32)."""
+
+_NEAREST = 0x8000
+"""Rounding noise that rounds int8 codes to nearest: values set from outside the step (checkpoints)
+take the code they decoded from, so a save and load gives the same codes back."""
 
 
 def _master_parts(master: str | None, span: int) -> list[tuple[torch.dtype, int]]:
@@ -47,10 +54,22 @@ def _master_parts(master: str | None, span: int) -> list[tuple[torch.dtype, int]
     return [(torch.float32, 4 * span)]
 
 
-def state_bytes(numel: int, moments: int, moment_dtype: str, master: str | None) -> int:
-    """Bytes of optimizer state over ``numel`` elements (a multiple of 8): the master (None: it is the
-    weights themselves; "fp32" or "split") and ``moments`` moments of ``moment_dtype``."""
-    return sum(n for _, n in _master_parts(master, numel)) + numel * moments * MOMENT_DTYPES[moment_dtype].itemsize
+def _moment_parts(moments: int, moment_dtype: str, span: int, pieces: int) -> list[tuple[torch.dtype, int]]:
+    """The moments' parts over ``span`` elements in ``pieces`` pieces: (dtype, bytes); int8 moments' scales
+    are sized for the most blocks so many pieces can have (each starts a block), 16-byte aligned."""
+    dtype = MOMENT_DTYPES[moment_dtype]
+    parts = [(dtype, span * dtype.itemsize)] * moments
+    if moment_dtype == "int8":
+        parts += [(torch.float32, -(-4 * (span // INT8_BLOCK + pieces) // 16) * 16)] * moments
+    return parts
+
+
+def state_bytes(numel: int, moments: int, moment_dtype: str, master: str | None, pieces: int = 1) -> int:
+    """Bytes of optimizer state over ``numel`` elements (a multiple of 8) in at most ``pieces`` pieces: the
+    master (None: it is the weights themselves; "fp32" or "split") and ``moments`` moments of
+    ``moment_dtype``."""
+    parts = _master_parts(master, numel) + _moment_parts(moments, moment_dtype, numel, pieces)
+    return sum(n for _, n in parts)
 
 
 def _point(tensor: torch.Tensor, source: torch.Tensor | None, start: int = 0, stop: int = 0) -> None:
@@ -65,25 +84,33 @@ class UnitOptimizerState:
     """One unit shard's optimizer block and the optimizer pieces that live in it."""
 
     def __init__(self, unit: FlatUnit, tier: Tier, moment_names: tuple[str, ...], key: str,
-                 moment_dtype: torch.dtype = torch.float32):
+                 moment_format: str = "fp32"):
         self.unit = unit
         self.tier = tier
         self.moment_names = moment_names
-        self.moment_dtype = moment_dtype
+        self.moment_dtype = MOMENT_DTYPES[moment_format]
+        self.int8 = moment_format == "int8"
         self.has_master = not unit.master_is_param
         self.split = unit.placement.master_split
         span = unit.trainable_span
+        trainable = [p for p in unit.pieces if unit.layout.slots[p.slot_index].trainable]
+        self._first_scale = dict(zip(trainable, [0, *itertools.accumulate(int8_blocks(p.stop - p.start)
+                                                                           for p in trainable)]))
+        """Each trainable piece's first scale in an int8 moment's scales."""
         self._parts = (_master_parts(unit.placement.master_format, span)
-                       + [(moment_dtype, span * moment_dtype.itemsize)] * len(moment_names))
+                       + _moment_parts(len(moment_names), moment_format, span, len(trainable)))
         nbytes = sum(n for _, n in self._parts)
-        # digests per part (or per half part: bf16 moments beside an fp32 master); a split block's whole
+        # digests per part (or per half part: bf16 moments beside an fp32 master; per int8 moment's codes, its
+        # scales a last short segment), so an fp32 master alone reads as its own segments; a split block's whole
         unit_bytes = min((dtype.itemsize for dtype, _ in self._parts), default=4)
-        segments = 1 if self.split or not span else max(1, nbytes // (span * unit_bytes))
-        self.block = span_block(tier, Kind.OPTIMIZER, key, max(nbytes, span * 4), torch.uint8,
-                                aside=unit.placement.updates_tentatively, segments=segments)
+        self.block = span_block(tier, Kind.OPTIMIZER, key, nbytes or span * 4, torch.uint8,
+                                aside=unit.placement.updates_tentatively,
+                                segment=0 if self.split else span * unit_bytes)
         self.pieces: list[tuple[Piece, torch.Tensor]] = []
         self._master: torch.Tensor | None = None
         """A split master unpacked (``unpack_master``), until ``pack_master``."""
+        self._moments: dict[str, torch.Tensor] | None = None
+        """int8 moments unpacked (``unpack_moments``), until ``pack_moments``."""
 
     def _part(self, index: int) -> torch.Tensor:
         """Part ``index``'s values: the trainable part (its span's rest is alignment padding); all the
@@ -132,8 +159,52 @@ class UnitOptimizerState:
         residual[changed] = 0
         write_bits(bits, 0, read_bits(bits, 0, residual.numel()) & ~changed)
 
+    def _moment_part(self, name: str, scales: bool = False) -> torch.Tensor:
+        """A moment's part as stored (int8: its codes, or with ``scales`` its scales)."""
+        count = len(self.moment_names) * (2 if self.int8 else 1)
+        return self._part(len(self._parts) - count + self.moment_names.index(name)
+                          + (len(self.moment_names) if scales else 0))
+
     def moment(self, name: str) -> torch.Tensor:
-        return self._part(len(self._parts) - len(self.moment_names) + self.moment_names.index(name))
+        """A moment over the trainable part, as it is stored; int8 moments as fp32 values between
+        ``unpack_moments`` and ``pack_moments``."""
+        if not self.int8:
+            return self._moment_part(name)
+        if self._moments is None:
+            raise RuntimeError(f"unit {self.unit.name!r}: its int8 moments are not unpacked")
+        return self._moments[name]
+
+    def _piece_scales(self, name: str, piece: Piece) -> torch.Tensor:
+        first = self._first_scale[piece]
+        return self._moment_part(name, scales=True)[first:first + int8_blocks(piece.stop - piece.start)]
+
+    def unpack_moments(self, decode: bool = True) -> None:
+        """int8 moments as fp32 values for ``moment()`` (zeros without ``decode``: they will be overwritten)."""
+        if not self.int8:
+            return
+        self._moments = {}
+        for index, name in enumerate(self.moment_names):
+            values = torch.zeros(self.unit.trainable_numel, dtype=torch.float32)
+            for piece in self._first_scale if decode else ():
+                values[piece.start:piece.stop] = decode_int8(self._moment_part(name)[piece.start:piece.stop],
+                                                             self._piece_scales(name, piece), signed=index == 0)
+            self._moments[name] = values
+
+    def pack_moments(self) -> None:
+        """Unpacked int8 moments as they are now in ``moment()`` encoded into the block, rounded to nearest."""
+        if not self.int8:
+            return
+        for index, name in enumerate(self.moment_names):
+            for piece in self._first_scale:
+                values = self._moments[name][piece.start:piece.stop]
+                codes, scales = encode_int8(values, torch.full((values.numel(),), _NEAREST), signed=index == 0)
+                self._moment_part(name)[piece.start:piece.stop] = codes
+                self._piece_scales(name, piece).copy_(scales)
+        self._moments = None
+
+    def drop_moments(self) -> None:
+        """Forget unpacked int8 moments unchanged."""
+        self._moments = None
 
     def initialize(self, shard_fp32: torch.Tensor) -> None:
         """First values of a loaded block: the master from this rank's fp32 shard (a split one's residual:
@@ -163,12 +234,14 @@ class UnitOptimizerState:
         else:
             master = self.master()
             self.unit.set_master(master)
-        moments = {name: self.moment(name) for name in self.moment_names}
+        moments = {name: self._moment_part(name) for name in self.moment_names}
         for piece, tensor in self.pieces:
             _point(tensor, master, piece.start, piece.stop)
             state = optimizer.state[tensor]
             for name, moment in moments.items():
                 _point(state[name], moment, piece.start, piece.stop)
+                if self.int8:
+                    state[f"{name}_scale"] = self._piece_scales(name, piece)
             if self.split:
                 state["residual_bits"], state["residual_bit0"] = bits, piece.start
 
@@ -180,4 +253,5 @@ class UnitOptimizerState:
             state = optimizer.state[tensor]
             for name in self.moment_names:
                 _point(state[name], None)
+                state.pop(f"{name}_scale", None)
             state.pop("residual_bits", None)

@@ -18,13 +18,24 @@ bf16's are added to 16 bits of noise before truncation, so the stored value's ex
 value. Round to nearest would drop every change below half a bf16 unit (2^-9 relative): v * 0.999
 would round back to v, and v would never decay. The noise is a hash of (key, step, element number):
 the same bits whatever runs it, and reproducible on resume.
+
+[Note: int8 moments]
+Moments kept in 8 bits are *blockwise*: each run of ``INT8_BLOCK`` elements (counted from the first
+element of the piece the pass updates) keeps one fp32 scale, its largest magnitude, and each element a
+code of ``q = |x| / scale`` in [0, 1]: a tiny float with 3 mantissa bits whose top exponent is q = 1
+and whose lowest exponent field is linear down to 0 (native/int8_moments.h draws the map). exp_avg
+has a sign bit and 4 exponent bits (bias 15: down to 2^-17 of the block's largest), exp_avg_sq 5
+(bias 31: down to 2^-33, the square of that range, as v ~ g^2); a linear map would make every v
+below 1/255 of its block's largest 0 and its update m / (sqrt(v) + eps) explode. Codes are rounded
+stochastically with the bf16 moments' noise (16 bits below the last code bit), so v still decays
+though codes lie 12.5% apart. 2 bytes and 1/32 for two moments, against 8 in fp32.
 """
 from __future__ import annotations
 
 import torch
 
 __all__ = ["join_master", "split_master", "write_bits", "read_bits", "rounding_noise", "round_bf16_stochastic",
-           "noise_seed"]
+           "noise_seed", "INT8_BLOCK", "int8_blocks", "encode_int8", "decode_int8"]
 
 _LOW32 = 0xFFFFFFFF
 
@@ -135,3 +146,74 @@ def round_bf16_stochastic(x: torch.Tensor, noise16: torch.Tensor) -> torch.Tenso
     """fp32 ``x`` rounded to bf16 with 16 bits of noise per element (every NaN 0xFFFF)."""
     rounded = ((_bits(x) + noise16) >> 16) & 0xFFFF
     return _as_uint16(torch.where(torch.isnan(x.reshape(-1)), 0xFFFF, rounded), torch.bfloat16)
+
+
+INT8_BLOCK = 256
+"""Elements per scale of int8 moments (native/cpu_adam.h's ZO_INT8_BLOCK, which says why 256)."""
+
+_INT8_BIAS = {True: 15, False: 31}
+"""The codes' exponent bias: exp_avg's (signed), exp_avg_sq's."""
+
+
+def int8_blocks(numel: int) -> int:
+    """Scales of an int8 moment over ``numel`` elements."""
+    return -(-numel // INT8_BLOCK)
+
+
+def _pow2(exponent: int) -> float:
+    return float(2.0 ** exponent)
+
+
+def _per_element(scales: torch.Tensor, count: int) -> torch.Tensor:
+    return scales.repeat_interleave(INT8_BLOCK)[:count]
+
+
+def encode_int8(x: torch.Tensor, noise16: torch.Tensor, signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 ``x`` (one piece) as (uint8 codes, fp32 scales) ([Note: int8 moments]), rounded with
+    ``noise16`` (int64, 16 bits per element): bit for bit what the native pass stores."""
+    x = x.reshape(-1)
+    codes = torch.empty(x.numel(), dtype=torch.uint8)
+    scales = torch.empty(int8_blocks(x.numel()), dtype=torch.float32)
+    for start in _chunks(x.numel()):  # CHUNK is a multiple of INT8_BLOCK: chunks start blocks
+        part, noise = x[start:start + CHUNK], noise16[start:start + CHUNK]
+        magnitude = _bits(part) & 0x7FFFFFFF
+        padded = torch.zeros(int8_blocks(part.numel()) * INT8_BLOCK, dtype=torch.int64)
+        padded[:part.numel()] = magnitude
+        block_scales = _from_bits(padded.view(-1, INT8_BLOCK).amax(1))
+        scales[start // INT8_BLOCK:start // INT8_BLOCK + block_scales.numel()] = block_scales
+        reciprocals = torch.ones_like(block_scales).div(block_scales)  # IEEE's 1 / scale, as the native pass
+        q = _from_bits(magnitude) * _per_element(reciprocals, part.numel())
+        q = torch.where(q > 1.0, 1.0, q)
+        code = _int8_code(torch.nan_to_num(q, nan=0.0), _INT8_BIAS[signed], noise)
+        if signed:
+            code = code | ((_bits(part) >> 24) & 0x80)
+        codes[start:start + part.numel()] = code.to(torch.uint8)
+    return codes, scales
+
+
+def _int8_code(q: torch.Tensor, bias: int, noise16: torch.Tensor) -> torch.Tensor:
+    """q in [0, 1] as its code's magnitude (int64), as native/int8_moments.h's int8_code."""
+    bits, zero_exponent = _bits(q), (127 - bias) << 23
+    normal = bits >= zero_exponent + (1 << 23)
+    rebased = ((bits + (noise16 << 4) - zero_exponent) & _LOW32) >> 20
+    steps = torch.where(normal, 0.0, q) * _pow2(bias + 2)
+    linear = (steps + noise16.to(torch.float32) * _pow2(-16)).to(torch.int32).to(torch.int64)
+    return torch.where(normal, rebased, linear)
+
+
+def decode_int8(codes: torch.Tensor, scales: torch.Tensor, signed: bool) -> torch.Tensor:
+    """uint8 ``codes`` of one piece and their blocks' ``scales`` as fp32 ([Note: int8 moments])."""
+    bias = _INT8_BIAS[signed]
+    out = torch.empty(codes.numel(), dtype=torch.float32)
+    for start in _chunks(codes.numel()):
+        code = codes[start:start + CHUNK].to(torch.int64)
+        magnitude = code & 0x7F if signed else code
+        rebased = _from_bits((magnitude << 20) + ((127 - bias) << 23))
+        linear = magnitude.to(torch.float32) * _pow2(-bias - 2)
+        q = torch.where(magnitude >= 8, rebased, linear)
+        first = start // INT8_BLOCK
+        value = q * _per_element(scales[first:first + int8_blocks(code.numel())], code.numel())
+        if signed:
+            value = _from_bits(_bits(value) | ((code & 0x80) << 24))
+        out[start:start + code.numel()] = value
+    return out

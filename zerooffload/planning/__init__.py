@@ -134,12 +134,13 @@ def plan(model: str | ModelSpec, config: Config | dict | str | None = None, *, p
 def _state_formats(config: Config, pinned: set[str]) -> list[tuple[dict[str, str], Config]]:
     """The optimizer state formats a plan tries, in turn, until a layout fits, as overrides and the config
     they make: the config's; then, where the user left them free, a split master (lossless: bf16 runs of
-    Adam only); then bf16 moments too."""
+    Adam only); then bf16 moments too; then int8 moments."""
     optimizer, adam = config.optimizer, config.optimizer.type != "sgd"
-    steps = {"optimizer.master": ("split", adam and optimizer.master == "fp32" and config.train.precision == "bf16"),
-             "optimizer.moments": ("bf16", adam and optimizer.moments == "fp32")}
+    steps = [("optimizer.master", "split", adam and optimizer.master == "fp32" and config.train.precision == "bf16"),
+             ("optimizer.moments", "bf16", adam and optimizer.moments == "fp32"),
+             ("optimizer.moments", "int8", adam and optimizer.moments in ("fp32", "bf16"))]
     formats, overrides = [({}, config)], {}
-    for key, (value, applies) in steps.items():
+    for key, value, applies in steps:
         if applies and key not in pinned:
             overrides = {**overrides, key: value}
             formats.append((overrides, Config.load(config, overrides=[f'{k}="{v}"' for k, v in overrides.items()])))

@@ -160,7 +160,7 @@ def _phases(config: Config, layouts: list[UnitLayout], placement: Placement, pro
     regathered = _regathered_share(config, layouts, placement)
     for layout, p in zip(layouts, placement.units):
         shard = layout.shard_numel
-        block = state_bytes(shard, moments, config.optimizer.moments, p.master_format)
+        block = state_bytes(shard, moments, config.optimizer.moments, p.master_format, len(layout.slots))
         if p.params_off_device:  # gathered for forward, again in backward past max_live
             for phase, share in ((forward, 1.0), (backward, regathered)):
                 phase.gathered += shard * cb * accum * share
@@ -259,7 +259,7 @@ def _fills(config: Config, layouts: list[UnitLayout], placement: Placement, cb: 
     streamed_params = [u.shard_numel * cb for u, p in zip(layouts, placement.units) if p.params_stream]
     if streamed_params:
         forward.exposed += max(streamed_params) / read
-    blocks = [state_bytes(u.shard_numel, moments, config.optimizer.moments, p.master_format)
+    blocks = [state_bytes(u.shard_numel, moments, config.optimizer.moments, p.master_format, len(u.slots))
               for u, p in zip(layouts, placement.units)
               if p.streamed and p.trainable and not p.updates_in_backward]
     if blocks:

@@ -120,10 +120,10 @@ class SwappedBlock(Block):
     prefix = False
     """Whether the block is the first elements of a longer swap entry (``SwappedPrefix``)."""
 
-    def __init__(self, store: SwapStore, key: str, numel: int, dtype: torch.dtype, stats: IOStats, segments: int = 1):
+    def __init__(self, store: SwapStore, key: str, numel: int, dtype: torch.dtype, stats: IOStats, segment: int = 0):
         self.store_, self.key, self.stats = store, key, stats
         self.numel, self.dtype = numel, dtype
-        self.segment = self.nbytes // segments
+        self.segment = segment or self.nbytes
         """Bytes of each part verified on its own (``SwapStore.write``'s ``segment``)."""
         self.data = None
         self._buffer: torch.Tensor | None = None

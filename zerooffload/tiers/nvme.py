@@ -47,11 +47,11 @@ class NvmeTier(Tier):
         raise TypeError("the nvme tier holds blocks (Tier.block), not tensors the compute can address")
 
     def block(self, kind: Kind, key: str, numel: int, dtype: torch.dtype, *, aside: bool = False,
-              segments: int = 1) -> Block:
+              segment: int = 0) -> Block:
         """``aside``: the block may keep a second version while its stores are held (``hold``), so its
         space is counted twice."""
         self._account(kind, numel * dtype.itemsize * (2 if aside else 1))
-        return SwappedBlock(self.swap, key, numel, dtype, self.io, segments)
+        return SwappedBlock(self.swap, key, numel, dtype, self.io, segment)
 
     def prefix_block(self, key: str, numel: int, dtype: torch.dtype) -> Block:
         """A read-only view of the first ``numel`` elements of block ``key`` (no space of its own)."""

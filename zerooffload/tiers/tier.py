@@ -120,10 +120,11 @@ class Tier(abc.ABC):
         """Release what the tier holds outside memory (the NVMe tier's swap files)."""
 
     def block(self, kind: Kind, key: str, numel: int, dtype: torch.dtype, *, aside: bool = False,
-              segments: int = 1) -> "Block":
+              segment: int = 0) -> "Block":
         """A buffer of ``numel`` ``dtype`` elements whose home is this tier (see [Note: blocks]); a block
-        in memory is changed in place, so it keeps no version ``aside`` (NVMe blocks do). ``segments``:
-        equal parts that may be read on their own (verified apart on NVMe: swapfile's note)."""
+        in memory is changed in place, so it keeps no version ``aside`` (NVMe blocks do). ``segment``:
+        bytes of each part that may be read on its own, the last may be shorter (verified apart on NVMe:
+        swapfile's note); 0: the block is one part."""
         if aside:
             raise ValueError(f"block {key!r} on the {self.name} tier is changed in place: it cannot keep a version "
                              "aside (only NVMe blocks can)")

@@ -17,12 +17,12 @@ __all__ = ["SplitShardBlock", "span_block"]
 
 
 def span_block(tier: Tier, kind: Kind, key: str, numel: int, dtype: torch.dtype, *, aside: bool = False,
-               segments: int = 1) -> Block:
+               segment: int = 0) -> Block:
     """``tier.block(...)`` for state over a trainable span; a span of nothing (a frozen shard) gets an
     empty resident block instead: streams load and store it at no cost, and no tier counts it."""
     if numel == 0:
         return Block(torch.empty(0, dtype=dtype, device=tier.device))
-    return tier.block(kind, key, numel, dtype, aside=aside, segments=segments)
+    return tier.block(kind, key, numel, dtype, aside=aside, segment=segment)
 
 
 class _Both:

@@ -19,7 +19,7 @@ from ..block_stream import BlockReader, BlockWriter, grad_read_depth, stream_blo
 from ..comm import Comm, broadcast
 from ..config import Config
 from ..optim import ZeroOptimizer, moment_names
-from ..optim.state import MOMENT_DTYPES, UnitOptimizerState
+from ..optim.state import UnitOptimizerState
 from ..param_groups import normalize_param_groups
 from ..tiers import Block, Kind, LinkStats, Tier
 from .offloaded_grads import OffloadedGrad
@@ -110,7 +110,7 @@ class ShardedState:
             if param_block is not None and param_block.writable:
                 write_block(param_block, full[unit.shard_range], self.staging)
             state = UnitOptimizerState(unit, self.tiers[place.optimizer], names, key=f"optimizer.{index}",
-                                       moment_dtype=MOMENT_DTYPES[self.config.optimizer.moments])
+                                       moment_format=self.config.optimizer.moments)
             for _ in stream_blocks([state.block], self.staging, read=False, depth=self.depth):
                 state.initialize(full[unit.shard_range])  # copy_ moves it to the update's device
             states[index] = state

@@ -137,7 +137,9 @@ class StateDicts:
             trainable = opt_state.unit.trainable_numel
             if opt_state.split:  # its master is joined from the weights in the target, and split back into them
                 opt_state.unpack_master(target[:trainable])
+            opt_state.unpack_moments(decode=not whole)  # int8 moments: as fp32 values, encoded back after
             fill(opt_state, publication.frozen_part(opt_state.unit))
+            opt_state.pack_moments()
             if opt_state.split:
                 opt_state.pack_master(target[:trainable])
             self.updater.send(publication, opt_state, target, stepped=[])

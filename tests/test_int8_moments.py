@@ -1,0 +1,160 @@
+"""int8 moments (``state_formats``' [Note: int8 moments], native/int8_moments.h).
+
+References independent of the code under test: the code map written out from its definition with
+Python floats; and for the native pass, its own fp32-moment pass (itself checked against torch's fused
+AdamW in test_cpu_adam.py) between a decode and an encode, since an int8 update must be exactly
+"decode, update in fp32, encode".
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from test_cpu_adam import LEVELS, run_child
+from zerooffload.optim import cpu_adam, fused_adam_step
+from zerooffload.optim import state_formats as formats
+
+HYPER = dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
+BIAS = {True: 15, False: 31}
+
+
+def _code_values(signed: bool) -> list[float]:
+    """Every code's magnitude as the note defines it: 3 mantissa bits, q = 1 at the top exponent, linear
+    below the lowest."""
+    bias, codes = BIAS[signed], range(128 if signed else 256)
+    return [c * 2.0 ** (-bias - 2) if c < 8 else 2.0 ** (c // 8 - bias) * (1 + (c % 8) / 8) for c in codes]
+
+
+@pytest.mark.parametrize("signed", [True, False])
+def test_codes_decode_to_the_map_and_encode_back_to_nearest(signed):
+    values = _code_values(signed)
+    top = next(c for c in range(len(values)) if values[c] == 1.0)  # q = 1: the block's largest
+    codes = torch.arange(top + 1, dtype=torch.uint8)
+    scales = torch.ones(formats.int8_blocks(codes.numel()))
+    decoded = formats.decode_int8(codes, scales, signed)
+    assert decoded.tolist() == values[:top + 1]
+    assert all(a < b for a, b in zip(values[:top], values[1:top + 1]))  # monotone, no code wasted below 1
+    nearest = torch.full((top + 1,), 0x8000)
+    again, _ = formats.encode_int8(decoded, nearest, signed)
+    assert torch.equal(again, codes)
+    if signed:  # the sign bit, on every magnitude
+        negative, _ = formats.encode_int8(-decoded, nearest, signed)
+        assert torch.equal(negative[1:], codes[1:] | 0x80)
+
+
+def test_a_block_is_scaled_by_its_largest_which_reads_back_exactly():
+    generator = torch.Generator().manual_seed(3)
+    x = torch.randn(1000, generator=generator) * torch.logspace(-6, 2, 1000)
+    codes, scales = formats.encode_int8(x, torch.randint(0, 1 << 16, (1000,), generator=generator), True)
+    blocks = x.split(formats.INT8_BLOCK)
+    assert torch.equal(scales, torch.stack([b.abs().max() for b in blocks]))
+    decoded = formats.decode_int8(codes, scales, True)
+    for block, back in zip(blocks, decoded.split(formats.INT8_BLOCK)):
+        largest = block.abs().argmax()
+        assert back[largest] == block[largest]
+        assert torch.all((back - block).abs() <= block.abs() / 8 + block.abs().max() * 2.0 ** -17)  # a code apart
+
+
+def test_zero_and_non_finite_blocks():
+    x = torch.zeros(3 * formats.INT8_BLOCK)
+    x[formats.INT8_BLOCK + 5] = float("nan")
+    x[2 * formats.INT8_BLOCK:] = torch.linspace(-1, 1, formats.INT8_BLOCK)
+    codes, scales = formats.encode_int8(x, torch.zeros(x.numel(), dtype=torch.int64), True)
+    decoded = formats.decode_int8(codes, scales, True).split(formats.INT8_BLOCK)
+    assert torch.equal(decoded[0], torch.zeros(formats.INT8_BLOCK))  # all zeros: scale 0, nothing divided by it
+    assert decoded[1].isnan().all()  # a NaN takes its block, and no other
+    assert decoded[2].isfinite().all()
+
+
+def _step_pair(n: int, step: int, grad: torch.Tensor, state: dict, split: bool) -> tuple[dict, dict]:
+    """One int8 update of ``state``, and its reference: the fp32-moment pass on the decoded moments."""
+    out = {k: v.clone() for k, v in state.items()}
+    ref = {k: v.clone() for k, v in state.items()}
+    common = dict(step=step, noise_key=11, noise_base=300, **HYPER)
+    master = dict(residual=out["residual"], residual_bits=out["bits"]) if split else {}
+    fused_adam_step(None if split else out["param"], grad, out["m"], out["v"], out["weight"],
+                    exp_avg_scale=out["m_scale"], exp_avg_sq_scale=out["v_scale"], threads=3, **master, **common)
+    m = formats.decode_int8(ref["m"], ref["m_scale"], True)
+    v = formats.decode_int8(ref["v"], ref["v_scale"], False)
+    master = dict(residual=ref["residual"], residual_bits=ref["bits"]) if split else {}
+    fused_adam_step(None if split else ref["param"], grad, m, v, ref["weight"], **master, **common)
+    noise = formats.rounding_noise(11, step, 300, n)
+    ref["m"], ref["m_scale"] = formats.encode_int8(m, noise & 0xFFFF, True)
+    ref["v"], ref["v_scale"] = formats.encode_int8(v, noise >> 16, False)
+    return out, ref
+
+
+def run_int8_chain() -> dict:
+    """Three updates of int8 moments beside their references, with an fp32 and a split master."""
+    results = {}
+    for n, split in ((1000, False), (700_001, True), (300_013, False)):
+        generator = torch.Generator().manual_seed(n)
+        param = torch.randn(n, generator=generator)
+        weight, residual, bits = formats.split_master(param)
+        packed = torch.zeros((n + 7) // 8, dtype=torch.uint8)
+        formats.write_bits(packed, 0, bits)
+        blocks = formats.int8_blocks(n)
+        state = dict(param=param, weight=weight if split else torch.empty(n, dtype=torch.bfloat16), residual=residual,
+                     bits=packed, m=torch.zeros(n, dtype=torch.uint8), v=torch.zeros(n, dtype=torch.uint8),
+                     m_scale=torch.zeros(blocks), v_scale=torch.zeros(blocks))
+        for step in (1, 2, 3):
+            grad = (torch.randn(n, generator=generator) * torch.logspace(-5, 0, n)).bfloat16()
+            out, ref = _step_pair(n, step, grad, state, split)
+            results[(n, split, step)] = (out, ref)
+            state = out
+    return results
+
+
+_CHILD = r"""
+import sys, torch
+from zerooffload.optim import simd_level
+from test_int8_moments import run_int8_chain
+torch.save({"level": simd_level(), "results": run_int8_chain()}, sys.argv[1])
+"""
+
+
+@pytest.mark.skipif(cpu_adam.simd_level() == "torch", reason="the native extension zerooffload._cpu_adam is not built")
+@pytest.mark.parametrize("level", LEVELS)
+def test_an_int8_update_is_decode_fp32_update_encode_at_every_level(level, tmp_path):
+    done = run_child(level, _CHILD, str(tmp_path / "out.pt"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    ran = torch.load(tmp_path / "out.pt", weights_only=False)
+    if ran["level"] != level:
+        pytest.skip(f"this CPU has no {level} (ran {ran['level']})")
+    for key, (out, ref) in ran["results"].items():
+        for name in out:
+            assert torch.equal(out[name].view(torch.uint8), ref[name].view(torch.uint8)), (key, name)
+
+
+def test_the_torch_fallback_stores_the_native_codes(monkeypatch):
+    native = run_int8_chain()
+    monkeypatch.setattr(cpu_adam, "_cpu_adam", None)
+    fallback = run_int8_chain()
+    for key in native:
+        ours, theirs = native[key][0], fallback[key][0]
+        torch.testing.assert_close(theirs["param"], ours["param"], rtol=1e-6, atol=1e-7)
+        agree = (theirs["v"] == ours["v"]).float().mean()  # an ulp of torch's op order moves a code rarely
+        assert agree > 0.999, (key, agree)
+
+
+def test_int8_moments_are_rounded_without_bias():
+    """v decays by beta2 each step with no gradient: codes lie 12.5% apart, so round to nearest would
+    keep v as it is; stochastically rounded, the mean follows fp32 within 0.5%."""
+    n, steps = 200_000, 60
+    v_values = torch.rand(n, generator=torch.Generator().manual_seed(1)) + 0.5
+    v, v_scale = formats.encode_int8(v_values, torch.full((n,), 0x8000), False)
+    m, m_scale = torch.zeros(n, dtype=torch.uint8), torch.zeros(formats.int8_blocks(n))
+    start = formats.decode_int8(v, v_scale, False)
+    param = torch.zeros(n)
+    for step in range(1, steps + 1):
+        fused_adam_step(param, torch.zeros(n), m, v, step=step, exp_avg_scale=m_scale, exp_avg_sq_scale=v_scale,
+                        noise_key=1, **{**HYPER, "weight_decay": 0.0})
+    mean, expected = formats.decode_int8(v, v_scale, False).mean().item(), start.mean().item() * 0.999 ** steps
+    assert abs(mean / expected - 1) < 5e-3, (mean, expected)
+
+
+def test_int8_scales_are_checked_by_name():
+    codes = torch.zeros(600, dtype=torch.uint8)
+    with pytest.raises(ValueError, match=r"exp_avg_scale has 2 elements: 3 needed, a scale per 256 elements of 600"):
+        fused_adam_step(torch.zeros(600), torch.zeros(600), codes, codes.clone(), step=1,
+                        exp_avg_scale=torch.zeros(2), exp_avg_sq_scale=torch.zeros(3), **HYPER)
