@@ -5,7 +5,7 @@ from each run's summary.json.
 
 Judged: the mean loss of the last 50 steps of each compact format within 2% of the fp32 format's (an
 fp32 master and fp32 moments). A split master is bitwise the fp32 master (tests/test_compact_states.py),
-so its curve is the fp32 one; bf16 moments are not bitwise. ``--plot FILE`` draws the curves.
+so its curve is the fp32 one; bf16 and int8 moments are not bitwise. ``--plot FILE`` draws the curves.
 
     python bench/formats_accuracy.py [--steps 500] [--plot bench/formats_loss.png]
 """
@@ -22,7 +22,8 @@ from pathlib import Path
 
 FORMATS = {"fp32 master, fp32 moments": [],
            "split master, fp32 moments": ["optimizer.master=split"],
-           "split master, bf16 moments": ["optimizer.master=split", "optimizer.moments=bf16"]}
+           "split master, bf16 moments": ["optimizer.master=split", "optimizer.moments=bf16"],
+           "split master, int8 moments": ["optimizer.master=split", "optimizer.moments=int8"]}
 TAIL, BOUND = 50, 0.02
 
 

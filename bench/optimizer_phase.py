@@ -15,7 +15,8 @@ the median per-round ratio, min/median/max reported):
   formats    ``engine.step()`` with compact optimizer states     vs  torch, as in step:
              ``optimizer.master = "split"``                                                     ≤ 0.78x
              split and ``optimizer.moments = "bf16"``                                           ≤ 0.60x
-             (byte floors: 26.25/34 = 0.77, 18.25/34 = 0.54)
+             split and ``optimizer.moments = "int8"``                                           ≤ 0.50x
+             (byte floors: 26.25/34 = 0.77, 18.25/34 = 0.54, 14.3/34 = 0.42)
 
 The step comparison also prints each side's rate in the bytes it must move (``BYTES_PER_ELEMENT``) and the
 byte floor: where both sides stream at the same rate, engine/torch cannot fall below it.
@@ -196,12 +197,13 @@ def _report(title: str, ours: list[float], theirs: list[float], names: tuple[str
     report_pairs(title, names, list(zip(ours, theirs)), target, unit="s")
 
 
-BYTES_PER_ELEMENT = {"engine": 28, "kernel": 28, "torch": 34, "split": 26.25, "split + bf16 moments": 18.25}
+BYTES_PER_ELEMENT = {"engine": 28, "kernel": 28, "torch": 34, "split": 26.25, "split + bf16 moments": 18.25,
+                     "split + int8 moments": 14.3125}
 """What each side must move per element at the least: fp32 master, exp_avg and exp_avg_sq read and
 written (24), the gradient read (bf16 here: 2; torch's fp32: 4) and the bf16 weight written (2; torch's
 cast reads the master again: 4 + 2). A split master reads and writes its weight and its residual and bit
 instead of the fp32 master (2 + 2.125 each way, the weight written anyway); bf16 moments 2 bytes each way
-each."""
+each, int8 moments 1 and a 4-byte scale per 256 elements."""
 
 
 def _bandwidth_floor(times: dict[str, list[float]]) -> None:
@@ -265,13 +267,14 @@ def bench_backward(args, batch) -> None:
 
 
 def bench_formats(args, batch) -> None:
-    sides = {"split": Engine(1, 0.0, batch, "split"), "split + bf16 moments": Engine(1, 0.0, batch, "split", "bf16")}
+    sides = {"split": Engine(1, 0.0, batch, "split"), "split + bf16 moments": Engine(1, 0.0, batch, "split", "bf16"),
+             "split + int8 moments": Engine(1, 0.0, batch, "split", "int8")}
     reference = Torch(0.0, batch)
     print("formats: engine.step() with compact optimizer states vs torch fused AdamW + bf16 cast")
     times = _rounds(args.rounds, {"torch": lambda: reference.step_seconds(args.steps),
                                   **{name: (lambda engine=engine: engine.step_seconds(args.steps))
                                      for name, engine in sides.items()}})
-    for name, target in (("split", 0.78), ("split + bf16 moments", 0.60)):
+    for name, target in (("split", 0.78), ("split + bf16 moments", 0.60), ("split + int8 moments", 0.50)):
         _report(f"formats: engine.step() (stage 1, host, bf16, {name}) vs torch fused AdamW + cast", times[name],
                 times["torch"], (name, "torch"), target)
     print("byte floors (equal rates): " + ", ".join(

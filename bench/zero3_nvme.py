@@ -15,13 +15,14 @@ costs less than two); a fifth clips at 1.0 with ``optimizer.update_in_backward =
 waits for the norm, in the step), and from the three clipped sides the share of clipped steps below
 which tentative updates win. ``--only formats`` runs both sides in bf16 (the anchor's ``--dtype bf16``;
 DeepSpeed keeps an fp32 master and fp32 moments): our fp32 master, a split master, and a split master
-with bf16 moments, against DeepSpeed, in step time and swap bytes (targets: split ≤ 0.32x DeepSpeed's
-step and ≤ 0.92x our fp32 master's, swap ≤ 0.72x DeepSpeed's).
+with bf16 or int8 moments, against DeepSpeed, in step time and swap bytes (targets: split ≤ 0.32x
+DeepSpeed's step and ≤ 0.92x our fp32 master's, swap ≤ 0.72x DeepSpeed's; split + int8 moments ≤ 0.6x
+the split step, swap ≤ 0.4x DeepSpeed's).
 
 Usage:
   python bench/zero3_nvme.py [--pairs 5] [--steps 6] [--nvme DIR]
          [--deepspeed-python /tmp/anchors/dsvenv/bin/python] [--anchor ../shared/anchors/zero3_nvme.py]
-  python bench/zero3_nvme.py --only formats [--pairs 5]   (bf16: split, split + bf16 moments, DeepSpeed)
+  python bench/zero3_nvme.py --only formats [--pairs 5]   (bf16: split, + bf16 or int8 moments, DeepSpeed)
   python bench/zero3_nvme.py --side ours [--grad-clip 1.0] [--update-in-backward off] [--dtype bf16]
          [--master split] [--moments bf16]   (one side alone)
 """
@@ -132,8 +133,9 @@ def compare(args) -> None:
           f"(medians: committed {committed:.0f}, redone {redo:.0f}, in the step {wait:.0f} ms/step)")
 
 
-FORMATS = {"fp32 master": [], "split": ["--master", "split"], "split + bf16 moments": ["--master", "split",
-                                                                                   "--moments", "bf16"]}
+FORMATS = {"fp32 master": [], "split": ["--master", "split"],
+           "split + bf16 moments": ["--master", "split", "--moments", "bf16"],
+           "split + int8 moments": ["--master", "split", "--moments", "int8"]}
 
 
 def compare_formats(args) -> None:
@@ -154,10 +156,11 @@ def compare_formats(args) -> None:
     finally:
         shutil.rmtree(nvme, ignore_errors=True)
     for name, other, target in (("split", "DeepSpeed ZeRO-3", 0.32), ("split", "fp32 master", 0.92),
-                                ("split + bf16 moments", "split", 1.0)):
+                                ("split + bf16 moments", "split", 1.0), ("split + int8 moments", "split", 0.6)):
         report_pairs(f"ZeRO-3 NVMe, bf16: {name} against {other}", (name, other),
                      list(zip(times[name], times[other])), target, unit="ms/step")
-    for name, target in (("fp32 master", 1.0), ("split", 0.72), ("split + bf16 moments", 0.72)):
+    for name, target in (("fp32 master", 1.0), ("split", 0.72), ("split + bf16 moments", 0.72),
+                         ("split + int8 moments", 0.40)):
         ratio = statistics.median(swap[name]) / statistics.median(swap["DeepSpeed ZeRO-3"])
         print(f"swap: {name} {statistics.median(swap[name]):.0f} MiB against DeepSpeed's "
               f"{statistics.median(swap['DeepSpeed ZeRO-3']):.0f} MiB: {ratio:.3f} (target ≤ {target:.2f}: "

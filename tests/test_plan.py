@@ -200,7 +200,8 @@ def test_compact_moments_only_when_no_lossless_layout_fits_under_the_swap_cap(ca
 
 def test_a_bf16_plan_takes_a_lossless_split_master_before_compact_moments(cache):
     """bf16 weights on NVMe beside the state: 14 B per parameter with an fp32 master, 12.125 split, 8.125
-    split with bf16 moments. A cap of 13 takes the split master alone; a cap of 10 needs bf16 moments too."""
+    split with bf16 moments, 6.16 with int8 moments. A cap of 13 takes the split master alone; a cap of 10
+    needs bf16 moments too, one of 7 int8 moments."""
     params = sum(p.numel() for p in GPT(PRESETS["nano"]).parameters())
     pinned = ["zero.stage=3", "offload.optimizer.tier=nvme", "offload.optimizer.fraction=1.0",
               "offload.param.tier=nvme", 'train.precision="bf16"']
@@ -212,6 +213,7 @@ def test_a_bf16_plan_takes_a_lossless_split_master_before_compact_moments(cache)
 
     assert (best(13).optimizer.master, best(13).optimizer.moments) == ("split", "fp32")
     assert (best(10).optimizer.master, best(10).optimizer.moments) == ("split", "bf16")
+    assert (best(7).optimizer.master, best(7).optimizer.moments) == ("split", "int8")
     assert (best(15).optimizer.master, best(15).optimizer.moments) == ("fp32", "fp32")
 
 

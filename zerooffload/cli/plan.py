@@ -59,7 +59,7 @@ def format_plan(result: PlanResult, top: int) -> str:
     chosen = state_format_words(best.config)
     if any(state_format_words(c.config) != chosen for c in result.refused):
         lines.insert(1, f"no layout of the formats before fits: these keep {chosen} (optimizer.master, "
-                        "optimizer.moments)")
+                        "optimizer.moments, aio.blocks_in_flight)")
     for i, candidate in enumerate(result.fitting[:top], 1):
         p = candidate.prediction
         why = p.bottleneck.split(":")[0] if i == 1 else _why_slower(candidate, best, fastest)

@@ -12,6 +12,7 @@ import json
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
+from ..block_stream import stream_depth
 from ..config import Config, ConfigError
 from ..telemetry import Prediction
 from .model_spec import ModelSpec, gpt_of_size, load_model, named_gpt
@@ -134,22 +135,26 @@ def plan(model: str | ModelSpec, config: Config | dict | str | None = None, *, p
 def _state_formats(config: Config, pinned: set[str]) -> list[tuple[dict[str, str], Config]]:
     """The optimizer state formats a plan tries, in turn, until a layout fits, as overrides and the config
     they make: the config's; then, where the user left them free, a split master (lossless: bf16 runs of
-    Adam only); then bf16 moments too; then int8 moments."""
+    Adam only); then bf16 moments too; then int8 moments; then, as well, two host buffers per block stream
+    instead of three (``aio.blocks_in_flight``: less overlap of the I/O, a unit's block less in RAM)."""
     optimizer, adam = config.optimizer, config.optimizer.type != "sgd"
     steps = [("optimizer.master", "split", adam and optimizer.master == "fp32" and config.train.precision == "bf16"),
              ("optimizer.moments", "bf16", adam and optimizer.moments == "fp32"),
-             ("optimizer.moments", "int8", adam and optimizer.moments in ("fp32", "bf16"))]
+             ("optimizer.moments", "int8", adam and optimizer.moments in ("fp32", "bf16")),
+             ("aio.blocks_in_flight", 2, stream_depth(config.aio) > 2)]
     formats, overrides = [({}, config)], {}
     for key, value, applies in steps:
         if applies and key not in pinned:
             overrides = {**overrides, key: value}
-            formats.append((overrides, Config.load(config, overrides=[f'{k}="{v}"' for k, v in overrides.items()])))
+            formats.append((overrides, Config.load(config, overrides=[f"{k}={json.dumps(v)}" for k, v in overrides.items()])))
     return formats
 
 
 def state_format_words(config: Config) -> str:
-    """The optimizer state format of ``config`` in words."""
-    return f"{'a split' if config.optimizer.master == 'split' else 'an fp32'} master, {config.optimizer.moments} moments"
+    """The optimizer state format of ``config`` in words (and its block streams' depth when the plan made it 2)."""
+    depth = f", {stream_depth(config.aio)} blocks in flight" if stream_depth(config.aio) == 2 else ""
+    return (f"{'a split' if config.optimizer.master == 'split' else 'an fp32'} master, {config.optimizer.moments} "
+            f"moments{depth}")
 
 
 def model_spec(model: str, seq_len: int | None = None, params: float | None = None,

@@ -10,7 +10,8 @@ within the root and two units gathered, or none ahead within the root and one un
 for a device that cannot hold the model gathered); and the optimizer state's format,
 ``optimizer.master`` and ``optimizer.moments``, which ``plan`` tries in turn rather than beside the
 others (each format a search of its own, the next only when no layout of the last fits): the config's,
-then a split master (lossless, bf16 runs), then bf16 moments too. A key the user *pins* (set in their
+then a split master (lossless, bf16 runs), then bf16 moments too, then int8 moments, then as well two
+host buffers per block stream (``aio.blocks_in_flight``) instead of three. A key the user *pins* (set in their
 config or as an override) is a constraint: every candidate keeps its value. A candidate *fits* when
 the memory checks the engine itself runs at start accept it (``check_plan`` against the budgets,
 ``check_ram`` against the RAM there is, swap space against the free disk); the fitting ones are
@@ -42,7 +43,8 @@ __all__ = ["SEARCHED", "Candidate", "Evaluator", "candidates", "rank", "refusal"
 
 SEARCHED = ("zero.stage", "offload.optimizer.tier", "offload.optimizer.fraction", "offload.param.tier",
             "train.activation_checkpointing", "offload.activations.tier", "train.micro_batch_size",
-            "zero.prefetch_size", "zero.max_live_size", "optimizer.master", "optimizer.moments")
+            "zero.prefetch_size", "zero.max_live_size", "optimizer.master", "optimizer.moments",
+            "aio.blocks_in_flight")
 FRACTIONS = (1.0, 0.5)
 MICRO_BATCHES = 4
 """At most this many micro-batch sizes (the largest that divide the batch): beyond, the per-token cost
@@ -82,6 +84,8 @@ class Candidate:
             parts.append(f"master {c.optimizer.master}")
         if c.optimizer.moments != "fp32":
             parts.append(f"moments {c.optimizer.moments}")
+        if c.aio.blocks_in_flight == 2:
+            parts.append("2 blocks in flight")
         if partitioned and c.zero.prefetch_size == 0:
             parts.append("no prefetch")
         if partitioned:
@@ -111,7 +115,8 @@ def candidates(base: Config, pinned: Iterable[str], batch: int, world_size: int,
         "offload.activations.tier": (COMPUTE, STAGING),
         "train.micro_batch_size": tuple(reversed(micros)), "window": windows}
     window_free = not {"zero.prefetch_size", "zero.max_live_size"} & pinned
-    in_turn = ("zero.prefetch_size", "zero.max_live_size", "optimizer.master", "optimizer.moments")  # see the note
+    in_turn = ("zero.prefetch_size", "zero.max_live_size", "optimizer.master", "optimizer.moments",
+               "aio.blocks_in_flight")  # see the note
     free = [key for key in SEARCHED if key not in pinned and key not in in_turn]
     free += ["window"] if window_free and largest else []
     out, seen = [], set()
