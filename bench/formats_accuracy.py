@@ -5,7 +5,8 @@ from each run's summary.json.
 
 Judged: the mean loss of the last 50 steps of each compact format within 2% of the fp32 format's (an
 fp32 master and fp32 moments). A split master is bitwise the fp32 master (tests/test_compact_states.py),
-so its curve is the fp32 one; bf16 and int8 moments are not bitwise. ``--plot FILE`` draws the curves.
+so its curve is the fp32 one and it is not run alone; bf16 and int8 moments are not bitwise.
+``--plot FILE`` draws the curves.
 
     python bench/formats_accuracy.py [--steps 500] [--plot bench/formats_loss.png]
 """
@@ -20,8 +21,9 @@ import sys
 import tempfile
 from pathlib import Path
 
+from pairs import record
+
 FORMATS = {"fp32 master, fp32 moments": [],
-           "split master, fp32 moments": ["optimizer.master=split"],
            "split master, bf16 moments": ["optimizer.master=split", "optimizer.moments=bf16"],
            "split master, int8 moments": ["optimizer.master=split", "optimizer.moments=int8"]}
 TAIL, BOUND = 50, 0.02
@@ -69,6 +71,8 @@ def main() -> None:
         ok = abs(tail / reference - 1) <= BOUND
         failed += not ok
         print(f"| {name} | {tail:.4f} | {tail / reference:.4f} | {'yes' if ok else 'NO'} |")
+        record("check", title=f"small, bf16, {len(values)} steps: last-{TAIL}-step mean loss, {name} / fp32 states",
+               value=tail / reference, target=f"{1 - BOUND:.2f}–{1 + BOUND:.2f}", met=ok, detail=f"{tail:.4f}")
     if args.plot:
         plot(curves, args.plot)
         print(f"\nplot: {args.plot}")

@@ -5,7 +5,8 @@ Usage (from the repository root; meant to take at most 20 minutes on a 2-core ma
     python bench/results.py                      every benchmark in BENCHES with its full arguments
     python bench/results.py --quick              every benchmark with its smallest arguments (~3 min):
                                                  checks this script, its figures mean nothing
-    python bench/results.py --only nvme_step,io_vs_fio
+    python bench/results.py --only nvme_step,io_vs_fio   those again; the others' last results are kept
+    python bench/results.py --only formats_accuracy,showcase_7b   the slow ones (never in a plain run)
     python bench/results.py --list               the table below and what this machine lacks
     python bench/results.py --deepspeed-python PATH   DeepSpeed's venv (default DEFAULT_DEEPSPEED_PYTHON)
 
@@ -18,6 +19,10 @@ named by $ZO_BENCH_RECORD (``pairs.record``), a fresh one per benchmark, in four
   rss    peak RSS above the baseline against the engine's memory report, one per depth (rss_depth.py)
 ``zerooffload bench adam`` records nothing (it is a command of the package): its ratio lines are
 parsed instead. Each child's stdout and stderr go to ``bench/results_logs/<name>.txt`` (not committed).
+
+Each full run's results are kept in ``bench/results_runs.json``, so ``--only`` reruns some benchmarks and
+RESULTS.md still shows every other one's last results (the runs table dates each). The *slow* benchmarks
+(tens of minutes: training runs for accuracy, the 7b showcase) run only when ``--only`` names them.
 
 Without fio the benchmarks that measure against it are skipped; without DeepSpeed the comparisons
 with it are dropped (a script's own sides still run) and listed as skipped, never failed.
@@ -66,6 +71,8 @@ class Bench:
     """"fio": skipped when fio is not on PATH (the reference side cannot be dropped)."""
     deepspeed: str = ""
     """The option naming DeepSpeed's python, for a benchmark with a DeepSpeed side."""
+    slow: bool = False
+    """Run only when ``--only`` names it (its last results are kept meanwhile)."""
 
 
 BENCHES = [
@@ -81,7 +88,14 @@ BENCHES = [
     Bench("clip_rate", "clip_rate.py", "--steps 60", "--steps 3", 300),
     Bench("bench_adam", "-m zerooffload bench adam", "--params 1e8 --pairs 5", "--params 1e7 --pairs 1", 180,
           deepspeed="--deepspeed-python"),
+    Bench("zero3_formats", "zero3_nvme.py", "--only formats --pairs 5 --steps 2",
+          "--only formats --pairs 1 --steps 1", 1500, deepspeed="--deepspeed-python", slow=True),
+    Bench("formats_accuracy", "formats_accuracy.py", "--steps 500 --plot formats_loss.png", "--steps 60", 3600,
+          slow=True),
+    Bench("showcase_7b", "showcase_7b.py", "--steps 3", "--steps 1 --cases cap", 7200, slow=True),
 ]
+RUNS = HERE / "results_runs.json"
+"""Every benchmark's last full run (``Run.saved``), read back for those a run does not repeat."""
 
 
 @dataclass
@@ -95,6 +109,19 @@ class Run:
     """The command line as RESULTS.md shows it (DeepSpeed's python, outside the repository, not named)."""
     records: list[dict] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    when: str = ""
+    """When it ran (RESULTS.md's runs table)."""
+
+    def saved(self) -> dict:
+        return {"name": self.bench.name, "status": self.status, "seconds": self.seconds, "shown": self.shown,
+                "records": self.records, "notes": self.notes, "when": self.when}
+
+
+def kept_runs() -> dict[str, Run]:
+    """The last full runs of the benchmarks still in BENCHES, by name."""
+    benches = {b.name: b for b in BENCHES}
+    saved = json.loads(RUNS.read_text()) if RUNS.exists() else []
+    return {s["name"]: Run(benches[s.pop("name")], **s) for s in saved if s["name"] in benches}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -241,8 +268,8 @@ def markdown_table(header: list[str], rows: list[list]) -> list[str]:
 
 
 def runs_table(runs: list[Run]) -> list[str]:
-    return markdown_table(["benchmark", "command", "status", "seconds"],
-                          [[r.bench.name, f"`{r.shown}`", r.status, f"{r.seconds:.0f}"] for r in runs])
+    return markdown_table(["benchmark", "command", "status", "seconds", "ran"],
+                          [[r.bench.name, f"`{r.shown}`", r.status, f"{r.seconds:.0f}", r.when] for r in runs])
 
 
 def pairs_table(runs: list[Run]) -> list[str]:
@@ -263,6 +290,14 @@ def checks_table(runs: list[Run]) -> list[str]:
     return markdown_table(["benchmark", "check", "value", "target", "verdict", "detail"],
                           [[name, rec["title"], f"{rec['value']:.4g}", rec["target"], verdict(rec["met"]),
                             rec["detail"]] for name, rec in rows])
+
+
+def formats_section(runs: list[Run]) -> list[str]:
+    """formats_accuracy.py's plot of each format's loss, when it ran (its figures: the checks above)."""
+    if not any(r.bench.name == "formats_accuracy" and r.status == "ok" for r in runs):
+        return ["formats_accuracy.py has not run: no plot."]
+    return ["The `small` preset in bf16 with each optimizer state format (formats_accuracy.py; the last-50-step "
+            "means are in the checks above).", "", "![loss with each optimizer state format](formats_loss.png)"]
 
 
 def split_section(runs: list[Run]) -> list[str]:
@@ -300,7 +335,8 @@ def write_results(runs: list[Run], command: str, deepspeed_note: str, quick: boo
         (HERE / stale).unlink(missing_ok=True)
     when = datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")
     lines = ["# Benchmark results", "",
-             f"Generated by `{command}` on {when}; rerun that command to regenerate this file and its plots.",
+             (f"Generated by `{command}` on {when}, beside the other benchmarks' last results (dated in the "
+              "runs table); `python bench/results.py` reruns all but the slow ones."),
              *(["", ("**Quick run (--quick): the smallest arguments, for checking the script; the figures "
                      "are not measurements.**")] if quick else []),
              "", f"Machine: {machine(deepspeed_note)}.", "",
@@ -311,6 +347,7 @@ def write_results(runs: list[Run], command: str, deepspeed_note: str, quick: boo
              "## Single-figure checks", "", *checks_table(runs), "",
              "## Peak RSS against depth", "", *rss_section(runs), "",
              "## Step-time split", "", *split_section(runs), "",
+             "## Optimizer state formats: loss curves", "", *formats_section(runs), "",
              "## Skipped, failed or partial", "", *notes_list(runs), ""]
     path = HERE / "RESULTS.md"
     path.write_text("\n".join(lines))
@@ -401,7 +438,7 @@ def parse_args() -> argparse.Namespace:
                         help="python of a venv with DeepSpeed ('' for none; default %(default)s)")
     args = parser.parse_args()
     names = {b.name for b in BENCHES}
-    args.only = args.only.split(",") if args.only else [b.name for b in BENCHES]
+    args.only = args.only.split(",") if args.only else [b.name for b in BENCHES if not b.slow]
     if unknown := [name for name in args.only if name not in names]:
         parser.error(f"--only: unknown benchmark(s) {', '.join(unknown)} (choose from {', '.join(sorted(names))})")
     return args
@@ -416,13 +453,16 @@ def main() -> int:
         return 0
     LOGS.mkdir(exist_ok=True)
     chosen = [b for b in BENCHES if b.name in args.only]
-    runs = []
+    runs = {} if args.quick else kept_runs()  # a quick run's figures mean nothing: nothing kept, nothing saved
     with tempfile.TemporaryDirectory(prefix="zo-results-") as workdir:
         for number, bench in enumerate(chosen, 1):
             print(f"[{number}/{len(chosen)}] {bench.name:<16}", end=" ", flush=True)
-            runs.append(run(bench, args.quick, deepspeed, Path(workdir)))
-            done = runs[-1]
+            done = runs[bench.name] = run(bench, args.quick, deepspeed, Path(workdir))
+            done.when = datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M")
             print(f"{done.status:<8} {done.seconds:5.0f} s  {'; '.join(done.notes)}", flush=True)
+    runs = [runs[b.name] for b in BENCHES if b.name in runs]
+    if not args.quick:
+        RUNS.write_text(json.dumps([r.saved() for r in runs], indent=1) + "\n")
     command = " ".join(["python bench/results.py", *(["--quick"] if args.quick else []),
                         *(["--only", ",".join(args.only)] if len(chosen) < len(BENCHES) else [])])
     note = f"DeepSpeed {version} in its own venv" if version else "DeepSpeed not available"

@@ -26,9 +26,13 @@ import tempfile
 import time
 from pathlib import Path
 
-CASES = {"cap": ("60 GB swap cap", ["nvme.max_bytes=60GB"]),
+from pairs import record
+
+CASES = {"cap": ("60 GB swap cap", ["nvme.max_bytes=60GB"], None),
          "16gb": ("60 GB cap, 5 GiB budgets (a 16 GB workstation)",
-                  ["nvme.max_bytes=60GB", "memory.host_budget=5GiB", "memory.device_budget=5GiB"])}
+                  ["nvme.max_bytes=60GB", "memory.host_budget=5GiB", "memory.device_budget=5GiB"], 12e9)}
+"""name: (title, overrides, the bound on peak RSS above the start: None for the plan's own prediction)."""
+SWAP_CAP = 60e9
 
 
 def run(overrides: list[str], steps: int, work: Path) -> tuple[dict | None, str, str, float]:
@@ -47,10 +51,11 @@ def run(overrides: list[str], steps: int, work: Path) -> tuple[dict | None, str,
     return summary, chosen.group(1) if chosen else "?", last, wall
 
 
-def report(name: str, summary: dict | None, layout: str, last: str, wall: float) -> None:
+def report(name: str, rss_bound: float | None, summary: dict | None, layout: str, last: str, wall: float) -> None:
     print(f"\n### {name}\nlayout the plan chose: {layout}; wall {wall / 60:.1f} min")
     if summary is None:
         print(f"FAILED: {last}")
+        record("check", title=f"7b, {name}: trains", value=0, target="finite loss", met=False, detail=last)
         return
     measured, predicted = summary["measured"], summary["predicted"]
     losses = summary["losses"]
@@ -67,6 +72,18 @@ def report(name: str, summary: dict | None, layout: str, last: str, wall: float)
     print("| figure | measured | beside it |\n|---|---|---|")
     for row in rows:
         print("| " + " | ".join(row) + " |")
+    rss, swap = measured["peak_bytes"]["device+host"], measured["peak_bytes"]["nvme"]
+    bound = rss_bound or predicted["ram_peak_bytes"]
+    for title, value, target, met, detail in (
+            ("loss finite every step", float(all(map(math.isfinite, losses))), "1", all(map(math.isfinite, losses)),
+             " -> ".join(f"{x:.3f}" for x in losses)),
+            ("peak RSS above start GB", rss / 1e9, f"≤ {bound / 1e9:.2f}" + ("" if rss_bound else " (plan)"),
+             rss <= bound, layout),
+            ("swap GB", swap / 1e9, f"≤ {SWAP_CAP / 1e9:.0f}", swap <= SWAP_CAP, ""),
+            ("s/step, measured / plan's", measured["step_seconds"] / predicted["step_seconds"], "—", None,
+             f"{measured['step_seconds']:.1f} / {predicted['step_seconds']:.1f} s; floors: compute "
+             f"{work['compute']:.1f} s, NVMe {work['nvme_read']:.1f} / {work['nvme_write']:.1f} s")):
+        record("check", title=f"7b, {name}: {title}", value=value, target=target, met=met, detail=detail)
 
 
 def main() -> None:
@@ -78,10 +95,10 @@ def main() -> None:
     print(f"machine: {os.cpu_count()} CPUs, {os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.0f} GiB "
           f"RAM; zerooffload train --model 7b --plan auto --steps {args.steps}")
     for case in args.cases.split(","):
-        name, overrides = CASES[case]
+        name, overrides, rss_bound = CASES[case]
         work = Path(tempfile.mkdtemp(prefix="zo-7b-", dir=args.dir))
         try:
-            report(name, *run(overrides, args.steps, work))
+            report(name, rss_bound, *run(overrides, args.steps, work))
         finally:
             shutil.rmtree(work, ignore_errors=True)
 

@@ -39,7 +39,7 @@ import time
 from pathlib import Path
 
 from io_vs_fio import peak_rss_bytes
-from pairs import interleaved_pairs, report_pairs, rotating_rounds
+from pairs import interleaved_pairs, record, report_pairs, rotating_rounds
 
 RESULT = re.compile(r"RESULT .*step ms min/med/max = (\d+) / (\d+) / (\d+)")
 SWAP = re.compile(r"nvme swap dir bytes: (\d+) MiB")
@@ -165,6 +165,9 @@ def compare_formats(args) -> None:
         print(f"swap: {name} {statistics.median(swap[name]):.0f} MiB against DeepSpeed's "
               f"{statistics.median(swap['DeepSpeed ZeRO-3']):.0f} MiB: {ratio:.3f} (target ≤ {target:.2f}: "
               f"{'met' if ratio <= target else 'NOT met'})")
+        record("check", title=f"ZeRO-3 NVMe, bf16: swap bytes, {name} / DeepSpeed's", value=ratio,
+               target=f"≤ {target:.2f}", met=ratio <= target,
+               detail=f"{statistics.median(swap[name]):.0f} / {statistics.median(swap['DeepSpeed ZeRO-3']):.0f} MiB")
 
 
 def compare_checksum(args) -> None:

@@ -433,3 +433,16 @@ def test_a_frozen_base_trains_like_pytorch_and_only_trainable_state_is_held_and_
     assert 12 * trainable <= written <= per_element * (trainable + slack), written
     held = sum(r["optimizer_bytes"] for r in ranks)
     assert 12 * versions * trainable <= held <= 12 * versions * (trainable + slack)
+
+
+@pytest.mark.parametrize("window", FROZEN_WINDOWS)
+def test_compact_states_on_a_frozen_base_at_world_2_train_like_pytorch(rank_pools, window):
+    """A split master and int8 moments (bf16, stage 3, all on NVMe, two ranks): pieces cut by shards and
+    by frozen slots, each starting its own blocks of int8 scales. Updates follow torch's AdamW (a split
+    master is exact; int8 moments round, hence the wider bound) and frozen values stay as they were."""
+    accum, clip = WINDOWS[window]
+    compact = {"offload": FROZEN_OFFLOADS["all on nvme"], "optimizer": {"master": "split", "moments": "int8"}}
+    ranks = rank_pools(2).run(frozen_case, 3, "bf16", 1, accum, clip, **compact)
+    worst = max(ranks[0]["errors"].items(), key=lambda kv: kv[1])
+    assert 0 < worst[1] < 5e-2, f"update error {worst[1]:.2e} on {worst[0]}"
+    assert ranks[0]["frozen_changed"] == []
