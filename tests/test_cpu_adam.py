@@ -163,6 +163,20 @@ def run_child(level: str, script: str, *args: str) -> subprocess.CompletedProces
                           timeout=120)
 
 
+def results_at_level(level: str, module: str, function: str, directory: Path):
+    """``module.function()`` run at ``level`` in a fresh interpreter, its results (skipped where this CPU
+    has no such level: the pass then runs a lower one)."""
+    path = directory / f"{function}-{level}.pt"
+    script = (f"import sys, torch; from zerooffload.optim import simd_level; from {module} import {function}; "
+              f"torch.save({{'level': simd_level(), 'results': {function}()}}, sys.argv[1])")
+    done = run_child(level, script, str(path))
+    assert done.returncode == 0, done.stderr[-3000:]
+    ran = torch.load(path, weights_only=False)
+    if ran["level"] != level:
+        pytest.skip(f"this CPU has no {level} (ran {ran['level']})")
+    return ran["results"]
+
+
 def _cpu_flags() -> set[str] | None:
     """The CPU's feature flags as /proc/cpuinfo lists them (None where it cannot be read)."""
     try:

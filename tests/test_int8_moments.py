@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from test_cpu_adam import LEVELS, run_child
+from test_cpu_adam import LEVELS, results_at_level
 from zerooffload.optim import cpu_adam, fused_adam_step
 from zerooffload.optim import state_formats as formats
 
@@ -105,23 +105,10 @@ def run_int8_chain() -> dict:
     return results
 
 
-_CHILD = r"""
-import sys, torch
-from zerooffload.optim import simd_level
-from test_int8_moments import run_int8_chain
-torch.save({"level": simd_level(), "results": run_int8_chain()}, sys.argv[1])
-"""
-
-
 @pytest.mark.skipif(cpu_adam.simd_level() == "torch", reason="the native extension zerooffload._cpu_adam is not built")
 @pytest.mark.parametrize("level", LEVELS)
 def test_an_int8_update_is_decode_fp32_update_encode_at_every_level(level, tmp_path):
-    done = run_child(level, _CHILD, str(tmp_path / "out.pt"))
-    assert done.returncode == 0, done.stderr[-3000:]
-    ran = torch.load(tmp_path / "out.pt", weights_only=False)
-    if ran["level"] != level:
-        pytest.skip(f"this CPU has no {level} (ran {ran['level']})")
-    for key, (out, ref) in ran["results"].items():
+    for key, (out, ref) in results_at_level(level, "test_int8_moments", "run_int8_chain", tmp_path).items():
         for name in out:
             assert torch.equal(out[name].view(torch.uint8), ref[name].view(torch.uint8)), (key, name)
 

@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from test_cpu_adam import LEVELS, run_child
+from test_cpu_adam import LEVELS, results_at_level, run_child
 from zerooffload.optim import cpu_adam, fused_adam_step, fused_adam_steps
 from zerooffload.optim import state_formats as formats
 
@@ -143,23 +143,10 @@ def _check_all(results: dict) -> None:
             _check_split(results[(n, bit0, threads, str(moments))], n, bit0)
 
 
-_CHILD = r"""
-import sys, torch
-from zerooffload.optim import simd_level
-from test_state_formats import run_updates
-torch.save({"level": simd_level(), "results": run_updates()}, sys.argv[1])
-"""
-
-
 @pytest.mark.skipif(cpu_adam.simd_level() == "torch", reason="the native extension zerooffload._cpu_adam is not built")
 @pytest.mark.parametrize("level", LEVELS)
 def test_a_split_master_updates_bitwise_as_the_fp32_master(level, tmp_path):
-    done = run_child(level, _CHILD, str(tmp_path / "out.pt"))
-    assert done.returncode == 0, done.stderr[-3000:]
-    ran = torch.load(tmp_path / "out.pt", weights_only=False)
-    if ran["level"] != level:
-        pytest.skip(f"this CPU has no {level} (ran {ran['level']})")
-    results = ran["results"]
+    results = results_at_level(level, "test_state_formats", "run_updates", tmp_path)
     _check_all(results)
     adjacent, reference = results["adjacent"], _reference_adjacent()
     assert torch.equal(adjacent["weight"].view(torch.int16), reference["out"].view(torch.int16))
