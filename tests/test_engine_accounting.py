@@ -130,6 +130,17 @@ def test_estimate_reproduces_the_zero_paper_example():
         assert figure in out
 
 
+@pytest.mark.parametrize("master, moments, k", [("split", "fp32", 2.125 + 8), ("fp32", "bf16", 4 + 4),
+                                                ("split", "int8", 2.125 + 2 * (1 + 4 / 256))])
+def test_estimate_takes_the_state_formats(master, moments, k):
+    """K by the formats' definitions: a split master 2 bytes + 2 + 1/8, a bf16 moment 2, an int8 one a byte
+    and a 4-byte scale per 256; stage 3 with everything on the device holds (2 + 2 + K) bytes per parameter."""
+    out = subprocess.run([sys.executable, "-m", "zerooffload", "estimate", "--params", "1e9", "--dp", "1",
+                          "--stage", "3", "--master", master, "--moments", moments],
+                         capture_output=True, text=True, check=True).stdout
+    assert f"K = {k:.4g} bytes" in out and f"{(4 + k):.2f}" in out.splitlines()[-1], out
+
+
 def offload_accounting_case(root: str, moments: str = "fp32") -> dict:
     """Stage 3, bf16, parameter shards and optimizer states both on NVMe (this rank's own swap directory
     under ``root``): what each tier holds, and the swap files there before and after close()."""

@@ -10,7 +10,9 @@ Offloading the optimizer states (``offload.optimizer``) moves the K Ψ / Nd term
 or NVMe, and at stages 2–3 the gradient shards 2 Ψ / Nd with it (the engine sends them to the
 optimizer's tier as soon as they are reduced); offloading parameters at stage 3 (``offload.param``)
 moves 2 Ψ / Nd as well. The figures are
-model states only: activations, buffers and fragmentation come on top.
+model states only: activations, buffers and fragmentation come on top. The compact optimizer state
+formats (``optimizer.master``, ``optimizer.moments``) change K: 2.125 for a split master instead of 4,
+2 + 2 bytes for bf16 moments and 1 + 1/64 + 1 + 1/64 for int8 ones instead of 4 + 4 (``k_adam``).
 """
 from __future__ import annotations
 
@@ -18,10 +20,18 @@ import math
 import re
 from dataclasses import dataclass
 
-__all__ = ["K_ADAM", "StageEstimate", "estimate", "format_table", "parse_count"]
+from ..optim.state import state_bytes
+
+__all__ = ["K_ADAM", "StageEstimate", "estimate", "format_table", "k_adam", "parse_count"]
 
 K_ADAM = 12
 """Bytes of optimizer state per parameter for mixed-precision Adam: fp32 master, m and v."""
+
+
+def k_adam(master: str = "fp32", moments: str = "fp32") -> float:
+    """K for Adam's state in the formats ``optimizer.master`` and ``optimizer.moments`` name (12 for fp32 both)."""
+    numel = 1 << 16
+    return state_bytes(numel, 2, moments, master, pieces=0) / numel
 
 
 _COUNT_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([kmbt]?)\s*$", re.IGNORECASE)
@@ -53,7 +63,7 @@ class StageEstimate:
     offloaded_all: float
 
 
-def estimate(params: float, dp: int, k: int = K_ADAM) -> list[StageEstimate]:
+def estimate(params: float, dp: int, k: float = K_ADAM) -> list[StageEstimate]:
     """Per-device bytes of model states for stages 0–3 (see the module docstring)."""
     if params <= 0 or dp < 1:
         raise ValueError(f"--params must be > 0 and --dp >= 1 (got {params}, {dp})")
@@ -74,10 +84,11 @@ def estimate(params: float, dp: int, k: int = K_ADAM) -> list[StageEstimate]:
     return rows
 
 
-def format_table(rows: list[StageEstimate], params: float, dp: int) -> str:
+def format_table(rows: list[StageEstimate], params: float, dp: int, k: float = K_ADAM) -> str:
     """A table in decimal GB, one line per stage."""
     gb = 1e9
-    lines = [f"model states per device for {params:.4g} parameters over {dp} data-parallel ranks (GB = 1e9 B)",
+    lines = [f"model states per device for {params:.4g} parameters over {dp} data-parallel ranks (GB = 1e9 B; "
+             f"optimizer state K = {k:.4g} bytes per parameter)",
              f"{'stage':<14}{'on device':>11}{'optimizer offloaded: device / host|nvme':>42}"
              f"{'params too: device / host|nvme':>34}"]
     names = {0: "0 (DDP)", 1: "1 (P_os)", 2: "2 (P_os+g)", 3: "3 (P_os+g+p)"}

@@ -114,12 +114,13 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
 
 def _cmd_estimate(args: argparse.Namespace) -> int:
-    from .estimate import estimate, format_table
+    from .estimate import estimate, format_table, k_adam
 
-    rows = estimate(args.params, args.dp)
+    k = k_adam(args.master, args.moments)
+    rows = estimate(args.params, args.dp, k)
     if args.stage is not None:
         rows = [r for r in rows if r.stage == args.stage]
-    print(format_table(rows, args.params, args.dp))
+    print(format_table(rows, args.params, args.dp, k))
     return 0
 
 
@@ -271,6 +272,10 @@ def _add_estimate(commands) -> None:
     estimate.add_argument("--dp", type=_number(int, 1, "a whole number of ranks >= 1"), required=True,
                           help="data-parallel ranks")
     estimate.add_argument("--stage", type=int, choices=range(4), help="show one stage only")
+    estimate.add_argument("--master", choices=("fp32", "split"), default="fp32",
+                          help="optimizer.master's format (split: 2.125 bytes, not 4)")
+    estimate.add_argument("--moments", choices=("fp32", "bf16", "int8"), default="fp32",
+                          help="optimizer.moments' format (bf16: 2 bytes each, int8: 1 and 1/64)")
     estimate.set_defaults(run=_cmd_estimate)
 
 
