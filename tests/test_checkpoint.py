@@ -20,9 +20,9 @@ STEPS = 4
 NVME = {"param": {"tier": "nvme"}, "optimizer": {"tier": "nvme"}}
 
 
-def _config(stage: int, offload: dict | None = None, precision: str = "fp32") -> dict:
+def _config(stage: int, offload: dict | None = None, precision: str = "fp32", optimizer: dict | None = None) -> dict:
     return {"zero": {"stage": stage}, "train": {"precision": precision, "grad_clip": 0.05},
-            "optimizer": {"lr": 1e-2, "weight_decay": 0.1},
+            "optimizer": {"lr": 1e-2, "weight_decay": 0.1, **(optimizer or {})},
             "scheduler": {"type": "warmup_cosine", "warmup_steps": 2, "total_steps": 10},
             "offload": offload or {}}
 
@@ -37,10 +37,10 @@ def _train(engine, first: int, last: int) -> None:
 
 
 def run_case(stage: int, offload: dict | None, first: int, last: int, save: str | None = None,
-             load: str | None = None, precision: str = "fp32") -> dict | None:
+             load: str | None = None, precision: str = "fp32", optimizer: dict | None = None) -> dict | None:
     """Every rank: build (a different init when loading, so a load that did nothing shows), optionally
     load, train steps [first, last), optionally save; rank 0 returns the full state and client state."""
-    with zo.initialize(make_model(seed=1 if load else 0), _config(stage, offload, precision)) as engine:
+    with zo.initialize(make_model(seed=1 if load else 0), _config(stage, offload, precision, optimizer)) as engine:
         client = engine.load_checkpoint(load) if load else None
         loaded = engine.full_state_dict()
         _train(engine, first, last)
@@ -91,6 +91,20 @@ def test_reshard_to_other_world_sizes_stages_and_tiers(straight_and_saved, rank_
     assert _equal(resumed["loaded"], half["full"])
     errors = update_errors(half["full"], resumed["full"], straight["full"])
     assert max(errors.values()) < 1e-5, max(errors.items(), key=lambda kv: kv[1])
+
+
+def test_compact_states_reshard_from_world_2_to_world_1(tmp_path, rank_pools):
+    """A split master and int8 moments saved at world 2 (stage 3 on NVMe, bf16) load at world 1 (stage 1,
+    host), whose pieces, and so int8 blocks, are cut elsewhere: the full state equal right after loading,
+    the next steps as continuing at world 2 within int8's rounding."""
+    compact = {"precision": "bf16", "optimizer": {"master": "split", "moments": "int8"}}
+    directory = str(tmp_path / "ckpt")
+    straight = rank_pools(2).run(run_case, 3, NVME, 0, STEPS, **compact)[0]
+    half = rank_pools(2).run(run_case, 3, NVME, 0, STEPS // 2, save=directory, **compact)[0]
+    resumed = run_case(1, {"optimizer": {"tier": "host"}}, STEPS // 2, STEPS, load=directory, **compact)
+    assert _equal(resumed["loaded"], half["full"])
+    errors = update_errors(half["full"], resumed["full"], straight["full"])
+    assert max(errors.values()) < 5e-2, max(errors.items(), key=lambda kv: kv[1])
 
 
 @pytest.mark.parametrize("how, message", [("flip", "CRC-32 .* the file is corrupt"), ("truncate", "truncated"),
