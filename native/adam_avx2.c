@@ -163,10 +163,7 @@ AVX2 static double avx2_range(const void *pass, size_t begin, size_t end)
 
 AVX2 double zo_avx2_run(const void *pass, size_t begin, size_t end)
 {
-    const struct pass *s = pass;
-    if (s->moment_dtype == ZO_DTYPE_INT8)
-        return int8_range(s, begin, end, avx2_range);
-    return avx2_range(s, begin, end);
+    return any_moments_range(pass, begin, end, avx2_range);
 }
 
 

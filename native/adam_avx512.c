@@ -157,9 +157,6 @@ AVX512 static double avx512_range(const void *pass, size_t begin, size_t end)
 
 AVX512 double zo_avx512_run(const void *pass, size_t begin, size_t end)
 {
-    const struct pass *s = pass;
-    if (s->moment_dtype == ZO_DTYPE_INT8)
-        return int8_range(s, begin, end, avx512_range);
-    return avx512_range(s, begin, end);
+    return any_moments_range(pass, begin, end, avx512_range);
 }
 #endif

@@ -35,17 +35,15 @@
 
 #include "int8_moments.h"
 
-static double scalar_fp32_run(const void *pass, size_t begin, size_t end)
+/* The scalar level's range of fp32 or bf16 moments, as a range_fn. */
+static double scalar_level_range(const void *pass, size_t begin, size_t end)
 {
     return scalar_range(pass, begin, end);
 }
 
 static double scalar_run(const void *pass, size_t begin, size_t end)
 {
-    const struct pass *s = pass;
-    if (s->moment_dtype == ZO_DTYPE_INT8)
-        return int8_range(s, begin, end, scalar_fp32_run);
-    return scalar_range(s, begin, end);
+    return any_moments_range(pass, begin, end, scalar_level_range);
 }
 
 /* ---------------------------------------------------------------------------------------------

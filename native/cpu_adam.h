@@ -29,7 +29,7 @@
  *               from the pass's element 0: a pass's first element starts a block.
  *   out         optional low-precision copy of the new param (bf16, fp16 or fp32), written in the
  *               same pass and rounded to nearest even exactly as torch's `.to(dtype)` rounds.
- *   level       the instruction set the pass runs on: AVX-512, AVX2 (+FMA, F16C) or scalar C,
+ *   level       the instruction set the pass runs on: AVX-512 (F and BW), AVX2 (+FMA, F16C) or scalar C,
  *               the best the CPU has unless the environment variable ZO_ADAM_SIMD
  *               (avx512 | avx2 | scalar) asks for a lower one. Every level gives the same bits.
  *               The vector levels are x86 only: on other architectures the level is scalar.

@@ -124,4 +124,12 @@ static ALWAYS_INLINE double int8_range(const struct pass *s, size_t begin, size_
     return sumsq;
 }
 
+/* A level's range function over any moment format: int8 moments a block at a time (int8_range), the
+ * others by the level's own `range`. */
+static ALWAYS_INLINE double any_moments_range(const void *pass, size_t begin, size_t end, range_fn *range)
+{
+    const struct pass *s = pass;
+    return s->moment_dtype == ZO_DTYPE_INT8 ? int8_range(s, begin, end, range) : range(s, begin, end);
+}
+
 #endif

@@ -203,8 +203,8 @@ def sum_squares(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _dtype_code(tensor: torch.Tensor | None) -> int:
-    names = _DTYPE_NAMES if tensor is None or tensor.dtype != torch.uint8 else _MOMENT_NAMES
-    return _cpu_adam.DTYPE_NONE if tensor is None else getattr(_cpu_adam, f"DTYPE_{names[tensor.dtype]}")
+    return _cpu_adam.DTYPE_NONE if tensor is None else getattr(_cpu_adam,
+                                                              f"DTYPE_{(_DTYPE_NAMES | _MOMENT_NAMES)[tensor.dtype]}")
 
 
 # ------------------------------------------------------------------------------------------------

@@ -197,7 +197,7 @@ class UnitOptimizerState:
         for index, name in enumerate(self.moment_names):
             for piece in self._first_scale:
                 values = self._moments[name][piece.start:piece.stop]
-                codes, scales = encode_int8(values, torch.full((values.numel(),), _NEAREST), signed=index == 0)
+                codes, scales = encode_int8(values, torch.tensor(_NEAREST).expand(values.numel()), signed=index == 0)
                 self._moment_part(name)[piece.start:piece.stop] = codes
                 self._piece_scales(name, piece).copy_(scales)
         self._moments = None
