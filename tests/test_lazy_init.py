@@ -22,17 +22,27 @@ def _train_two_steps(engine) -> dict:
     return engine.full_state_dict(all_ranks=True)
 
 
-def lazy_case(stage: int, offload: dict) -> dict:
+def _decay_groups(model: nn.Module) -> list[dict]:
+    """Weight decay on the weights only, as the Hugging Face Trainer groups them."""
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    return [{"params": [p for n, p in named if n.endswith("weight")], "weight_decay": 0.5},
+            {"params": [p for n, p in named if not n.endswith("weight")], "weight_decay": 0.0}]
+
+
+def lazy_case(stage: int, offload: dict, grouped: bool = False) -> dict:
     """Every rank builds TinyLM twice, eagerly and under init_context: same values, same training (every
-    rank compares the whole state, gathered to it)."""
+    rank compares the whole state, gathered to it); ``grouped``: with parameter groups made of each
+    build's own parameters (the lazy build's are meta tensors then)."""
     config = {"zero": {"stage": stage}, "offload": offload}
-    with zo.initialize(make_model(seed=0), config) as eager:
+    groups = _decay_groups if grouped else lambda model: None
+    eager_model = make_model(seed=0)
+    with zo.initialize(eager_model, config, param_groups=groups(eager_model)) as eager:
         initial_eager, trained_eager = eager.full_state_dict(all_ranks=True), _train_two_steps(eager)
     torch.manual_seed(0)
     with zo.init_context():
         model = TinyLM()
     assert all(p.is_meta for p in model.parameters())
-    with zo.initialize(model, config) as lazy:
+    with zo.initialize(model, config, param_groups=groups(model)) as lazy:
         same_initial = _equal(lazy.full_state_dict(all_ranks=True), initial_eager)
         same_trained = _equal(_train_two_steps(lazy), trained_eager)
     tied = model.head.weight is model.embed.weight and not model.frozen.weight.requires_grad
@@ -56,6 +66,10 @@ def test_lazy_build_equals_eager_build_at_world_size_2(rank_pools, stage, offloa
 
 def test_lazy_build_at_world_size_1_stage_0():
     _check_lazy(lazy_case(0, {}))
+
+
+def test_a_lazy_build_takes_parameter_groups_of_its_meta_parameters():
+    _check_lazy(lazy_case(3, {"param": {"tier": "nvme"}, "optimizer": {"tier": "nvme"}}, grouped=True))
 
 
 class RawParameter(nn.Module):

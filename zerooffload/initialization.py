@@ -12,6 +12,7 @@ from .config import Config, dtype_bytes
 from .engine import Engine
 from .tiers.host_allocator import release_freed_memory, return_free_heap
 from .lazy_init import initial_values, is_lazy, swap_in_placeholders
+from .param_groups import normalize_param_groups
 from .precision import warn_if_fp16_is_slow
 from .telemetry import Prediction
 from .threads import set_threads
@@ -56,7 +57,11 @@ def initialize(model: nn.Module, config: Config | dict | str | None = None, para
     if example_inputs is not None:
         activations = _measure(model, layouts, config, comm.device, example_inputs)
     if lazy:
-        layouts = rebind(layouts, swap_in_placeholders(model))
+        groups = None if param_groups is None else normalize_param_groups(param_groups, model)  # of meta parameters
+        replaced = swap_in_placeholders(model)
+        layouts = rebind(layouts, replaced)
+        param_groups = None if groups is None else [
+            {**group, "params": [replaced.get(id(p), p) for p in group["params"]]} for group in groups]
     elif init_fn is not None:
         with torch.no_grad():
             init_fn(model)

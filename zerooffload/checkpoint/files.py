@@ -40,7 +40,7 @@ from ..trace import profiled
 
 __all__ = ["CheckpointError", "ChecksummedWriter", "MANIFEST", "LATEST", "begin_partial", "publish", "recover",
            "resolve_tag", "load_manifest_json", "write_manifest", "verify_file", "file_record", "fsync_dir",
-           "out_of_space"]
+           "out_of_space", "remove_tree"]
 
 logger = logging.getLogger(__name__)
 
@@ -266,3 +266,11 @@ def publish(partial: Path, tag: str) -> Path:
     if replaced.exists():
         shutil.rmtree(replaced)
     return final
+
+
+def remove_tree(path: Path) -> None:
+    """Rename ``path`` to ``<path>.partial``, then remove it: a removal cut short leaves a name no
+    loader takes for a checkpoint (and the next save's recovery removes), never one that looks complete."""
+    doomed = path.with_name(path.name + PARTIAL)
+    os.replace(path, doomed)
+    shutil.rmtree(doomed)

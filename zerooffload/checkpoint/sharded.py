@@ -72,6 +72,7 @@ from .layout import (
     read_range,
     read_saved_buffers,
 )
+from .safetensors_file import SafetensorsEntry, write_safetensors
 
 if TYPE_CHECKING:
     from ..optim.state import UnitOptimizerState
@@ -356,62 +357,40 @@ def _restore_rng(engine: Trainable, manifest: Manifest) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- consolidate
-_SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.int64: "I64",
-                       torch.int32: "I32", torch.uint8: "U8", torch.bool: "BOOL", torch.float64: "F64"}
-
-
 def consolidate(directory: str | os.PathLike, out: str | os.PathLike, dtype: torch.dtype = torch.float32,
                 tag: str | None = None) -> Path:
     """Write every key of the saved model's ``state_dict()`` (each tied name, buffers included) as one
     safetensors file, tensor by tensor, so peak memory stays near the largest tensor. Parameters are
     cast from the fp32 masters to ``dtype`` (round to nearest even, as torch casts); buffers keep theirs."""
     manifest = read_manifest(directory, tag)
-    with malformed(manifest):
-        entries = _consolidated_entries(manifest, dtype)
-    header: dict[str, Any] = {"__metadata__": {"format": "pt", "source": str(manifest.directory)}}
-    offset = 0
-    for name, shape, tensor_dtype, _ in entries:
-        nbytes = tensor_dtype.itemsize * math.prod(shape)
-        header[name] = {"dtype": _SAFETENSORS_DTYPES[tensor_dtype], "shape": list(shape),
-                        "data_offsets": [offset, offset + nbytes]}
-        offset += nbytes
-    encoded = json.dumps(header, separators=(",", ":")).encode()
-    encoded += b" " * (-len(encoded) % 8)
-    out = Path(out)
-    temporary = out.with_name(out.name + ".partial")
-    with RankFiles(manifest) as files, open(temporary, "wb") as f:
-        f.write(len(encoded).to_bytes(8, "little"))
-        f.write(encoded)
-        for _, _, _, produce in entries:
-            f.write(memoryview(produce(files).contiguous().reshape(-1).view(torch.uint8).numpy()))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(temporary, out)
-    return out
+    with RankFiles(manifest) as files:
+        with malformed(manifest):
+            entries = _consolidated_entries(manifest, dtype, files)
+        return write_safetensors(out, entries, {"source": str(manifest.directory)})
 
 
-def _consolidated_entries(manifest: Manifest, dtype: torch.dtype) -> list[tuple]:
-    """(name, shape, dtype, produce(files) -> tensor) for every parameter name and buffer."""
+def _consolidated_entries(manifest: Manifest, dtype: torch.dtype, files: RankFiles) -> list[SafetensorsEntry]:
+    """Every parameter name and buffer, each value read from ``files`` when it is written."""
     entries = []
     for index, unit in enumerate(manifest.units):
         for slot in unit["slots"]:
             source = Source(index, unit, slot["offset"], tuple(slot["shape"]))
 
-            def produce(files: RankFiles, source: Source = source, numel: int = slot["numel"]) -> torch.Tensor:
+            def produce(source: Source = source, numel: int = slot["numel"]) -> torch.Tensor:
                 values = torch.empty(numel, dtype=torch.float32)
                 read_range(files, source, 0, 0, numel, values)
-                return values.to(dtype)
-            entries += [(name, source.shape, dtype, produce) for name in slot["names"]]
+                return values.to(dtype).view(source.shape)
+            entries += [SafetensorsEntry(name, source.shape, dtype, produce) for name in slot["names"]]
     offset = 0
     for record in manifest.data["buffers"]:
         buffer_dtype = getattr(torch, record["dtype"])
         shape = tuple(record["shape"])
 
-        def produce_buffer(files: RankFiles, offset: int = offset, shape: tuple = shape,
-                           buffer_dtype: torch.dtype = buffer_dtype) -> torch.Tensor:
+        def produce_buffer(offset: int = offset, shape: tuple = shape, buffer_dtype: torch.dtype = buffer_dtype
+                           ) -> torch.Tensor:
             values = torch.empty(shape, dtype=buffer_dtype)
             files.read_buffers(offset, values)
             return values
-        entries.append((record["name"], shape, buffer_dtype, produce_buffer))
+        entries.append(SafetensorsEntry(record["name"], shape, buffer_dtype, produce_buffer))
         offset += buffer_dtype.itemsize * math.prod(shape)
     return entries

@@ -24,14 +24,13 @@ leaves what the next save's recovery removes, never a tag that looks complete.
 """
 from __future__ import annotations
 
-import os
 import re
 import shutil
 import sys
 from pathlib import Path
 
 from ..checkpoint import read_manifest
-from ..checkpoint import LATEST, PARTIAL, CheckpointError
+from ..checkpoint import LATEST, CheckpointError, remove_tree
 from ..log import current_rank
 
 __all__ = ["STEP_TAG", "loadable_tag", "make_room", "prune", "resume", "resume_tag", "step_tags"]
@@ -124,7 +123,7 @@ def prune(checkpoints: Path, keep: int, spare: str | None = None) -> None:
     latest = (checkpoints / LATEST).read_text().strip()
     for tag in step_tags(checkpoints)[:-keep]:
         if tag not in (latest, spare):
-            _remove(checkpoints, tag)
+            remove_tree(checkpoints / tag)
 
 
 def make_room(checkpoints: Path, keep: int, spare: str | None = None) -> list[str]:
@@ -143,7 +142,7 @@ def make_room(checkpoints: Path, keep: int, spare: str | None = None) -> list[st
         if shutil.disk_usage(checkpoints).free >= need:
             break
         if tag not in kept:
-            _remove(checkpoints, tag)
+            remove_tree(checkpoints / tag)
             removed.append(tag)
     if removed and current_rank() == 0:
         print(f"zerooffload: warning: {checkpoints} had less free space than a checkpoint takes ({need:,} bytes): "
@@ -166,9 +165,3 @@ def _tree_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
-def _remove(checkpoints: Path, tag: str) -> None:
-    """Rename ``tag`` to ``<tag>.partial``, then remove it: a removal cut short leaves what the next
-    save's recovery removes, never a tag that looks complete."""
-    doomed = checkpoints / (tag + PARTIAL)
-    os.replace(checkpoints / tag, doomed)
-    shutil.rmtree(doomed)

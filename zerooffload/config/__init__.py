@@ -8,7 +8,7 @@
 """
 from .deepspeed import DeepSpeedConfigWarning
 from .fields import ALIGNMENT
-from .root import Config, apply_override
+from .root import Config, apply_override, read_config_file
 from .sections import (AioConfig, MemoryConfig, NvmeConfig, OffloadActivationsConfig, OffloadConfig,
                        OffloadOptimizerConfig, OffloadParamConfig, OptimizerConfig, SchedulerConfig, TrainConfig,
                        ZeroConfig)
@@ -17,4 +17,4 @@ from .values import ConfigError, dtype_bytes, format_size, parse_size
 __all__ = ["ALIGNMENT", "AioConfig", "Config", "ConfigError", "DeepSpeedConfigWarning", "MemoryConfig", "NvmeConfig",
            "OffloadActivationsConfig", "OffloadConfig", "OffloadOptimizerConfig", "OffloadParamConfig",
            "OptimizerConfig", "SchedulerConfig", "TrainConfig", "ZeroConfig", "apply_override", "dtype_bytes",
-           "format_size", "parse_size"]
+           "format_size", "parse_size", "read_config_file"]

@@ -97,7 +97,7 @@ class Config(Section):
         if isinstance(source, Config) and not overrides:
             return source
         data = source.to_dict() if isinstance(source, Config) else (
-            _read_file(Path(source)) if isinstance(source, (str, Path)) else source)
+            read_config_file(Path(source)) if isinstance(source, (str, Path)) else source)
         if not isinstance(data, dict):
             raise ConfigError(f"config = {data!r}: expected a table of sections")
         if is_deepspeed(data):
@@ -115,7 +115,7 @@ class Config(Section):
         return dataclasses.replace(self, **sections)
 
 
-def _read_file(path: Path) -> dict:
+def read_config_file(path: Path) -> dict:
     """Parse TOML or JSON by the file's suffix (JSON, then TOML, when the suffix says neither)."""
     try:
         text = path.read_text()

@@ -34,9 +34,18 @@ class StateDicts:
     def full_state_dict(self, all_ranks: bool) -> dict[str, torch.Tensor]:
         """``model.state_dict()``'s keys with fp32 CPU parameters (from the masters) and buffers as they
         are; rank 0 (every rank with ``all_ranks``) gets the dict, the others ``{}``."""
-        state, comm = self.state, self.state.comm
         values: dict[int, torch.Tensor] = {}
-        for opt_state in state.visit(write=False):
+        for unit_values in self.unit_values():
+            values.update(unit_values)
+        if not (all_ranks or self.state.comm.rank == 0):
+            return {}
+        return {name: values[id(t)] if id(t) in values else t.detach().cpu().clone()
+                for name, t in self.state.module.state_dict(keep_vars=True).items()}
+
+    def unit_values(self) -> Iterator[dict[int, torch.Tensor]]:
+        """Unit by unit, in unit order, its parameters' fp32 CPU values by ``id(param)`` (every rank)."""
+        comm = self.state.comm
+        for opt_state in self.state.visit(write=False):
             unit = opt_state.unit
             shard = self.fp32_shard(opt_state)
             flat = torch.empty(unit.layout.padded_numel, dtype=torch.float32, device=shard.device)
@@ -44,12 +53,30 @@ class StateDicts:
                 all_gather(comm, flat, shard)
             else:
                 flat.copy_(shard)
-            for slot in unit.layout.slots:
-                values[id(slot.param)] = flat[slot.offset:slot.offset + slot.numel].view(slot.shape).cpu().clone()
-        if not (all_ranks or comm.rank == 0):
-            return {}
-        return {name: values[id(t)] if id(t) in values else t.detach().cpu().clone()
-                for name, t in state.module.state_dict(keep_vars=True).items()}
+            yield {id(slot.param): flat[slot.offset:slot.offset + slot.numel].view(slot.shape).cpu().clone()
+                   for slot in unit.layout.slots}
+
+    def streamed_entries(self, dtype: torch.dtype) -> list[tuple[str, tuple, torch.dtype, Callable]]:
+        """``state_dict()``'s keys as (name, shape, dtype, produce) in unit order, parameters cast to
+        ``dtype``, then the other tensors (buffers) as they are: producing them in order gathers one
+        unit at a time (collective: every rank produces every value)."""
+        units = self.unit_values()
+        current: dict[int, torch.Tensor] = {}
+        order = {id(slot.param): index for index, unit in enumerate(self.state.units) for slot in unit.layout.slots}
+        reached = [-1]
+
+        def parameter(param_id: int) -> torch.Tensor:
+            while reached[0] < order[param_id]:
+                current.clear()
+                current.update(next(units))
+                reached[0] += 1
+            return current[param_id].to(dtype)
+
+        named = list(self.state.module.state_dict(keep_vars=True).items())
+        params = sorted(((name, t) for name, t in named if id(t) in order), key=lambda item: order[id(item[1])])
+        entries = [(name, tuple(t.shape), dtype, lambda i=id(t): parameter(i)) for name, t in params]
+        return entries + [(name, tuple(t.shape), t.dtype, lambda t=t: t.detach().cpu())
+                          for name, t in named if id(t) not in order]
 
     def visit(self, *, write: bool, read: bool = True) -> Iterator[UnitOptimizerState]:
         """Each unit's optimizer state loaded, in unit order (``ShardedState.visit``): for checkpoints."""

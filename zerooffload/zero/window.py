@@ -1,7 +1,8 @@
 """The accumulation window: its backwards, the rule that skips it, its reductions, and its step's verdict.
 
 [Note: the window]
-An optimizer step closes a window of ``train.grad_accum_steps`` micro-batches. ``Window`` owns that
+An optimizer step closes a window of ``train.grad_accum_steps`` micro-batches (or fewer, where the
+caller says a backward closes it: the Trainer's last window of an epoch). ``Window`` owns that
 cycle, so the engine only forwards to it:
 - its *state* (``WindowState``), moved by the window's own methods only, each move checked (a move the
   states below do not allow raises, as ``FlatUnit``'s do)::
@@ -110,6 +111,10 @@ class Window:
         self.last_checkpoint: str | None = None
         """The checkpoint the engine last saved or loaded: where to go back to after poisoned updates."""
         self.micro_steps = self.global_steps = self.skipped_steps = 0
+        self.in_window = 0
+        """Micro-batches of the open window so far."""
+        self._closes = self._closed_one = False
+        """The running backward closes its window; the last one did."""
         self.reason: str | None = None
         """Why the window is skipped, once it is known."""
         self._window_state = WindowState.OPEN
@@ -121,7 +126,7 @@ class Window:
     @property
     def at_boundary(self) -> bool:
         """The last backward closed a window (``engine.is_accumulation_boundary``)."""
-        return self.micro_steps > 0 and self.micro_steps % self.accum == 0
+        return self._closed_one
 
     @property
     def step_due(self) -> bool:
@@ -168,9 +173,10 @@ class Window:
         return self.placement.reduces_every_backward or self.updates.closes_window
 
     # ------------------------------------------------------------------ backward
-    def begin_backward(self, loss: torch.Tensor) -> bool:
+    def begin_backward(self, loss: torch.Tensor, closes_window: bool | None = None) -> bool:
         """A backward of ``loss`` begins: False when its window is skipped (nothing to run: the micro-batch
-        is counted), else the units and the updates in backward are readied."""
+        is counted), else the units and the updates in backward are readied. ``closes_window``: whether
+        this micro-batch ends its window; None: when it is the ``train.grad_accum_steps``-th."""
         if self.step_due:
             raise WindowError(
                 f"backward() called again before step(): with train.grad_accum_steps = {self.accum}, backward "
@@ -183,13 +189,22 @@ class Window:
                 reason = self._nonfinite_loss(loss)
                 if reason is not None:
                     self.skip(reason)
+        if closes_window is False and self.accum == 1:
+            raise WindowError("backward(closes_window=False) with train.grad_accum_steps = 1: gradients are not kept "
+                              "across backwards; set train.grad_accum_steps to the window's length")
+        self._closes = self.in_window + 1 >= self.accum if closes_window is None else closes_window
         if self._window_state is WindowState.SKIPPED:
-            self.micro_steps += 1
+            self._count_micro_batch()
             return False
         for unit in self.state.units:
             unit.begin_backward()
-        self.updates.start(closes_window=(self.micro_steps + 1) % self.accum == 0)
+        self.updates.start(closes_window=self._closes)
         return True
+
+    def _count_micro_batch(self) -> None:
+        self.micro_steps += 1
+        self.in_window = 0 if self._closes else self.in_window + 1
+        self._closed_one = self._closes
 
     def finish_reductions(self) -> None:
         """Autograd is done: reduce what is left (where this backward reduces) and send kept shards home."""
@@ -200,7 +215,7 @@ class Window:
     def end_backward(self) -> None:
         """The backward is over: its updates stored, its micro-batch counted, the window moved on."""
         self.updates.finish()
-        self.micro_steps += 1
+        self._count_micro_batch()
         if self._window_state is WindowState.ACCUMULATING and self.at_boundary:
             self._window_state = WindowState.STEPPING
 
@@ -260,4 +275,6 @@ class Window:
     def restore(self, global_steps: int, micro_steps: int, skipped_steps: int) -> None:
         """Counters as a checkpoint saved them; the window it closed counts as stepped."""
         self.global_steps, self.micro_steps, self.skipped_steps = global_steps, micro_steps, skipped_steps
+        self.in_window = micro_steps % self.accum
+        self._closed_one = micro_steps > 0 and self.in_window == 0
         self._window_state, self.reason = WindowState.CLOSED, None
