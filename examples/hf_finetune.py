@@ -48,6 +48,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
 
 import zerooffload as zo
 from zerooffload.data import ByteCorpus
+from zerooffload.hf import hf_initializer
 
 TINY_LLAMA = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
@@ -261,15 +262,12 @@ def build_model(hf_config, args: argparse.Namespace) -> nn.Module:
 
 def initializer(model: nn.Module):
     """``init_fn`` for a model built under ``zo.init_context``: Hugging Face's own per-module init
-    (normal weights, unit norms, RoPE frequencies), then the adapters' init.
+    (``zerooffload.hf.hf_initializer``: normal weights, unit norms, RoPE frequencies, on each module
+    that owns parameters or buffers), then the adapters' init."""
+    hf_init = hf_initializer(model)
 
-    zerooffload gives memory to one module's own parameters at a time, so only modules that own
-    parameters or buffers are passed on: GPT-2's attention and MLP blocks own none, and Hugging Face's
-    extra scaling of their ``c_proj`` (a child's weight) is left out; ``c_proj`` gets the plain init."""
     def init(module: nn.Module) -> None:
-        if next(module.parameters(recurse=False), None) is None and next(module.buffers(recurse=False), None) is None:
-            return
-        model._init_weights(module)
+        hf_init(module)
         if isinstance(module, LoRALinear):
             module.reset_lora_parameters()
     return init

@@ -1,0 +1,100 @@
+"""The Trainer's ``checkpoint-N`` folders with the engine's checkpoint inside: which one a resume
+takes, the global batch it keeps, and which old ones ``save_total_limit`` removes.
+
+[Note: Trainer checkpoints]
+- ``checkpoint-N/zerooffload/`` is the engine's checkpoint (manifest, checksummed rank files,
+  ``latest``); its client state records the run's shape: world size, micro-batch, accumulation.
+- ``resume_from_checkpoint=True`` takes the newest ``checkpoint-N`` whose engine checkpoint verifies
+  (digest, sizes, CRCs); when that is not the newest, one line says which was passed over and why. A
+  folder a save or a prune left half-written never looks complete: the engine publishes its tag
+  last, and a pruned folder is renamed ``checkpoint-N.partial`` before it is removed.
+- At another world size the accumulation becomes saved global batch / (world × micro-batch), so every
+  optimizer step sees the same samples (Accelerate deals rank r the batches r, r + world, ...) and
+  the same loss normalization; a global batch that does not divide is refused with the numbers.
+- ``save_total_limit`` keeps the newest that many (the one just saved among them), and never removes
+  the best checkpoint (the Trainer keeps it too) or the last saved before a streak of skipped windows began
+  (run_checkpoints' [Note: pruning]: the saves during a streak hold no newer model).
+"""
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+from ..checkpoint import CheckpointError, read_manifest, remove_tree
+
+__all__ = ["ENGINE_DIR", "run_shape", "global_batch_for", "newest_loadable", "prune_checkpoints"]
+
+ENGINE_DIR = "zerooffload"
+"""The engine's checkpoint inside each checkpoint-N."""
+
+_CHECKPOINT = re.compile(r"checkpoint-(\d+)")
+"""transformers' PREFIX_CHECKPOINT_DIR and its step number."""
+
+
+def run_shape(args: Any) -> dict:
+    """The client state each save records: what a resume needs to keep the global batch."""
+    return {"world_size": args.world_size, "micro_batch_size": args.per_device_train_batch_size,
+            "grad_accum_steps": args.gradient_accumulation_steps}
+
+
+def global_batch_for(checkpoint: Path, args: Any) -> int:
+    """The accumulation that gives ``args``' world size and micro-batch the saved global batch."""
+    saved = read_manifest(checkpoint / ENGINE_DIR, verify=False).data.get("client_state") or {}
+    if not saved:
+        return args.gradient_accumulation_steps
+    total = saved["world_size"] * saved["micro_batch_size"] * saved["grad_accum_steps"]
+    per_step = args.world_size * args.per_device_train_batch_size
+    if total % per_step:
+        raise CheckpointError(
+            f"{checkpoint} was saved with a global batch of {total} (world size {saved['world_size']} × "
+            f"per_device_train_batch_size {saved['micro_batch_size']} × gradient_accumulation_steps "
+            f"{saved['grad_accum_steps']}); world size {args.world_size} × per_device_train_batch_size "
+            f"{args.per_device_train_batch_size} does not divide it: choose a micro-batch that does")
+    return total // per_step
+
+
+def checkpoint_folders(run_dir: Path) -> list[Path]:
+    """``checkpoint-N`` folders, oldest first by N."""
+    if not run_dir.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in run_dir.iterdir() if (m := _CHECKPOINT.fullmatch(p.name)) and p.is_dir()]
+    return [p for _, p in sorted(found)]
+
+
+def _verifies(folder: Path) -> CheckpointError | None:
+    try:
+        read_manifest(folder / ENGINE_DIR)
+        return None
+    except CheckpointError as error:
+        return error
+
+
+def newest_loadable(run_dir: Path, rank: int) -> str:
+    """The newest checkpoint-N whose engine checkpoint verifies ([Note: Trainer checkpoints])."""
+    folders = checkpoint_folders(run_dir)
+    passed_over = []
+    for folder in reversed(folders):
+        problem = _verifies(folder)
+        if problem is None:
+            if passed_over and rank == 0:
+                print(f"zerooffload: warning: not resuming from {passed_over[0][0].name} ({passed_over[0][1]}); "
+                      f"resuming from {folder.name}, the newest checkpoint that verifies", file=sys.stderr)
+            return str(folder)
+        passed_over.append((folder, problem))
+    if passed_over:
+        raise CheckpointError(f"no checkpoint in {run_dir} verifies: {passed_over[0][0].name}: {passed_over[0][1]}; "
+                              "train without resume_from_checkpoint, or restore the files")
+    raise CheckpointError(f"no checkpoint-N folder in {run_dir} to resume from: train without resume_from_checkpoint, "
+                          "or pass the output_dir of the run to continue")
+
+
+def prune_checkpoints(run_dir: Path, limit: int, spare: set[str | None]) -> None:
+    """After a save: remove checkpoint-N folders older than the newest ``limit``, sparing ``spare``
+    (paths). The one just saved, which verified as it was written, is the newest: always kept."""
+    folders = checkpoint_folders(run_dir)
+    kept = {str(Path(p).resolve()) for p in spare if p}
+    for folder in folders[:-limit]:
+        if str(folder.resolve()) not in kept:
+            remove_tree(folder)
