@@ -77,7 +77,7 @@ def test_fp16_world_size_1():
     assert (result["updated"], result["scales"]) == (reference["updated"], reference["scales"])
 
 
-def _matmul_seconds(dtype: torch.dtype, size: int = 1024) -> float:
+def _matmul_seconds(dtype: torch.dtype, size: int = 256) -> float:
     a, b = torch.randn(size, size).to(dtype), torch.randn(size, size).to(dtype)
     a @ b
     times = []
