@@ -161,6 +161,15 @@ def test_resuming_at_world_2_is_exact(llama_world2):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("model, world", [("gpt2", 2), ("llama", 1)])
+def test_the_other_model_at_the_other_world_size_equals_the_plain_trainer(tmp_path, model, world):
+    common = ("--model", model, "--micro", "2", "--accum", "2", "--steps", "6")
+    plain, _ = _train(tmp_path, "plain", *common, world=world, trainer="plain")
+    ours, _ = _train(tmp_path, "ours", *common, world=world)
+    _close(ours["losses"], plain["losses"], FP32_RTOL)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("model", ["gpt2", "llama"])
 def test_bf16_losses_are_near_the_plain_trainers_autocast(tmp_path, model):
     common = ("--model", model, "--bf16", "--steps", "6")
