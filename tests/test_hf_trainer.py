@@ -250,3 +250,9 @@ def test_the_example_trains_resumes_and_saves_a_loadable_model(tmp_path):
     assert [e["step"] for e in state["log_history"] if "loss" in e] == [1, 2, 3, 4]
     model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out")
     assert sum(p.numel() for p in model.parameters()) > 1e6
+
+
+def test_a_second_engine_is_refused_before_the_trainer_sets_it_up(tmp_path):
+    from zerooffload.hf import Trainer
+    with pytest.raises(ConfigError, match="TrainingArguments.fsdp is set: zerooffload shards the model itself"):
+        Trainer(model=torch.nn.Linear(2, 2), args=_args(tmp_path, fsdp=True), zerooffload={"zero": {"stage": 3}})

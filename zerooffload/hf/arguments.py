@@ -26,7 +26,7 @@ from typing import Any, Callable
 from ..config import Config, ConfigError, SchedulerConfig, read_config_file
 from ..config.deepspeed import is_deepspeed
 
-__all__ = ["ARGUMENT_KEYS", "TrainerConfig", "resolve"]
+__all__ = ["ARGUMENT_KEYS", "TrainerConfig", "refuse_arguments", "resolve"]
 
 logger = logging.getLogger(__name__)
 
@@ -114,9 +114,7 @@ class TrainerConfig:
 def resolve(source: Config | dict | str | os.PathLike, args: Args) -> TrainerConfig:
     """The config ``zerooffload=`` names, filled from and checked against ``args``; ConfigError lists
     every disagreement, and refused arguments are named with what to do instead."""
-    refused = [f"TrainingArguments.{name} is set: {fix}" for name, is_set, fix in REFUSED_ARGUMENTS if is_set(args)]
-    if refused:
-        raise ConfigError("; ".join(refused))
+    refuse_arguments(args)
     data = _raw(source)
     deepspeed = is_deepspeed(data)
     keys = [(k.ours, k.deepspeed, k.argument, k.value) for k in ARGUMENT_KEYS]
@@ -132,6 +130,13 @@ def resolve(source: Config | dict | str | os.PathLike, args: Args) -> TrainerCon
         logger.info("zerooffload sizes these itself (\"auto\" left to its defaults): %s", ", ".join(sized_by_us))
     engine_data = {k: v for k, v in data.items() if k != "scheduler"}
     return TrainerConfig(Config.load(engine_data, world_size=args.world_size), data, deepspeed)
+
+
+def refuse_arguments(args: Args) -> None:
+    """ConfigError naming every argument that would put a second engine under or around ours."""
+    refused = [f"TrainingArguments.{name} is set: {fix}" for name, is_set, fix in REFUSED_ARGUMENTS if is_set(args)]
+    if refused:
+        raise ConfigError("; ".join(refused))
 
 
 def _raw(source: Config | dict | str | os.PathLike) -> dict:

@@ -45,7 +45,7 @@ from ..initialization import initialize
 from ..lazy_init import is_lazy
 from ..optim import build_scheduler
 from ..pretrained import load_safetensors
-from .arguments import TrainerConfig, resolve
+from .arguments import TrainerConfig, refuse_arguments, resolve
 from .checkpoints import ENGINE_DIR, global_batch_for, newest_loadable, prune_checkpoints, run_shape
 from .lazy_model import hf_initializer, pretrained_weights
 
@@ -146,6 +146,9 @@ class Trainer(transformers.Trainer):
     Everything else is the Trainer's, trained by the engine (this module's note)."""
 
     def __init__(self, *args: Any, zerooffload: Any, **kwargs: Any):
+        arguments = kwargs.get("args", args[1] if len(args) > 1 else None)
+        if arguments is not None:
+            refuse_arguments(arguments)  # before the Trainer sets up a DeepSpeed or FSDP of its own
         self._zo_source = zerooffload
         self._zo_engine: Engine | None = None
         self._zo_good: str | None = None
