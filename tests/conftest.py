@@ -12,11 +12,13 @@ import sys
 import tomllib
 from pathlib import Path
 
+from typing import TYPE_CHECKING
+
 import pytest
 
-from aio_helpers import config
-from harness import RankPool
-from zerooffload.io import AsyncIO
+if TYPE_CHECKING:  # imported in the fixtures: this module must load without torch, so that
+    from harness import RankPool  # pytest_configure can say what this Python lacks
+    from zerooffload.io import AsyncIO
 
 
 def _missing_requirements() -> list[str]:
@@ -37,6 +39,8 @@ def pytest_configure(config):
 
 @pytest.fixture(scope="session")
 def rank_pools():
+    from harness import RankPool
+
     pools: dict[int, RankPool] = {}
 
     def get(world_size: int) -> RankPool:
@@ -70,6 +74,9 @@ def make_engine():
 
 @pytest.fixture(scope="module")
 def engines():
+    from aio_helpers import config
+    from zerooffload.io import AsyncIO
+
     made: dict[str, AsyncIO] = {}
 
     def get(name: str) -> AsyncIO:
