@@ -134,27 +134,20 @@ class Engine:
     @segment("backward: reduce")
     @_engine_call
     def backward(self, output: Any, *, scale_wrt_gas: bool = True, closes_window: bool | None = None) -> None:
-        """Backward of a loss (or of ``output.loss``), scaled by loss scale / ``grad_accum_steps``.
-
-        A caller that counts the accumulation itself (the Hugging Face Trainer) passes
-        ``scale_wrt_gas=False`` (DeepSpeed's name: its loss is divided already) and ``closes_window``
-        (whether this micro-batch ends the window, also a shorter last one; None: after
-        ``grad_accum_steps``). With ``train.skip_nonfinite``, a loss that is inf/NaN on any rank (one
-        flag, all-reduced here) marks the window skipped and runs no backward at all: its gradients
-        would be discarded."""
-        loss = output if isinstance(output, torch.Tensor) else output.loss
-        divisor = self.config.train.grad_accum_steps if scale_wrt_gas else 1
+        """Backward of a loss (or ``output.loss``) × loss scale / ``grad_accum_steps`` (undivided with
+        ``scale_wrt_gas=False``; ``closes_window``: the caller ends windows: window's note). A loss inf/NaN
+        on any rank skips the window under ``train.skip_nonfinite``: no backward runs (all-reduced flag)."""
         with self._meter.phase("backward"):
-            self._backward_pass(loss, divisor, closes_window)
+            self._backward_pass(getattr(output, "loss", output), scale_wrt_gas, closes_window)
 
-    def _backward_pass(self, loss: torch.Tensor, divisor: int, closes_window: bool | None) -> None:
+    def _backward_pass(self, loss: torch.Tensor, scale_wrt_gas: bool, closes_window: bool | None) -> None:
         if not self.window.begin_backward(loss, closes_window):  # a skipped window: nothing to run (window's note)
             self.param_scheduler.abandon_pass()
             return
         if self.host_activations is not None:
             self.host_activations.prefetch_last()
         try:
-            (loss * (self.scaler.scale / divisor)).backward()
+            (loss * self.window.loss_factor(scale_wrt_gas)).backward()
             self.window.finish_reductions()
         except BaseException:
             self.window.abandon_backward()
@@ -232,14 +225,6 @@ class Engine:
         weights' (``StateDicts.fp32_shard``).
         """
         return self.state_dicts.full_state_dict(all_ranks)
-
-    @_engine_call
-    def save_safetensors(self, path: str | os.PathLike, dtype: torch.dtype = torch.float32) -> Path:
-        """Write ``full_state_dict()``'s keys as one safetensors file at ``path`` (rank 0 writes), one
-        unit gathered at a time: memory stays near one unit, never the whole model. Parameters from
-        the masters cast to ``dtype``; buffers as they are. Collective: every rank must call it."""
-        entries = [checkpoint.SafetensorsEntry(*entry) for entry in self.state_dicts.streamed_entries(dtype)]
-        return checkpoint.write_safetensors(path, entries, {"source": "zerooffload"}, writes=self.comm.rank == 0)
 
     @contextlib.contextmanager
     def gathered(self, modifier_rank: int = 0) -> Iterator[nn.Module]:

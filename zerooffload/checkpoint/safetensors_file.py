@@ -11,11 +11,16 @@ import json
 import math
 import os
 from pathlib import Path
-from typing import Callable, NamedTuple
+from typing import TYPE_CHECKING, Callable, NamedTuple
 
 import torch
 
-__all__ = ["SafetensorsEntry", "write_safetensors"]
+from ..comm import failing_together
+
+if TYPE_CHECKING:
+    from ..training_state import Trainable
+
+__all__ = ["SafetensorsEntry", "save_safetensors", "write_safetensors"]
 
 _DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.int64: "I64",
            torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL",
@@ -66,3 +71,13 @@ def write_safetensors(out: str | os.PathLike, entries: list[SafetensorsEntry], m
         os.fsync(f.fileno())
     os.replace(temporary, out)
     return out
+
+
+def save_safetensors(engine: "Trainable", path: str | os.PathLike, dtype: torch.dtype = torch.float32) -> Path:
+    """An engine's ``full_state_dict()`` keys as one safetensors file at ``path`` (``zo.load_safetensors``'s
+    counterpart), rank 0 writing, one unit gathered at a time (memory near one unit, never the whole
+    model): parameters from the masters cast to ``dtype``, buffers as they are. Collective."""
+    engine.ensure_open("save_safetensors")
+    with failing_together(engine.comm):  # a rank that cannot write must not strand the others in a gather
+        entries = [SafetensorsEntry(*entry) for entry in engine.state_dicts.streamed_entries(dtype)]
+        return write_safetensors(path, entries, {"source": "zerooffload"}, writes=engine.comm.rank == 0)

@@ -21,7 +21,7 @@ engine instead, the way transformers hands it to DeepSpeed:
   Trainer's state, scheduler and RNG files, and the model's config, no ``model.safetensors``
   (``zerooffload checkpoint consolidate checkpoint-N/zerooffload OUT.safetensors`` writes one, tensor
   by tensor); ``save_model`` writes ``model.safetensors`` from the live engine, unit by unit
-  (``Engine.save_safetensors``), which ``from_pretrained`` loads;
+  (``checkpoint.save_safetensors``), which ``from_pretrained`` loads;
 - resuming loads that checkpoint into the engine; ``resume_from_checkpoint=True`` takes the newest
   ``checkpoint-N`` whose checkpoint verifies, saying so when that is not the newest; at another
   world size the accumulation is changed to keep the saved global batch (``checkpoints``' note);
@@ -39,6 +39,7 @@ import torch
 import transformers
 from torch import nn
 
+from ..checkpoint import save_safetensors
 from ..config import Config
 from ..engine import Engine
 from ..initialization import initialize
@@ -96,9 +97,6 @@ class EngineOptimizer:
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Nothing: the engine's step clears its gradients."""
-
-    def state_dict(self) -> dict:
-        return self.optimizer.state_dict()
 
 
 class EngineSchedule:
@@ -310,7 +308,7 @@ class Trainer(transformers.Trainer):
         if self.args.should_save:
             output_dir.mkdir(parents=True, exist_ok=True)
         if with_weights:
-            engine.save_safetensors(output_dir / "model.safetensors")
+            save_safetensors(engine, output_dir / "model.safetensors")
         if not self.args.should_save:
             return
         unwrapped = self.model

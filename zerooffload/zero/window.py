@@ -112,9 +112,9 @@ class Window:
         """The checkpoint the engine last saved or loaded: where to go back to after poisoned updates."""
         self.micro_steps = self.global_steps = self.skipped_steps = 0
         self.in_window = 0
-        """Micro-batches of the open window so far."""
-        self._closes = self._closed_one = False
-        """The running backward closes its window; the last one did."""
+        """Micro-batches of the open window so far (0 once a backward closed it)."""
+        self._closes = False
+        """The running backward closes its window."""
         self.reason: str | None = None
         """Why the window is skipped, once it is known."""
         self._window_state = WindowState.OPEN
@@ -126,7 +126,7 @@ class Window:
     @property
     def at_boundary(self) -> bool:
         """The last backward closed a window (``engine.is_accumulation_boundary``)."""
-        return self._closed_one
+        return self.micro_steps > 0 and self.in_window == 0
 
     @property
     def step_due(self) -> bool:
@@ -204,7 +204,11 @@ class Window:
     def _count_micro_batch(self) -> None:
         self.micro_steps += 1
         self.in_window = 0 if self._closes else self.in_window + 1
-        self._closed_one = self._closes
+
+    def loss_factor(self, scale_wrt_gas: bool) -> float:
+        """What a backward multiplies its loss by: the loss scale, over the window's length unless the
+        caller divided the loss already (``scale_wrt_gas=False``, DeepSpeed's name)."""
+        return self.scaler.scale / (self.accum if scale_wrt_gas else 1)
 
     def finish_reductions(self) -> None:
         """Autograd is done: reduce what is left (where this backward reduces) and send kept shards home."""
@@ -276,5 +280,4 @@ class Window:
         """Counters as a checkpoint saved them; the window it closed counts as stepped."""
         self.global_steps, self.micro_steps, self.skipped_steps = global_steps, micro_steps, skipped_steps
         self.in_window = micro_steps % self.accum
-        self._closed_one = micro_steps > 0 and self.in_window == 0
         self._window_state, self.reason = WindowState.CLOSED, None
