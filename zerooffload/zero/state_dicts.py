@@ -36,14 +36,15 @@ class StateDicts:
         are; rank 0 (every rank with ``all_ranks``) gets the dict, the others ``{}``."""
         values: dict[int, torch.Tensor] = {}
         for unit_values in self.unit_values():
-            values.update(unit_values)
+            values.update({key: value.clone() for key, value in unit_values.items()})  # not views of the unit
         if not (all_ranks or self.state.comm.rank == 0):
             return {}
         return {name: values[id(t)] if id(t) in values else t.detach().cpu().clone()
                 for name, t in self.state.module.state_dict(keep_vars=True).items()}
 
     def unit_values(self) -> Iterator[dict[int, torch.Tensor]]:
-        """Unit by unit, in unit order, its parameters' fp32 CPU values by ``id(param)`` (every rank)."""
+        """Unit by unit, in unit order, its parameters' fp32 CPU values by ``id(param)`` (every rank):
+        views of the unit's gathered buffer."""
         comm = self.state.comm
         for opt_state in self.state.visit(write=False):
             unit = opt_state.unit
@@ -53,7 +54,8 @@ class StateDicts:
                 all_gather(comm, flat, shard)
             else:
                 flat.copy_(shard)
-            yield {id(slot.param): flat[slot.offset:slot.offset + slot.numel].view(slot.shape).cpu().clone()
+            flat = flat.cpu()
+            yield {id(slot.param): flat[slot.offset:slot.offset + slot.numel].view(slot.shape)
                    for slot in unit.layout.slots}
 
     def streamed_entries(self, dtype: torch.dtype) -> list[tuple[str, tuple, torch.dtype, Callable]]:
