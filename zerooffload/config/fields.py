@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import math
 import types
 from dataclasses import dataclass, field, fields
@@ -109,6 +110,13 @@ def check_bounds(value: Any, meta: dict, key: str) -> None:
         raise ConfigError(f"{key} = {value!r}: must be a multiple of {meta['multiple_of']} ({meta['doc']})")
 
 
+@functools.cache
+def _type_hints(cls: type) -> dict[str, Any]:
+    """A section's field types, resolved once per class: resolving them parses every annotation string
+    anew, and a plan search loads hundreds of configs (most of its time, uncached)."""
+    return get_type_hints(cls)
+
+
 class Section:
     """Shared behaviour of the section dataclasses: convert and check each field after __init__."""
 
@@ -116,7 +124,7 @@ class Section:
     PATH = ""
 
     def __post_init__(self) -> None:
-        hints = get_type_hints(type(self))
+        hints = _type_hints(type(self))
         for f in fields(self):
             key = f"{self.PATH}.{f.name}"
             value = getattr(self, f.name)
@@ -148,7 +156,7 @@ class Section:
                                   + f" (allowed: {', '.join(names)})")
         kwargs = {}
         for key, value in data.items():
-            nested = get_type_hints(cls)[key]
+            nested = _type_hints(cls)[key]
             if dataclasses.is_dataclass(nested):
                 value = nested.from_dict(value, f"{path}.{key}" if path else key)
             kwargs[key] = value
