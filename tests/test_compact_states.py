@@ -231,3 +231,22 @@ def test_a_split_master_is_refused_where_it_cannot_apply(overrides, line):
     with pytest.raises(ConfigError) as info:
         Config.load(config)
     assert str(info.value).startswith(line)
+
+
+@pytest.mark.parametrize("moments, ratio", [("bf16", (4 + 2 * 2) / 12), ("int8", (4 + 2 * (1 + 4 / 256)) / 12)])
+def test_a_checkpoint_keeps_compact_moments_in_their_bytes(make_engine, tmp_path, moments, ratio):
+    """Moments are saved as they are kept: the rank files of a compact run take the fp32 master's 4 bytes
+    per element and each moment's own (bf16 2, int8 1 and a scale per 256), against 12 with fp32
+    moments, and they resume bitwise (the test above)."""
+    sizes = {}
+    for kept in ("fp32", moments):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.Tanh(), torch.nn.Linear(512, 256))
+        engine = make_engine(model, {"zero": {"stage": 1}, "offload": {"optimizer": {"tier": "host"}},
+                                     "optimizer": {"moments": kept}})
+        engine.backward(engine(torch.randn(8, 512)).square().mean())
+        engine.step()
+        saved = engine.save_checkpoint(tmp_path / kept)
+        sizes[kept] = sum(path.stat().st_size for path in saved.glob("rank*.bin"))
+    pages = 2 * 2 * len(engine.units)  # each moment's values (and int8 scales) end on a 4 KiB page, per unit
+    assert sizes[moments] <= ratio * sizes["fp32"] + pages * 4096, sizes

@@ -14,17 +14,45 @@ from typing import Any
 import torch
 
 from ..io import OffsetReader
+from ..optim.state_formats import INT8_BLOCK, decode_int8, int8_blocks
 from .files import CheckpointError, load_manifest_json, resolve_tag, verify_file
 
-__all__ = ["FORMAT", "VERSION", "Manifest", "read_manifest", "rank_file", "malformed", "Source", "parameter_sources",
-           "RankFiles", "read_range", "read_saved_buffers"]
+__all__ = ["FORMAT", "VERSION", "MOMENT_ITEMSIZE", "Manifest", "read_manifest", "rank_file", "malformed", "Source",
+           "parameter_sources", "shard_segments", "RankFiles", "read_range", "read_saved_buffers"]
 
 FORMAT = "zerooffload-checkpoint"
 VERSION = 1
 
 
+MOMENT_ITEMSIZE = {"fp32": 4, "bf16": 2, "int8": 1}
+"""Bytes per element of a saved moment, by ``optimizer.moments`` (int8: the codes; the scales beside)."""
+
+_SEGMENT_ALIGN = 4096
+"""Every segment starts at a multiple of this in its rank file: the O_DIRECT writes stay aligned."""
+
+
 def rank_file(rank: int, suffix: str) -> str:
     return f"rank{rank:05d}.{suffix}"
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // _SEGMENT_ALIGN) * _SEGMENT_ALIGN
+
+
+def _int8_scales(unit: dict) -> int:
+    """Scales saved per int8 moment of a unit shard: enough for any rank's pieces (each starts a block)."""
+    return unit["shard_numel"] // INT8_BLOCK + sum(1 for slot in unit["slots"] if slot["trainable"])
+
+
+def shard_segments(unit: dict, moments: int, moment_format: str) -> list[int]:
+    """Bytes of each segment of one unit shard in a rank file, as saved: the fp32 master, then per moment
+    its values (int8: codes, then a segment of fp32 scales); each padded to 4 KiB. fp32 moments keep the
+    layout of checkpoints saved before the compact formats (a shard is a multiple of 1024 elements)."""
+    shard = unit["shard_numel"]
+    per_moment = [_aligned(shard * MOMENT_ITEMSIZE[moment_format])]
+    if moment_format == "int8":
+        per_moment.append(_aligned(4 * _int8_scales(unit)))
+    return [shard * 4] + per_moment * moments
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,13 +67,23 @@ class Manifest:
         return self.data["units"]
 
     @property
-    def segments(self) -> int:
-        """Tensors per unit shard in a rank file: the master and each moment."""
-        return 1 + len(self.data["moments"])
+    def moment_format(self) -> str:
+        """The moments' saved format (checkpoints from before the compact formats hold fp32)."""
+        return self.data.get("moment_format", "fp32")
 
-    def unit_offset(self, index: int) -> int:
-        """Byte offset of unit ``index``'s shard block in each rank file that holds it."""
-        return sum(u["shard_numel"] * 4 * self.segments for u in self.units[:index])
+    def segments(self, index: int) -> list[int]:
+        """Bytes of each segment of unit ``index``'s shard block (``shard_segments``)."""
+        return shard_segments(self.units[index], len(self.data["moments"]), self.moment_format)
+
+    def segment_offset(self, index: int, segment: int) -> int:
+        """Byte offset of segment ``segment`` (0 master, 1.. moments) of unit ``index``'s shard block in each
+        rank file that holds it."""
+        before = sum(sum(self.segments(i)) for i in range(index))
+        return before + sum(self.segments(index)[:self._first_part(segment)])
+
+    def _first_part(self, segment: int) -> int:
+        """Index of a segment's first part in ``segments`` (an int8 moment has two: codes and scales)."""
+        return 1 + (segment - 1) * (2 if self.moment_format == "int8" else 1) if segment else 0
 
 
 _MANIFEST_KEYS = {"format": str, "version": int, "world_size": int, "moments": list, "units": list, "steps": dict,
@@ -65,6 +103,9 @@ def read_manifest(directory: str | os.PathLike, tag: str | None = None, verify: 
     if wrong:
         raise CheckpointError(f"{path / 'manifest.json'}: not a valid manifest: missing or malformed "
                               + ", ".join(wrong))
+    if data.get("moment_format", "fp32") not in MOMENT_ITEMSIZE:
+        raise CheckpointError(f"{path / 'manifest.json'}: moment_format {data['moment_format']!r}: expected one of "
+                              f"{sorted(MOMENT_ITEMSIZE)}")
     if verify:
         for name, expected in data["files"].items():
             verify_file(path / name, expected)
@@ -128,16 +169,62 @@ class RankFiles:
 
 def read_range(files: RankFiles, source: Source, segment: int, start: int, stop: int,
                out: torch.Tensor) -> None:
-    """Elements [start, stop) of one saved parameter's ``segment`` (0 master, 1.. moments) into ``out``."""
-    manifest, shard = files.manifest, source.unit["shard_numel"]
-    base = manifest.unit_offset(source.unit_index)
+    """Elements [start, stop) of one saved parameter's ``segment`` (0 master, 1.. moments) into ``out``,
+    as fp32 values (bf16 moments widened, int8 ones decoded: both exact)."""
+    shard = source.unit["shard_numel"]
     flat_lo, flat_hi = source.offset + start, source.offset + stop
     buffer = torch.empty(stop - start, dtype=torch.float32)
     for rank in range(flat_lo // shard, (flat_hi - 1) // shard + 1):
         lo, hi = max(flat_lo, rank * shard), min(flat_hi, (rank + 1) * shard)
-        byte = base + (segment * shard + lo - rank * shard) * 4
-        files.read(rank, byte, buffer[lo - flat_lo:hi - flat_lo])
+        _read_shard_range(files, source, segment, rank, lo - rank * shard, hi - rank * shard,
+                          buffer[lo - flat_lo:hi - flat_lo])
     out.copy_(buffer)
+
+
+def _read_shard_range(files: RankFiles, source: Source, segment: int, rank: int, lo: int, hi: int,
+                      out: torch.Tensor) -> None:
+    """Elements [lo, hi) of rank ``rank``'s shard (all inside ``source``'s slot) of one segment, as fp32."""
+    manifest = files.manifest
+    base = manifest.segment_offset(source.unit_index, segment)
+    moment_format = manifest.moment_format if segment else "fp32"
+    if moment_format == "int8":
+        _read_int8_range(files, source, base, segment == 1, rank, lo, hi, out)
+    elif moment_format == "bf16":
+        values = torch.empty(hi - lo, dtype=torch.bfloat16)
+        files.read(rank, base + lo * 2, values)
+        out.copy_(values)
+    else:
+        files.read(rank, base + lo * 4, out)
+
+
+def _read_int8_range(files: RankFiles, source: Source, base: int, signed: bool, rank: int, lo: int, hi: int,
+                     out: torch.Tensor) -> None:
+    """An int8 moment's elements [lo, hi) of a saved shard, decoded from the whole blocks around them.
+    Blocks start at each trainable piece of the shard (optim.state), pieces in slot order."""
+    piece_start, first_scale = _saved_piece(source.unit, source.offset, rank)
+    first_block = (lo - piece_start) // INT8_BLOCK
+    code_lo = piece_start + first_block * INT8_BLOCK
+    codes = torch.empty(hi - code_lo, dtype=torch.uint8)
+    files.read(rank, base + code_lo, codes)
+    scales = torch.empty(int8_blocks(codes.numel()), dtype=torch.float32)
+    scales_at = base + _aligned(source.unit["shard_numel"])
+    files.read(rank, scales_at + 4 * (first_scale + first_block), scales)
+    out.copy_(decode_int8(codes, scales, signed)[lo - code_lo:])
+
+
+def _saved_piece(unit: dict, slot_offset: int, rank: int) -> tuple[int, int]:
+    """Where the piece of the slot at ``slot_offset`` starts in rank ``rank``'s saved shard, and its first
+    int8 scale (the blocks of the trainable pieces before it come first)."""
+    shard = unit["shard_numel"]
+    lo, hi = rank * shard, (rank + 1) * shard
+    first_scale = 0
+    for slot in unit["slots"]:
+        start, stop = max(slot["offset"], lo), min(slot["offset"] + slot["numel"], hi)
+        if slot["offset"] == slot_offset:
+            return start - lo, first_scale
+        if slot["trainable"] and start < stop:
+            first_scale += int8_blocks(stop - start)
+    raise ValueError(f"unit {unit['name']!r} has no parameter at offset {slot_offset}")  # sources come from it
 
 
 def read_saved_buffers(manifest: Manifest, files: RankFiles) -> dict[str, torch.Tensor]:

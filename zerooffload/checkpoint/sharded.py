@@ -3,9 +3,15 @@
 [Note: checkpoint layout]
 ``DIR/<tag>/`` holds ``manifest.json`` (written by rank 0 last), ``rank00000.bin`` ... (each rank's
 unit shards: for unit after unit, this rank's fp32 master shard and then each moment shard, padding
-included; bf16 moments widened to fp32, exactly, and int8 moments decoded to fp32, exactly, so that a
-checkpoint loads into any format: into bf16 from fp32 rounded to nearest even, into int8 with codes
-rounded to nearest, which gives the codes a save decoded back) and ``rank00000.pt`` (each rank's RNG states). ``DIR/latest``
+included, each segment 4 KiB-aligned: ``layout.shard_segments``) and ``rank00000.pt`` (each rank's RNG
+states). Moments are saved as they are kept (``optimizer.moments``): fp32, bf16, or int8 codes followed
+by their blocks' fp32 scales, so a compact run's checkpoint takes the bytes its states take. A split
+master is saved as the fp32 value it holds exactly (4 bytes against its 4.125 beside the weight). A
+load reads every segment as fp32 (widened or decoded, exactly) and stores it in the loading run's
+format, so any format loads into any other: into bf16 rounded to nearest even, into int8 with codes
+rounded to nearest; a load into the format it was saved in gives the same bits back (int8: where the
+pieces, so the blocks, are cut as when saved; cut elsewhere, the blocks are encoded anew, within int8's
+rounding). ``DIR/latest``
 names the newest complete tag.
 The manifest records the format version, the config, the world size and stage, every unit's layout
 (parameter names, shapes, offsets, shard size), the optimizer's per-parameter step counts and group
@@ -71,6 +77,7 @@ from .layout import (
     read_manifest,
     read_range,
     read_saved_buffers,
+    shard_segments,
 )
 from .safetensors_file import SafetensorsEntry, write_safetensors
 
@@ -137,8 +144,7 @@ def _write_rank_files(engine: Trainable, partial: Path) -> dict[str, dict]:
     """This rank's files in ``partial``; name -> size and CRC. Out of room: a ``CheckpointError``
     naming the directory and the bytes, and this rank's files removed (the previous checkpoint stays)."""
     rank = engine.comm.rank
-    size = sum(s.unit.layout.shard_numel * 4 * (1 + len(s.moment_names))  # master and moments, as written
-               for s in engine.opt_states if rank < s.unit.layout.shards)
+    size = sum(sum(_segments(engine, s)) for s in engine.opt_states if rank < s.unit.layout.shards)
     try:
         return _write_rank_data(engine, partial, size)
     except OSError as error:
@@ -161,11 +167,10 @@ def _write_rank_data(engine: Trainable, partial: Path, size: int) -> dict[str, d
         try:
             for state in engine.state_dicts.visit(write=False):
                 if rank < state.unit.layout.shards:
-                    writer.write(engine.state_dicts.fp32_shard(state))
-                    state.unpack_moments()
-                    for name in state.moment_names:
-                        writer.write(_whole_shard(state.moment(name).float(), state.unit.layout.shard_numel))
-                    state.drop_moments()
+                    parts = [engine.state_dicts.fp32_shard(state)]
+                    parts += [part for name in state.moment_names for part in state.stored_moment(name)]
+                    for part, nbytes in zip(parts, _segments(engine, state), strict=True):
+                        writer.write(_padded(part, nbytes))
         finally:
             files = {rank_file(rank, "bin"): writer.close()}
         if rank == 0:
@@ -184,12 +189,19 @@ def _write_rank_data(engine: Trainable, partial: Path, size: int) -> dict[str, d
     return files
 
 
-def _whole_shard(part: torch.Tensor, size: int) -> torch.Tensor:
-    """A segment over a shard's trainable part as the format stores it: the whole shard, zeros past it."""
-    if part.numel() == size:
-        return part
-    whole = torch.zeros(size, dtype=part.dtype, device=part.device)
-    whole[:part.numel()].copy_(part)
+def _segments(engine: Trainable, state: "UnitOptimizerState") -> list[int]:
+    """Bytes of each segment of ``state``'s unit shard in a rank file (``layout.shard_segments``)."""
+    return shard_segments(_unit_record(state.unit), len(state.moment_names), engine.config.optimizer.moments)
+
+
+def _padded(part: torch.Tensor, nbytes: int) -> torch.Tensor:
+    """``part``'s bytes followed by zeros up to ``nbytes``: a segment as the format stores it (past a shard's
+    trainable part, and to the segment's alignment)."""
+    data = part.reshape(-1).view(torch.uint8)
+    if data.numel() == nbytes:
+        return data
+    whole = torch.zeros(nbytes, dtype=torch.uint8, device=data.device)
+    whole[:data.numel()].copy_(data)
     return whole
 
 
@@ -209,6 +221,7 @@ def _manifest(engine: Trainable, tag: str, files: dict, steps: dict[str, float],
         "format": FORMAT, "version": VERSION, "tag": tag, "world_size": engine.comm.world_size,
         "stage": engine.config.zero.stage, "precision": engine.config.train.precision, "config": engine.config.to_toml(),
         "moments": list(engine.opt_states[0].moment_names) if engine.opt_states else [],
+        "moment_format": engine.config.optimizer.moments,
         "units": [_unit_record(u) for u in engine.units],
         "steps": steps,
         "groups": [{k: v for k, v in g.items() if k != "params" and _jsonable(v)} for g in optimizer.param_groups],

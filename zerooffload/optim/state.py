@@ -178,6 +178,14 @@ class UnitOptimizerState:
         first = self._first_scale[piece]
         return self._moment_part(name, scales=True)[first:first + int8_blocks(piece.stop - piece.start)]
 
+    def stored_moment(self, name: str) -> list[torch.Tensor]:
+        """A moment over the trainable part as the block holds it (for checkpoints): its values, and an
+        int8 moment's codes and then its pieces' scales, in piece order."""
+        if not self.int8:
+            return [self._moment_part(name)]
+        scales = sum(int8_blocks(p.stop - p.start) for p in self._first_scale)
+        return [self._moment_part(name), self._moment_part(name, scales=True)[:scales]]
+
     def unpack_moments(self, decode: bool = True) -> None:
         """int8 moments as fp32 values for ``moment()`` (zeros without ``decode``: they will be overwritten)."""
         if not self.int8:
