@@ -58,6 +58,14 @@ def test_usage_errors_are_one_line_with_status_2(args, line):
     assert _one_line(_cli(*args), 2) == f"zerooffload: {line}"
 
 
+def test_a_usage_error_is_answered_before_torch_is_imported():
+    """A mistyped flag is said at once, not after the seconds torch takes to import."""
+    code = ("import sys\nfrom zerooffload.cli.main import main\ntry:\n    main(['train', '--steps', '-5'])\n"
+            "except SystemExit as stop:\n    print(stop.code, 'torch' in sys.modules)")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=_ENV)
+    assert run.stdout.split() == ["2", "False"], run.stdout + run.stderr
+
+
 def test_a_toml_syntax_error_names_the_file_and_line(tmp_path):
     config = tmp_path / "train.toml"
     config.write_text("[zero]\nstage = = 3\n")

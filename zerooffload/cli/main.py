@@ -26,7 +26,6 @@ from typing import Callable
 from ..config import Config, ConfigError, DeepSpeedConfigWarning
 from ..errors import CheckpointError, EngineGroupEnded, SkipStreakError
 from ..log import configure_logging, current_rank
-from .estimate import parse_count
 from .train_config import DEFAULT_STEPS
 
 __all__ = ["main"]
@@ -75,6 +74,8 @@ def _number(parse: Callable[[str], float], minimum: float, meaning: str) -> Call
 
 def _params(text: str) -> float:
     """``--params`` of ``estimate``: a count with an optional K/M/B/T suffix (see ``parse_count``)."""
+    from .estimate import parse_count  # here, as each command's own imports: a usage error needs no torch
+
     try:
         return parse_count(text)
     except ValueError as exc:
