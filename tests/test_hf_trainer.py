@@ -29,18 +29,38 @@ weights under bf16 autocast; the two round differently, and the logged losses di
 
 
 def _train(tmp: Path, name: str, *args: str, world: int = 1, trainer: str = "zerooffload") -> tuple[dict, str]:
+    return _finish(_start(tmp, name, *args, world=world, trainer=trainer))
+
+
+def _train_pair(tmp: Path, common: tuple[str, ...], ours: tuple[str, ...] = (), world: int = 1) -> tuple[dict, dict]:
+    """The plain Trainer and ours on the same arguments (``ours`` added to ours), run side by side."""
+    runs = [_start(tmp, "plain", *common, world=world, trainer="plain"),
+            _start(tmp, "ours", *common, *ours, world=world, trainer="zerooffload")]
+    return tuple(_finish(run)[0] for run in runs)
+
+
+def _start(tmp: Path, name: str, *args: str, world: int, trainer: str) -> tuple:
     out = tmp / name
     nvme = tmp / "nvme"
     nvme.mkdir(exist_ok=True)
     launcher = [sys.executable] if world == 1 else [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}"]
-    run = subprocess.run([*launcher, str(JOB), "--trainer", trainer, "--out", str(out), "--nvme", str(nvme), *args],
-                         capture_output=True, text=True, timeout=300,
-                         env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"})
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-5000:]
+    process = subprocess.Popen([*launcher, str(JOB), "--trainer", trainer, "--out", str(out), "--nvme", str(nvme), *args],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"})
+    return process, out, nvme, trainer
+
+
+def _finish(run: tuple) -> tuple[dict, str]:
+    process, out, nvme, trainer = run
+    try:
+        stdout, stderr = process.communicate(timeout=300)
+    finally:
+        process.kill()
+    assert process.returncode == 0, stdout[-3000:] + stderr[-5000:]
     left = [p.name for p in (nvme / "zerooffload-swap").glob("*") if p.name != ".lock"] if trainer != "plain" else []
     assert not left, f"swap files left behind: {left}"
-    return json.loads((out / "result.json").read_text()), run.stderr
+    return json.loads((out / "result.json").read_text()), stderr
 
 
 def _close(ours: list[float], plain: list[float], rtol: float) -> None:
@@ -80,8 +100,7 @@ def gpt2_runs(tmp_path_factory):
     every 2 steps keeping 2: the plain Trainer and ours."""
     tmp = tmp_path_factory.mktemp("hf-gpt2")
     common = ("--model", "gpt2", "--samples", "40", "--micro", "4", "--accum", "4", "--steps", "6", "--save-model")
-    plain, _ = _train(tmp, "plain", *common, trainer="plain")
-    ours, _ = _train(tmp, "ours", *common, "--save-steps", "2", "--save-total-limit", "2")
+    plain, ours = _train_pair(tmp, common, ("--save-steps", "2", "--save-total-limit", "2"))
     return tmp, plain, ours
 
 
@@ -130,8 +149,7 @@ def llama_world2(tmp_path_factory):
         num_key_value_heads=2, max_position_embeddings=32, tie_word_embeddings=False))
     base.save_pretrained(tmp / "base")
     common = ("--model", "llama", "--micro", "2", "--accum", "2", "--steps", "6", "--init-from", str(tmp / "base"))
-    plain, _ = _train(tmp, "plain", *common, world=2, trainer="plain")
-    ours, _ = _train(tmp, "ours", *common, "--save-steps", "3", world=2)
+    plain, ours = _train_pair(tmp, common, ("--save-steps", "3"), world=2)
     return tmp, plain, ours
 
 
@@ -164,8 +182,7 @@ def test_resuming_at_world_2_is_exact(llama_world2):
 @pytest.mark.parametrize("model, world", [("gpt2", 2), ("llama", 1)])
 def test_the_other_model_at_the_other_world_size_equals_the_plain_trainer(tmp_path, model, world):
     common = ("--model", model, "--micro", "2", "--accum", "2", "--steps", "6")
-    plain, _ = _train(tmp_path, "plain", *common, world=world, trainer="plain")
-    ours, _ = _train(tmp_path, "ours", *common, world=world)
+    plain, ours = _train_pair(tmp_path, common, world=world)
     _close(ours["losses"], plain["losses"], FP32_RTOL)
 
 
@@ -173,8 +190,7 @@ def test_the_other_model_at_the_other_world_size_equals_the_plain_trainer(tmp_pa
 @pytest.mark.parametrize("model", ["gpt2", "llama"])
 def test_bf16_losses_are_near_the_plain_trainers_autocast(tmp_path, model):
     common = ("--model", model, "--bf16", "--steps", "6")
-    plain, _ = _train(tmp_path, "plain", *common, trainer="plain")
-    ours, _ = _train(tmp_path, "ours", *common)
+    plain, ours = _train_pair(tmp_path, common)
     _close(ours["losses"], plain["losses"], BF16_RTOL)
 
 
