@@ -3,8 +3,6 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -14,6 +12,7 @@ import torch.distributed as dist
 from torch import nn
 
 import zerooffload as zo
+from cli_helpers import run_in_process
 from placements import grads_waiting_on
 from reference import ALIGN, padded_numel, trainable_spans, unit_shards, units_of
 from zerooffload.cli.estimate import estimate
@@ -124,8 +123,9 @@ def test_host_budget_names_the_host_tier():
 def test_estimate_reproduces_the_zero_paper_example():
     rows = estimate(7.5e9, 64)
     assert [round(r.device / 1e9, 2) for r in rows] == [120.0, 31.41, 16.64, 1.88]
-    out = subprocess.run([sys.executable, "-m", "zerooffload", "estimate", "--params", "7.5e9", "--dp", "64"],
-                         capture_output=True, text=True, check=True).stdout
+    run = run_in_process("estimate", "--params", "7.5e9", "--dp", "64")
+    assert run.returncode == 0, run.stderr
+    out = run.stdout
     for figure in ("120.00", "31.41", "16.64", "1.88"):
         assert figure in out
 
@@ -135,9 +135,10 @@ def test_estimate_reproduces_the_zero_paper_example():
 def test_estimate_takes_the_state_formats(master, moments, k):
     """K by the formats' definitions: a split master 2 bytes + 2 + 1/8, a bf16 moment 2, an int8 one a byte
     and a 4-byte scale per 256; stage 3 with everything on the device holds (2 + 2 + K) bytes per parameter."""
-    out = subprocess.run([sys.executable, "-m", "zerooffload", "estimate", "--params", "1e9", "--dp", "1",
-                          "--stage", "3", "--master", master, "--moments", moments],
-                         capture_output=True, text=True, check=True).stdout
+    run = run_in_process("estimate", "--params", "1e9", "--dp", "1", "--stage", "3", "--master", master,
+                         "--moments", moments)
+    assert run.returncode == 0, run.stderr
+    out = run.stdout
     assert f"K = {k:.4g} bytes" in out and f"{(4 + k):.2f}" in out.splitlines()[-1], out
 
 
