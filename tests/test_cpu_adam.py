@@ -107,8 +107,8 @@ def ours(case: Case) -> dict:
 
 
 def run_all_cases() -> dict:
-    """What a child interpreter sends back: the level it ran on and ``ours`` of every case."""
-    return {"level": simd_level(), "results": {case.name: ours(case) for case in CASES}}
+    """What a child interpreter sends back: ``ours`` of every case."""
+    return {case.name: ours(case) for case in CASES}
 
 
 def reference(case: Case) -> dict[str, torch.Tensor]:
@@ -153,28 +153,38 @@ def check_case(case: Case, got: dict) -> None:
 # Every level against torch
 
 
-RUN_ALL = "import sys, torch; from test_cpu_adam import run_all_cases; torch.save(run_all_cases(), sys.argv[1])"
-
-
 def run_child(level: str, script: str, *args: str) -> subprocess.CompletedProcess:
     """``script`` in a fresh interpreter with ZO_ADAM_SIMD=level that can import this file."""
     env = dict(os.environ, ZO_ADAM_SIMD=level, PYTHONPATH=os.pathsep.join([str(TESTS.parent), str(TESTS)]))
     return subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, env=env,
-                          timeout=120)
+                          timeout=300)
+
+
+LEVEL_RUNS = (("test_cpu_adam", "run_all_cases"), ("test_state_formats", "run_updates"),
+              ("test_state_formats", "run_noise_sums"), ("test_int8_moments", "run_int8_chain"))
+"""Every ``module.function`` whose results a test checks at each level: one interpreter per level runs
+them all (the level is chosen once per process; a process each would spend most of the time starting)."""
+
+_LEVEL_RESULTS: dict[str, dict] = {}
+"""By level: what that level's interpreter sent back, kept for the session."""
 
 
 def results_at_level(level: str, module: str, function: str, directory: Path):
-    """``module.function()`` run at ``level`` in a fresh interpreter, its results (skipped where this CPU
-    has no such level: the pass then runs a lower one)."""
-    path = directory / f"{function}-{level}.pt"
-    script = (f"import sys, torch; from zerooffload.optim import simd_level; from {module} import {function}; "
-              f"torch.save({{'level': simd_level(), 'results': {function}()}}, sys.argv[1])")
-    done = run_child(level, script, str(path))
-    assert done.returncode == 0, done.stderr[-3000:]
-    ran = torch.load(path, weights_only=False)
+    """``module.function()`` as run at ``level`` in a fresh interpreter (with the rest of ``LEVEL_RUNS``),
+    its results (skipped where this CPU has no such level: the pass then runs a lower one)."""
+    if level not in _LEVEL_RESULTS:
+        path = directory / f"level-{level}.pt"
+        imports = "; ".join(f"import {name}" for name in sorted({name for name, _ in LEVEL_RUNS}))
+        calls = ", ".join(f"({m!r}, {f!r}): {m}.{f}()" for m, f in LEVEL_RUNS)
+        script = (f"import sys, torch; from zerooffload.optim import simd_level; {imports}; "
+                  f"torch.save({{'level': simd_level(), 'results': {{{calls}}}}}, sys.argv[1])")
+        done = run_child(level, script, str(path))
+        assert done.returncode == 0, done.stderr[-3000:]
+        _LEVEL_RESULTS[level] = torch.load(path, weights_only=False)
+    ran = _LEVEL_RESULTS[level]
     if ran["level"] != level:
         pytest.skip(f"this CPU has no {level} (ran {ran['level']})")
-    return ran["results"]
+    return ran["results"][(module, function)]
 
 
 def _cpu_flags() -> set[str] | None:
@@ -192,13 +202,9 @@ def test_level_matches_torch(level, tmp_path):
     flags = _cpu_flags()
     if flag and flags is not None and "flags" in flags and flag not in flags:
         pytest.skip(f"this CPU has no {level} ({flag} not in /proc/cpuinfo)")  # the child would fall back
-    done = run_child(level, RUN_ALL, str(tmp_path / "ours.pt"))
-    assert done.returncode == 0, done.stderr
-    got = torch.load(tmp_path / "ours.pt")
-    if got["level"] != level:
-        pytest.skip(f"this CPU has no {level} (ran {got['level']})")
+    got = results_at_level(level, "test_cpu_adam", "run_all_cases", tmp_path)
     for case in CASES:
-        check_case(case, got["results"][case.name])
+        check_case(case, got[case.name])
 
 
 @pytest.mark.skipif(simd_level() == "torch", reason="the native extension zerooffload._cpu_adam is not built")
