@@ -12,6 +12,7 @@ paths, pinned keys, bf16 and the model kinds are ``slow``.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import pickle
@@ -30,6 +31,7 @@ from zerooffload.config import Config
 from zerooffload.models import GPT, PRESETS
 from zerooffload.planning import PlanResult, cached_probe, pinned_keys, plan, probe_machine, read_prediction
 from zerooffload.planning.model_spec import gpt_of_size, load_model, named_gpt
+from zerooffload.planning.probe import cache_path
 from zerooffload.planning.search import Candidate, Evaluator, candidates
 from zerooffload.tiers import BudgetError
 
@@ -108,6 +110,24 @@ def test_predicted_bytes_moved_equal_the_engines_telemetry(cache, evaluators, ma
     assert engine.stats.predicted is prediction
     assert set(engine.stats.phase_seconds) == {"forward", "backward", "step"}
     assert sum(engine.stats.phase_seconds.values()) <= engine.stats.seconds
+
+
+def test_the_step_model_takes_each_state_formats_own_pass_rate(cache):
+    """A plan that comes to a state format measures that format's pass (int8 moments' is bound by its
+    arithmetic: the fp32 rate scaled by bytes would flatter it) and keeps it in the cache; the optimizer's
+    seconds then come from it. A probe without it (read from an older cache) takes the fp32 states' rate."""
+    layout = ["zero.stage=1", "offload.optimizer.tier=host"]
+    fp32, int8 = _config(cache, layout), _config(cache, [*layout, "optimizer.moments=int8"])
+    probe = plan("nano", int8, batch_size=MICRO, timed=False).probe
+    rates = probe.adam_elements_per_s
+    assert json.loads(cache_path().read_text())["machine"]["adam_elements_per_s"]["fp32+fp32+int8"] \
+        == rates["fp32+fp32+int8"] != rates["fp32"]
+    evaluator = Evaluator(named_gpt("nano", PRESETS["nano"]), probe, 1, lambda text: None, timed=False)
+    work = {name: evaluator.evaluate(Candidate({}, config)).prediction.work["optimizer"]
+            for name, config in (("fp32", fp32), ("int8", int8))}
+    assert work["int8"] / work["fp32"] == pytest.approx(rates["fp32"] / rates["fp32+fp32+int8"], rel=1e-9)
+    older = dataclasses.replace(probe, adam_elements_per_s={"fp32": rates["fp32"]})
+    assert older.adam_rate(int8) == rates["fp32"]
 
 
 @SLOW

@@ -17,7 +17,7 @@ from ..config import Config, ConfigError
 from ..telemetry import Prediction
 from .model_spec import ModelSpec, gpt_of_size, load_model, named_gpt
 from .predict import predict
-from .probe import Probe, cached_probe, probe_machine
+from .probe import Probe, cached_probe, measure_adam_rate, probe_machine
 from .search import SEARCHED, Candidate, Evaluator, candidates, rank
 
 __all__ = ["PREDICTION", "PlanResult", "Probe", "SEARCHED", "cached_probe", "model_spec", "pinned_keys", "plan",
@@ -114,11 +114,14 @@ def plan(model: str | ModelSpec, config: Config | dict | str | None = None, *, p
     batch = batch_size or config.train.micro_batch_size * config.train.grad_accum_steps * world_size
     if batch % world_size:
         raise ConfigError(f"batch size {batch} is not a multiple of the world size {world_size}")
+    measure = probe is None
     probe = probe or probe_machine(config, refresh=refresh, progress=progress, world_size=world_size)
     pinned = pinned_keys(config) if pinned is None else set(pinned)
     evaluator = Evaluator(spec, probe, world_size, progress, timed=timed)
     refused: list[Candidate] = []
     for format_overrides, state_format in _state_formats(config, pinned):
+        if measure:
+            measure_adam_rate(probe, state_format, progress)
         pool = candidates(state_format, pinned, batch, world_size, probe.device, _unit_bytes(spec, config, world_size))
         for candidate in pool:  # a format is part of the layout: train --plan applies the overrides alone
             candidate.overrides = {**format_overrides, **candidate.overrides}

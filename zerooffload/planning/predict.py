@@ -275,8 +275,7 @@ def _disk_rates(probe: Probe, config: Config) -> tuple[float, float]:
 def _seconds(phase: _Phase, probe: Probe, config: Config) -> float:
     """The phase's wall time (see the note), its work per resource filled into ``phase.work``."""
     read_bw, write_bw = _disk_rates(probe, config) if (phase.read or phase.write) else (1.0, 1.0)
-    precision = config.train.precision
-    optimizer = (phase.optimizer_elements - phase.device_updates) / probe.adam_elements_per_s[precision]
+    optimizer = (phase.optimizer_elements - phase.device_updates) / probe.adam_rate(config)
     optimizer += phase.device_updates * 32 / (probe.device_copy_gbps * _GB)  # a CUDA device's: memory-bound
     copies = phase.copy / (probe.device_copy_gbps * _GB)
     fresh = phase.fresh / (probe.first_touch_gbps * _GB)
@@ -309,7 +308,7 @@ def _bottleneck(phases: dict[str, _Phase], work: dict[str, float], probe: Probe,
     if name == "optimizer":
         elements = sum(p.optimizer_elements for p in phases.values())
         return (f"optimizer-bound: {elements / 1e6:.1f}M elements at "
-                f"{probe.adam_elements_per_s[config.train.precision] / 1e9:.2f} G/s ({work['optimizer']:.2f} s)")
+                f"{probe.adam_rate(config) / 1e9:.2f} G/s ({work['optimizer']:.2f} s)")
     if name == "host_device":
         moved = sum(p.link + p.gathered for p in phases.values())
         return f"link-bound: {moved / _GB:.2f} GB host<->device at {probe.link_gbps:.1f} GB/s ({work[name]:.2f} s)"

@@ -3,7 +3,9 @@
 [Note: the probe]
 The cache (``$XDG_CACHE_HOME/zerooffload/probe.json``, else ``~/.cache/...``) holds rates, which do not
 change between runs: the device's copy bandwidth, the host↔device link, the compute rate of a matmul in
-each compute dtype, the fused CPU optimizer's elements per second for each low-precision copy, the
+each compute dtype, the fused CPU optimizer's elements per second for each low-precision copy and each
+optimizer state format a plan came to (``adam_format``, ``measure_adam_rate``: the int8 moments' pass
+is bound by its arithmetic, not by the bytes it saves, so its rate is measured, not scaled), the
 engine's collectives per world size (ranks of this machine, the job's backend), and per swap directory
 (by its real path) the read and write bandwidth with the ``[aio]`` settings that reached them (``tune
 io``'s search, else one run at the config's settings). Amounts that do change (RAM available, device
@@ -27,7 +29,7 @@ from .. import comm
 from ..config import Config
 from ..precision import COMPUTE_DTYPES
 
-__all__ = ["DiskRates", "Probe", "cache_path", "cached_probe", "collective_gbps", "median_seconds", "probe_machine",
+__all__ = ["DiskRates", "Probe", "adam_format", "cache_path", "measure_adam_rate", "cached_probe", "collective_gbps", "median_seconds", "probe_machine",
            "rank_zero_decides", "record_disk"]
 
 DISK_PROBE_BYTES = 256 << 20
@@ -71,7 +73,7 @@ class Probe:
     matmul_flops: dict[str, float]
     """Per compute dtype (``fp32``, ``bf16``, ``fp16``): a square matmul's floating-point operations per second."""
     adam_elements_per_s: dict[str, float]
-    """Per compute dtype: the fused CPU AdamW pass (with its low-precision copy) over fp32 state."""
+    """Per ``adam_format`` key: the fused CPU AdamW pass (with its low-precision copy) over that state format."""
     disks: dict[str, DiskRates]
     """Per swap directory (real path)."""
     collective_gbps: float | None = None
@@ -81,6 +83,33 @@ class Probe:
 
     def disk(self, path: str) -> DiskRates:
         return self.disks[os.path.realpath(path)]
+
+    def adam_rate(self, config: Config) -> float:
+        """The optimizer pass's elements per second in ``config``'s precision and state format; where that
+        format's was never measured (a probe read from the cache alone), the fp32 states' rate stands for it."""
+        precision = config.train.precision
+        rates = self.adam_elements_per_s
+        return rates.get(adam_format(precision, config.optimizer.master, config.optimizer.moments), rates[precision])
+
+
+def adam_format(precision: str, master: str, moments: str) -> str:
+    """The cache key of an optimizer pass's rate: the compute dtype alone for an fp32 master and fp32
+    moments (as caches before the compact formats hold it), else with the master and moments."""
+    return precision if (master, moments) == ("fp32", "fp32") else f"{precision}+{master}+{moments}"
+
+
+def measure_adam_rate(probe: Probe, config: Config, progress: Callable[[str], None]) -> None:
+    """The pass rate of ``config``'s state format into ``probe`` and the cache, measured unless it is
+    there: a plan measures a compact format's rate only when its search comes to that format."""
+    key = adam_format(config.train.precision, config.optimizer.master, config.optimizer.moments)
+    if key in probe.adam_elements_per_s:
+        return
+    progress(f"measuring adam_elements_per_s {key}")
+    rate = _adam_rate(COMPUTE_DTYPES[config.train.precision], config.optimizer.master, config.optimizer.moments)
+    probe.adam_elements_per_s[key] = rate
+    data = _read_cache()
+    data.setdefault("machine", {}).setdefault("adam_elements_per_s", {})[key] = rate
+    _write_cache(data)
 
 
 def _read_cache() -> dict:
@@ -212,16 +241,27 @@ def _matmul_flops(device: str, dtype: torch.dtype) -> float:
     return 2 * _MATMUL_N ** 3 / median_seconds(lambda: a @ b, seconds=_RATE_SECONDS)
 
 
-def _adam_rate(dtype: torch.dtype) -> float:
-    """Elements per second of the fused pass the engine runs (``optim.cpu_adam``), its copy in ``dtype``."""
+def _adam_rate(dtype: torch.dtype, master: str = "fp32", moments: str = "fp32") -> float:
+    """Elements per second of the fused pass the engine runs (``optim.cpu_adam``), its copy in ``dtype``,
+    over a ``master`` ("fp32" or "split": the copy is then the weight it updates) and ``moments`` (fp32,
+    bf16 or int8 codes with their blocks' scales)."""
     from ..optim.cpu_adam import fused_adam_step
+    from ..optim.state import MOMENT_DTYPES
+    from ..optim.state_formats import int8_blocks
 
-    param, grad = torch.randn(_ADAM_ELEMENTS), torch.randn(_ADAM_ELEMENTS) * 1e-3
-    moments = torch.zeros(_ADAM_ELEMENTS), torch.zeros(_ADAM_ELEMENTS)
-    out = None if dtype == torch.float32 else torch.empty(_ADAM_ELEMENTS, dtype=dtype)
+    n = _ADAM_ELEMENTS
+    grad = torch.randn(n) * 1e-3
+    split = master == "split"
+    param = None if split else torch.randn(n)
+    out = torch.randn(n).to(dtype) if split else None if dtype == torch.float32 else torch.empty(n, dtype=dtype)
+    state = [torch.zeros(n, dtype=MOMENT_DTYPES[moments]) for _ in range(2)]
+    formats = dict(residual=torch.zeros(n, dtype=torch.int16), residual_bits=torch.zeros(n // 8, dtype=torch.uint8)) \
+        if split else {}
+    if moments == "int8":
+        formats.update(exp_avg_scale=torch.zeros(int8_blocks(n)), exp_avg_sq_scale=torch.zeros(int8_blocks(n)))
     step = iter(range(1, 1 << 30))
-    return _ADAM_ELEMENTS / median_seconds(lambda: fused_adam_step(
-        param, grad, *moments, out, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, step=next(step)),
+    return n / median_seconds(lambda: fused_adam_step(
+        param, grad, *state, out, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, step=next(step), **formats),
         seconds=_RATE_SECONDS)
 
 
