@@ -7,12 +7,26 @@ global batch, and rank r takes its slice of it.
 """
 from __future__ import annotations
 
+import os
 import sysconfig
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 
 __all__ = ["ByteCorpus"]
+
+
+def _sources(directory: Path) -> Iterator[Path]:
+    """The ``.py`` files under ``directory`` in sorted path order, ``site-packages`` left out, found as
+    they are read: the corpus takes the first 16 MB of ~13,000 files, and listing them all first took
+    most of a run's start (0.6 s)."""
+    for entry in sorted(os.scandir(directory), key=lambda entry: entry.name):
+        if entry.is_dir():
+            if entry.name != "site-packages":
+                yield from _sources(Path(entry.path))
+        elif entry.name.endswith(".py"):
+            yield Path(entry.path)
 
 
 class ByteCorpus:
@@ -21,9 +35,9 @@ class ByteCorpus:
     def __init__(self, max_bytes: int = 16 << 20, eval_fraction: float = 0.05):
         root = Path(sysconfig.get_paths()["stdlib"])
         chunks, total = [], 0
-        for path in sorted(root.rglob("*.py")):
-            if "site-packages" in path.parts or total >= max_bytes:
-                continue
+        for path in _sources(root):
+            if total >= max_bytes:
+                break
             try:
                 data = path.read_bytes()
             except OSError:
