@@ -131,7 +131,8 @@ blocks would take minutes on it; one that counts FLOPs takes seconds."""
 
 
 @pytest.mark.skipif(psutil.virtual_memory().total > 100e9, reason="the 2b preset may fit on this machine")
-@pytest.mark.parametrize("probe", [None, _SLOW_CPU_PROBE], ids=["no-probe", "slow-cpu-probe"])
+@pytest.mark.parametrize("probe", [None, pytest.param(_SLOW_CPU_PROBE, marks=pytest.mark.slow)],
+                         ids=["no-probe", "slow-cpu-probe"])  # with a probe: 10 s of plan search, out of CI
 def test_train_2b_is_refused_in_seconds_with_a_layout_that_fits(tmp_path, probe):
     """Refused in seconds whatever the CPU, with or without a cached machine probe (its own cache
     directory, so the machine's does not decide); with ~22 GB of RAM and ~40 GB of disk free (this

@@ -138,7 +138,7 @@ def test_estimate_takes_suffixed_parameter_counts():
     from zerooffload.cli.estimate import parse_count
 
     assert [parse_count(t) for t in ("1.5B", "350M", "2K", "1T", "7.5e9")] == [1.5e9, 3.5e8, 2e3, 1e12, 7.5e9]
-    suffixed = _cli("estimate", "--params", "1.5B", "--dp", "8")
+    suffixed = run_in_process("estimate", "--params", "1.5B", "--dp", "8")
     assert suffixed.returncode == 0 and "1.5e+09 parameters over 8" in suffixed.stdout
 
 
