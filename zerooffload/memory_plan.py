@@ -34,7 +34,7 @@ from .block_stream import GRAD_READS, STREAM_BUFFERS, grad_read_depth, stream_de
 from .config import Config, ConfigError, dtype_bytes
 from .optim.optimizer import moment_names
 from .optim.state import state_bytes
-from .tiers import (BudgetError, Kind, MemoryPlan, Tier, check_plan, check_ram, make_tiers, swap_bytes,
+from .tiers import (BudgetError, Kind, MemoryPlan, Tier, check_plan, check_ram, make_tiers, stored_bytes, swap_bytes,
                     swap_free_bytes)
 from .zero.placement import STAGING, Placement, activations_leave_device, place, shard_count
 from .zero.reduction import MAX_BUCKETS_IN_FLIGHT, REDUCE_DTYPE
@@ -107,7 +107,8 @@ def _plan(layouts: list[UnitLayout], placement: Placement, config: Config, world
                        moment_dtype=config.optimizer.moments, bucket_bytes=config.zero.bucket_size,
                        world_size=world_size,
                        max_live_bytes=config.zero.max_live_size, prefetch_bytes=config.zero.prefetch_size,
-                       stream_buffers=stream_depth(config.aio), grad_reads=grad_read_depth(config.aio))
+                       stream_buffers=stream_depth(config.aio), grad_reads=grad_read_depth(config.aio),
+                       swap_stripes=len(config.nvme.paths))
 
 
 def _placed(plan: MemoryPlan, activations: ActivationProfile | None, config: Config, device: torch.device
@@ -219,7 +220,8 @@ class Temporaries:
 def memory_bytes(layouts: list[UnitLayout], placement: Placement, *, compute_bytes: int, moments: int,
                  moment_dtype: str = "fp32",
                 bucket_bytes: int, world_size: int, max_live_bytes: int, prefetch_bytes: int,
-                stream_buffers: int = STREAM_BUFFERS, grad_reads: int = GRAD_READS) -> MemoryPlan:
+                stream_buffers: int = STREAM_BUFFERS, grad_reads: int = GRAD_READS,
+                swap_stripes: int = 1) -> MemoryPlan:
     """Bytes by tier and kind of ``placement`` ([Note: placement]): full parameters on the device but for
     partitioned units (a shard each on its home, plus at most ``max_live_bytes`` gathered on the device);
     optimizer blocks on their tiers (no master for units whose master is the weights; twice for tentative
@@ -228,7 +230,8 @@ def memory_bytes(layouts: list[UnitLayout], placement: Placement, *, compute_byt
     an offloaded partitioned unit's shard in its block's master segment takes no space of its own;
     temporaries (``temporaries``) with ``stream_buffers`` host buffers per block stream or writer and
     ``grad_reads`` for gradients read back (``block_stream``), each phase's on the device, all of them on
-    the host."""
+    the host; on NVMe each block as the swap files over ``swap_stripes`` directories hold it
+    (``tiers.stored_bytes``)."""
     units = list(zip(layouts, placement.units))
     device, staging = placement.compute, placement.staging
     plan: MemoryPlan = {name: {k: 0 for k in Kind} for name in placement.tiers()}
@@ -237,16 +240,16 @@ def memory_bytes(layouts: list[UnitLayout], placement: Placement, *, compute_byt
     plan[device][Kind.PARAM] = full - partitioned_full
     for u, p in units:
         if p.partitioned and not p.params_in_masters:
-            plan[p.param_home][Kind.PARAM] += u.shard_numel * compute_bytes
+            plan[p.param_home][Kind.PARAM] += stored_bytes(p.param_home, u.shard_numel * compute_bytes, swap_stripes)
         versions = 2 if p.updates_tentatively else 1  # a tentative update's block is stored aside until the step
-        plan[p.optimizer][Kind.OPTIMIZER] += versions * state_bytes(u.shard_numel, moments, moment_dtype,
-                                                                    p.master_format, len(u.slots))
+        plan[p.optimizer][Kind.OPTIMIZER] += versions * stored_bytes(
+            p.optimizer, state_bytes(u.shard_numel, moments, moment_dtype, p.master_format, len(u.slots)), swap_stripes)
         if p.keep_full_grad:  # accumulated whole over the window
             plan[device][Kind.GRAD] += u.padded_numel * compute_bytes
         elif p.keep_grad_shard and not p.grad_leaves:  # the reduced shard stays on the device
             plan[device][Kind.GRAD] += u.shard_numel * compute_bytes
         elif p.grads_kept:  # a shard that leaves waits on its grad home for the step (offloaded_grads)
-            plan[p.grad_home][Kind.GRAD] += u.shard_numel * compute_bytes
+            plan[p.grad_home][Kind.GRAD] += stored_bytes(p.grad_home, u.shard_numel * compute_bytes, swap_stripes)
     plan[device][Kind.GATHERED] = min(max_live_bytes, partitioned_full)
     buffers = temporaries(layouts, placement, compute_bytes=compute_bytes, moments=moments, moment_dtype=moment_dtype,
                           bucket_bytes=bucket_bytes, world_size=world_size, max_live_bytes=max_live_bytes,

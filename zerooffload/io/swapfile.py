@@ -25,7 +25,7 @@ from .swap_digests import SwapDamage, SwapHandle, chunk_spans, take_digests
 from .swap_space import (Stripe, SwapSpaceError, check_free_space, extents, install_signal_cleanup, job_id,
                          live_finalizers, private_dir, remove_stripes, round_up, sweep_stale)
 
-__all__ = ["SwapDamage", "SwapHandle", "SwapSpaceError", "SwapStore"]
+__all__ = ["SwapDamage", "SwapHandle", "SwapSpaceError", "SwapStore", "placed_bytes"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,6 +46,19 @@ class _Entry:
                 return index, offset + start
             start -= length
         raise ValueError(f"byte {start} is past the entry's {self.nbytes}")
+
+
+def _pieces(nbytes: int, stripes: int) -> list[int]:
+    """The lengths a block of ``nbytes`` is split into, one per stripe (fewer when it is small)."""
+    share = round_up(-(-nbytes // stripes))
+    return [min(share, nbytes - start) for start in range(0, nbytes, share)] if nbytes else []
+
+
+def placed_bytes(nbytes: int, stripes: int = 1) -> int:
+    """The swap space a block of ``nbytes`` takes over ``stripes`` files: each piece a whole aligned extent.
+    The memory plan counts blocks so, and the store reserves what it counted: a plan short of a page
+    would grow the file by a whole ``GROWTH`` step (a 10% larger swap file, measured)."""
+    return sum(round_up(length) for length in _pieces(nbytes, stripes))
 
 
 class SwapStore:
@@ -90,15 +103,8 @@ class SwapStore:
     # ------------------------------------------------------------------ placement
     def _place(self, nbytes: int) -> tuple[tuple[int, int, int], ...]:
         """Split ``nbytes`` into one aligned extent per stripe (fewer when it is small)."""
-        share = round_up(-(-nbytes // len(self.stripes)))
-        pieces, start = [], 0
-        for index, stripe in enumerate(self.stripes):
-            length = min(share, nbytes - start)
-            if length <= 0:
-                break
-            pieces.append((index, stripe.allocate(round_up(length)), length))
-            start += length
-        return tuple(pieces)
+        return tuple((index, self.stripes[index].allocate(round_up(length)), length)
+                     for index, length in enumerate(_pieces(nbytes, len(self.stripes))))
 
     def _release(self, entry: _Entry) -> None:
         for index, offset, length in entry.pieces:

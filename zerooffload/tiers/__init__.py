@@ -11,10 +11,10 @@
 from ..kinds import Kind
 from .blocks import ASIDE, Block, IOStats
 from .link import DeviceCopier, LinkStats
-from .nvme import NvmeTier, open_swap, swap_bytes, swap_free_bytes, swap_paths
+from .nvme import NvmeTier, open_swap, stored_bytes, swap_bytes, swap_free_bytes, swap_paths
 from .ram import available_ram, check_plan, check_ram
 from .tier import BudgetError, DeviceTier, HostTier, MemoryPlan, Tier, close_tiers, make_tiers, release_idle
 
 __all__ = ["ASIDE", "Block", "BudgetError", "DeviceCopier", "DeviceTier", "HostTier", "IOStats", "Kind", "LinkStats",
            "NvmeTier", "MemoryPlan", "Tier", "available_ram", "check_plan", "check_ram", "close_tiers", "make_tiers",
-           "open_swap", "release_idle", "swap_bytes", "swap_free_bytes", "swap_paths"]
+           "open_swap", "release_idle", "stored_bytes", "swap_bytes", "swap_free_bytes", "swap_paths"]

@@ -10,12 +10,12 @@ import torch
 
 from ..config import Config, ConfigError
 from ..io.aio import AsyncIO
-from ..io.swapfile import SwapStore
+from ..io.swapfile import SwapStore, placed_bytes
 from ..kinds import Kind
 from .blocks import Block, IOStats, SwappedBlock, SwappedPrefix
 from .tier import MemoryPlan, Tier
 
-__all__ = ["NvmeTier", "open_swap", "swap_bytes", "swap_free_bytes", "swap_paths"]
+__all__ = ["NvmeTier", "open_swap", "stored_bytes", "swap_bytes", "swap_free_bytes", "swap_paths"]
 
 
 class NvmeTier(Tier):
@@ -86,6 +86,12 @@ def open_swap(tiers: dict[str, Tier], plan: MemoryPlan, config: Config, rank: in
         return IOStats()
     tiers["nvme"] = NvmeTier(config, rank, reserve=swap_bytes(plan))
     return tiers["nvme"].io
+
+
+def stored_bytes(tier: str, nbytes: int, swap_stripes: int) -> int:
+    """A block of ``nbytes`` as ``tier`` holds it: the swap files in whole aligned extents over
+    ``swap_stripes`` directories (``placed_bytes``), so the plan's NVMe bytes are what the store reserves."""
+    return placed_bytes(nbytes, swap_stripes) if tier == "nvme" else nbytes
 
 
 def swap_bytes(plan: MemoryPlan) -> int:
