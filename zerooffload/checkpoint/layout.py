@@ -17,8 +17,8 @@ from ..io import OffsetReader
 from ..optim.state_formats import INT8_BLOCK, decode_int8, int8_blocks
 from .files import CheckpointError, load_manifest_json, resolve_tag, verify_file
 
-__all__ = ["FORMAT", "VERSION", "MOMENT_ITEMSIZE", "Manifest", "read_manifest", "rank_file", "malformed", "Source",
-           "parameter_sources", "shard_segments", "RankFiles", "read_range", "read_saved_buffers"]
+__all__ = ["FORMAT", "VERSION", "MOMENT_ITEMSIZE", "Manifest", "read_manifest", "first_verified", "rank_file",
+           "malformed", "Source", "parameter_sources", "shard_segments", "RankFiles", "read_range", "read_saved_buffers"]
 
 FORMAT = "zerooffload-checkpoint"
 VERSION = 1
@@ -110,6 +110,21 @@ def read_manifest(directory: str | os.PathLike, tag: str | None = None, verify: 
         for name, expected in data["files"].items():
             verify_file(path / name, expected)
     return Manifest(path, data)
+
+
+def first_verified(places: list[tuple[Path, str | None]]) -> tuple[int | None, list[CheckpointError]]:
+    """Which of ``places`` (a checkpoint directory and tag, None for ``latest``; newest first) is the first
+    whose manifest and files verify, None when none does, and why each one before it did not: a resume
+    takes the newest checkpoint that verifies and says in one line what it passed over."""
+    errors = []
+    for index, (directory, tag) in enumerate(places):
+        try:
+            read_manifest(directory, tag)
+        except CheckpointError as error:
+            errors.append(error)
+            continue
+        return index, errors
+    return None, errors
 
 
 @contextlib.contextmanager

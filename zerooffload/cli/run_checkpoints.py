@@ -29,8 +29,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from ..checkpoint import read_manifest
-from ..checkpoint import LATEST, CheckpointError, remove_tree
+from ..checkpoint import LATEST, CheckpointError, first_verified, read_manifest, remove_tree
 from ..log import current_rank
 
 __all__ = ["STEP_TAG", "loadable_tag", "make_room", "prune", "resume", "resume_tag", "step_tags"]
@@ -93,21 +92,17 @@ def loadable_tag(checkpoints: Path, rank: int) -> str:
     if not checkpoints.is_dir():
         raise CheckpointError(f"{checkpoints} does not exist, so there is nothing to resume from; start without "
                               "--resume, or pass the --out of the run to continue")
-    try:
-        read_manifest(checkpoints)
+    tags = [None, *reversed(step_tags(checkpoints))]
+    found, errors = first_verified([(checkpoints, tag) for tag in tags])
+    if found == 0:
         return (checkpoints / LATEST).read_text().strip()
-    except CheckpointError as error:
-        problem = error
-    for tag in sorted((p.name for p in checkpoints.iterdir() if STEP_TAG.fullmatch(p.name)), reverse=True):
-        try:
-            read_manifest(checkpoints, tag)
-        except CheckpointError:
-            continue
-        if rank == 0:
-            print(f"zerooffload: warning: not resuming from latest ({problem}); resuming from {tag}, the newest "
-                  "step tag that verifies", file=sys.stderr)
-        return tag
-    raise CheckpointError(f"{problem}; no stepNNNNNNNN tag in {checkpoints} verifies either: start without --resume")
+    if found is None:
+        raise CheckpointError(f"{errors[0]}; no stepNNNNNNNN tag in {checkpoints} verifies either: start without "
+                              "--resume")
+    if rank == 0:
+        print(f"zerooffload: warning: not resuming from latest ({errors[0]}); resuming from {tags[found]}, the newest "
+              "step tag that verifies", file=sys.stderr)
+    return tags[found]
 
 
 def step_tags(checkpoints: Path) -> list[str]:

@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ..checkpoint import CheckpointError, read_manifest, remove_tree
+from ..checkpoint import CheckpointError, first_verified, read_manifest, remove_tree
 
 __all__ = ["ENGINE_DIR", "run_shape", "global_batch_for", "newest_loadable", "prune_checkpoints"]
 
@@ -63,31 +63,20 @@ def checkpoint_folders(run_dir: Path) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
-def _verifies(folder: Path) -> CheckpointError | None:
-    try:
-        read_manifest(folder / ENGINE_DIR)
-        return None
-    except CheckpointError as error:
-        return error
-
-
 def newest_loadable(run_dir: Path, rank: int) -> str:
     """The newest checkpoint-N whose engine checkpoint verifies ([Note: Trainer checkpoints])."""
-    folders = checkpoint_folders(run_dir)
-    passed_over = []
-    for folder in reversed(folders):
-        problem = _verifies(folder)
-        if problem is None:
-            if passed_over and rank == 0:
-                print(f"zerooffload: warning: not resuming from {passed_over[0][0].name} ({passed_over[0][1]}); "
-                      f"resuming from {folder.name}, the newest checkpoint that verifies", file=sys.stderr)
-            return str(folder)
-        passed_over.append((folder, problem))
-    if passed_over:
-        raise CheckpointError(f"no checkpoint in {run_dir} verifies: {passed_over[0][0].name}: {passed_over[0][1]}; "
+    folders = checkpoint_folders(run_dir)[::-1]
+    found, errors = first_verified([(folder / ENGINE_DIR, None) for folder in folders])
+    if found is None and errors:
+        raise CheckpointError(f"no checkpoint in {run_dir} verifies: {folders[0].name}: {errors[0]}; "
                               "train without resume_from_checkpoint, or restore the files")
-    raise CheckpointError(f"no checkpoint-N folder in {run_dir} to resume from: train without resume_from_checkpoint, "
-                          "or pass the output_dir of the run to continue")
+    if found is None:
+        raise CheckpointError(f"no checkpoint-N folder in {run_dir} to resume from: train without "
+                              "resume_from_checkpoint, or pass the output_dir of the run to continue")
+    if errors and rank == 0:
+        print(f"zerooffload: warning: not resuming from {folders[0].name} ({errors[0]}); resuming from "
+              f"{folders[found].name}, the newest checkpoint that verifies", file=sys.stderr)
+    return str(folders[found])
 
 
 def prune_checkpoints(run_dir: Path, limit: int, spare: set[str | None]) -> None:
