@@ -103,10 +103,14 @@ class ChecksummedWriter:
     def writes_in_flight(self) -> int:
         return self._writes.depth
 
-    def write(self, tensor: torch.Tensor) -> None:
+    def write(self, tensor: torch.Tensor, nbytes: int = 0) -> None:
+        """``tensor``'s bytes next in the file; with ``nbytes``, zeros after them up to that many (a segment
+        padded to its size), filled in the staging buffer, not in a padded copy first."""
         self._writes.make_room()
-        staging = aligned_empty(tensor.numel() * tensor.element_size())
-        staging.copy_(tensor.detach().reshape(-1).view(torch.uint8))  # one copy, from wherever it lives
+        data = tensor.detach().reshape(-1).view(torch.uint8)
+        staging = aligned_empty(max(nbytes, data.numel()))
+        staging[:data.numel()].copy_(data)  # one copy, from wherever it lives
+        staging[data.numel():].zero_()
         self.crc = zlib.crc32(memoryview(staging.numpy()), self.crc)
         with profiled(BLOCK_WRITE):
             handle = self.aio.write(self.file, staging, self.bytes)

@@ -170,7 +170,7 @@ def _write_rank_data(engine: Trainable, partial: Path, size: int) -> dict[str, d
                     parts = [engine.state_dicts.fp32_shard(state)]
                     parts += [part for name in state.moment_names for part in state.stored_moment(name)]
                     for part, nbytes in zip(parts, _segments(engine, state), strict=True):
-                        writer.write(_padded(part, nbytes))
+                        writer.write(part, nbytes)
         finally:
             files = {rank_file(rank, "bin"): writer.close()}
         if rank == 0:
@@ -192,17 +192,6 @@ def _write_rank_data(engine: Trainable, partial: Path, size: int) -> dict[str, d
 def _segments(engine: Trainable, state: "UnitOptimizerState") -> list[int]:
     """Bytes of each segment of ``state``'s unit shard in a rank file (``layout.shard_segments``)."""
     return shard_segments(_unit_record(state.unit), len(state.moment_names), engine.config.optimizer.moments)
-
-
-def _padded(part: torch.Tensor, nbytes: int) -> torch.Tensor:
-    """``part``'s bytes followed by zeros up to ``nbytes``: a segment as the format stores it (past a shard's
-    trainable part, and to the segment's alignment)."""
-    data = part.reshape(-1).view(torch.uint8)
-    if data.numel() == nbytes:
-        return data
-    whole = torch.zeros(nbytes, dtype=torch.uint8, device=data.device)
-    whole[:data.numel()].copy_(data)
-    return whole
 
 
 def _optimizer_steps(engine: Trainable) -> dict[str, float]:
