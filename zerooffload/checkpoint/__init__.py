@@ -7,5 +7,5 @@ from .safetensors_file import SafetensorsEntry, save_safetensors, write_safetens
 from .sharded import consolidate, default_tag, load_checkpoint, persistent_buffers, resolve_tag, save_checkpoint
 
 __all__ = ["CheckpointError", "save_checkpoint", "load_checkpoint", "consolidate", "default_tag", "resolve_tag",
-           "read_manifest", "first_verified", "Manifest", "persistent_buffers", "ChecksummedWriter", "LATEST", "PARTIAL", "remove_tree",
-           "SafetensorsEntry", "save_safetensors", "write_safetensors"]
+           "read_manifest", "first_verified", "Manifest", "persistent_buffers", "ChecksummedWriter", "LATEST",
+           "PARTIAL", "remove_tree", "SafetensorsEntry", "save_safetensors", "write_safetensors"]

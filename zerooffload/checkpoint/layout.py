@@ -14,11 +14,13 @@ from typing import Any
 import torch
 
 from ..io import OffsetReader
+from ..io.buffers import ALIGNMENT
 from ..optim.state_formats import INT8_BLOCK, decode_int8, int8_blocks
 from .files import CheckpointError, load_manifest_json, resolve_tag, verify_file
 
 __all__ = ["FORMAT", "VERSION", "MOMENT_ITEMSIZE", "Manifest", "read_manifest", "first_verified", "rank_file",
-           "malformed", "Source", "parameter_sources", "shard_segments", "RankFiles", "read_range", "read_saved_buffers"]
+           "malformed", "Source", "parameter_sources", "shard_segments", "RankFiles", "read_range",
+           "read_saved_buffers"]
 
 FORMAT = "zerooffload-checkpoint"
 VERSION = 1
@@ -27,16 +29,13 @@ VERSION = 1
 MOMENT_ITEMSIZE = {"fp32": 4, "bf16": 2, "int8": 1}
 """Bytes per element of a saved moment, by ``optimizer.moments`` (int8: the codes; the scales beside)."""
 
-_SEGMENT_ALIGN = 4096
-"""Every segment starts at a multiple of this in its rank file: the O_DIRECT writes stay aligned."""
-
-
 def rank_file(rank: int, suffix: str) -> str:
     return f"rank{rank:05d}.{suffix}"
 
 
 def _aligned(nbytes: int) -> int:
-    return -(-nbytes // _SEGMENT_ALIGN) * _SEGMENT_ALIGN
+    """``nbytes`` rounded up to O_DIRECT's alignment: every segment starts aligned in its rank file."""
+    return -(-nbytes // ALIGNMENT) * ALIGNMENT
 
 
 def _int8_scales(unit: dict) -> int:

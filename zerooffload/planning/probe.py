@@ -29,8 +29,8 @@ from .. import comm
 from ..config import Config
 from ..precision import COMPUTE_DTYPES
 
-__all__ = ["DiskRates", "Probe", "adam_format", "cache_path", "measure_adam_rate", "cached_probe", "collective_gbps", "median_seconds", "probe_machine",
-           "rank_zero_decides", "record_disk"]
+__all__ = ["DiskRates", "Probe", "adam_format", "cache_path", "cached_probe", "collective_gbps", "measure_adam_rate",
+           "median_seconds", "probe_machine", "rank_zero_decides", "record_disk"]
 
 DISK_PROBE_BYTES = 256 << 20
 """The file one disk measurement writes and reads back (O_DIRECT): big enough to pass the disk's cache."""
@@ -87,21 +87,21 @@ class Probe:
     def adam_rate(self, config: Config) -> float:
         """The optimizer pass's elements per second in ``config``'s precision and state format; where that
         format's was never measured (a probe read from the cache alone), the fp32 states' rate stands for it."""
-        precision = config.train.precision
         rates = self.adam_elements_per_s
-        return rates.get(adam_format(precision, config.optimizer.master, config.optimizer.moments), rates[precision])
+        return rates.get(adam_format(config), rates[config.train.precision])
 
 
-def adam_format(precision: str, master: str, moments: str) -> str:
-    """The cache key of an optimizer pass's rate: the compute dtype alone for an fp32 master and fp32
+def adam_format(config: Config) -> str:
+    """The cache key of ``config``'s optimizer pass rate: the compute dtype alone for an fp32 master and fp32
     moments (as caches before the compact formats hold it), else with the master and moments."""
+    precision, master, moments = config.train.precision, config.optimizer.master, config.optimizer.moments
     return precision if (master, moments) == ("fp32", "fp32") else f"{precision}+{master}+{moments}"
 
 
 def measure_adam_rate(probe: Probe, config: Config, progress: Callable[[str], None]) -> None:
     """The pass rate of ``config``'s state format into ``probe`` and the cache, measured unless it is
     there: a plan measures a compact format's rate only when its search comes to that format."""
-    key = adam_format(config.train.precision, config.optimizer.master, config.optimizer.moments)
+    key = adam_format(config)
     if key in probe.adam_elements_per_s:
         return
     progress(f"measuring adam_elements_per_s {key}")
@@ -253,7 +253,7 @@ def _adam_rate(dtype: torch.dtype, master: str = "fp32", moments: str = "fp32") 
     grad = torch.randn(n) * 1e-3
     split = master == "split"
     param = None if split else torch.randn(n)
-    out = torch.randn(n).to(dtype) if split else None if dtype == torch.float32 else torch.empty(n, dtype=dtype)
+    out = None if dtype == torch.float32 and not split else torch.randn(n).to(dtype)  # a split master's: its weight
     state = [torch.zeros(n, dtype=MOMENT_DTYPES[moments]) for _ in range(2)]
     formats = dict(residual=torch.zeros(n, dtype=torch.int16), residual_bits=torch.zeros(n // 8, dtype=torch.uint8)) \
         if split else {}
