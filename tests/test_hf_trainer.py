@@ -36,7 +36,11 @@ def _train_pair(tmp: Path, common: tuple[str, ...], ours: tuple[str, ...] = (), 
     """The plain Trainer and ours on the same arguments (``ours`` added to ours), run side by side."""
     runs = [_start(tmp, "plain", *common, world=world, trainer="plain"),
             _start(tmp, "ours", *common, *ours, world=world, trainer="zerooffload")]
-    return tuple(_finish(run)[0] for run in runs)
+    try:
+        return tuple(_finish(run)[0] for run in runs)
+    finally:  # a failed first run leaves no second one running past the test
+        for process, *_ in runs:
+            process.kill()
 
 
 def _start(tmp: Path, name: str, *args: str, world: int, trainer: str) -> tuple:
