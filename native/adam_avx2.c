@@ -136,16 +136,60 @@ AVX2 static ALWAYS_INLINE void avx2_store_moments(const struct pass *s, size_t i
     _mm_storeu_si128((__m128i *)((uint16_t *)s->exp_avg_sq + i), avx2_bf16_stochastic(v, _mm256_srli_epi32(noise, 16)));
 }
 
-/* A range of fp32 or bf16 moments. */
+/* Elements a staged range (below) carries through each of its three loops at a time: 256 bytes a
+ * stream, 1 KiB in all, in the first-level cache. */
+#define STAGE ((size_t)64)
+
+/* bf16 moments, STAGE elements from i in three loops: the master, gradient and moments widened to fp32
+ * in arrays; the update over those arrays; the results narrowed and stored. Why: in one loop doing all
+ * three (as the other formats are run) an element group carries ~100 instructions with bf16 moments
+ * (their stochastic rounding's hash among them), and the chain of a square root and two divisions in
+ * each group then outlasts the core's reorder window, so the loop waits on it. Staged, the update's
+ * loop is short and its groups overlap, while the widening and narrowing are integer work that overlaps
+ * freely. Measured on an AVX2 AMD EPYC, 100M elements a core: split + bf16 moments 0.48 -> 0.58 G
+ * elements/s (3 interleaved pairs); a split master with fp32 moments lost 5% staged, and stays in one
+ * loop. The same instructions on the same values: the same bits. */
+AVX2 static ALWAYS_INLINE __m256 avx2_staged(const struct pass *s, const struct consts *k, size_t i, __m256 acc)
+{
+    float p[STAGE] __attribute__((aligned(32))), g[STAGE] __attribute__((aligned(32)));
+    float m[STAGE] __attribute__((aligned(32))), v[STAGE] __attribute__((aligned(32)));
+    for (size_t j = 0; j < STAGE; j += 8) {
+        _mm256_store_ps(p + j, avx2_master(s, i + j));
+        _mm256_store_ps(g + j, avx2_grad(s, i + j));
+        _mm256_store_ps(m + j, avx2_moment(s, s->exp_avg, i + j));
+        _mm256_store_ps(v + j, avx2_moment(s, s->exp_avg_sq, i + j));
+    }
+    for (size_t j = 0; j < STAGE; j += 8) {
+        __m256 pj = _mm256_load_ps(p + j), gj = _mm256_load_ps(g + j);
+        __m256 mj = _mm256_load_ps(m + j), vj = _mm256_load_ps(v + j);
+        if (s->sumsq)
+            acc = _mm256_fmadd_ps(gj, gj, acc);
+        ADAM_UPDATE(*k, pj, gj, mj, vj, _mm256_set1_ps, _mm256_fmadd_ps, _mm256_sqrt_ps);
+        _mm256_store_ps(p + j, pj);
+        _mm256_store_ps(m + j, mj);
+        _mm256_store_ps(v + j, vj);
+    }
+    for (size_t j = 0; j < STAGE; j += 8) {
+        avx2_store_master(s, i + j, _mm256_load_ps(p + j));
+        avx2_store_moments(s, i + j, _mm256_load_ps(m + j), _mm256_load_ps(v + j));
+    }
+    return acc;
+}
+
+/* A range of fp32 or bf16 moments: bf16 moments staged (avx2_staged) while whole stages remain, every
+ * other element in one loop. */
 AVX2 static double avx2_range(const void *pass, size_t begin, size_t end)
 {
     const struct pass *s = pass;
     const struct consts k = s->k;
+    int staged = s->moment_dtype == ZO_DTYPE_BF16;
     size_t i = begin + split_head(s, begin, end, 8);
     double sumsq = scalar_range(s, begin, i);
     while (i + 8 <= end) {
         size_t block_end = end - i > SUMSQ_BLOCK ? i + SUMSQ_BLOCK : end;
         __m256 acc = _mm256_setzero_ps();
+        for (; staged && i + STAGE <= block_end; i += STAGE)
+            acc = avx2_staged(s, &k, i, acc);
         for (; i + 8 <= block_end; i += 8) {
             __m256 p = avx2_master(s, i), g = avx2_grad(s, i);
             __m256 m = avx2_moment(s, s->exp_avg, i), v = avx2_moment(s, s->exp_avg_sq, i);
