@@ -17,7 +17,8 @@ which tentative updates win. ``--only formats`` runs both sides in bf16 (the anc
 DeepSpeed keeps an fp32 master and fp32 moments): our fp32 master, a split master, and a split master
 with bf16 or int8 moments, against DeepSpeed, in step time and swap bytes (targets: split ≤ 0.32x
 DeepSpeed's step and ≤ 0.92x our fp32 master's, swap ≤ 0.72x DeepSpeed's; split + int8 moments ≤ 0.6x
-the split step, swap ≤ 0.4x DeepSpeed's).
+the split step, swap ≤ 0.4x DeepSpeed's); and the split master's NVMe bytes against the fp32 master's,
+on disk and read and written a step as the engine counts them (target ≤ 0.88x each).
 
 Usage:
   python bench/zero3_nvme.py [--pairs 5] [--steps 6] [--nvme DIR]
@@ -43,6 +44,7 @@ from pairs import interleaved_pairs, record, report_pairs, rotating_rounds
 
 RESULT = re.compile(r"RESULT .*step ms min/med/max = (\d+) / (\d+) / (\d+)")
 SWAP = re.compile(r"nvme swap dir bytes: (\d+) MiB")
+MOVED = re.compile(r"nvme bytes in the last step: read (\d+), written (\d+)")
 HERE = Path(__file__).resolve().parent
 
 
@@ -76,6 +78,7 @@ def run_ours(args) -> None:
     print(f"ours: read wait {stats.read_wait_seconds * 1e3:.0f} ms, gather wait {stats.wait_seconds * 1e3:.0f} ms "
           f"in the last step; units redone in it {engine.stats.undone_updates}; "
           f"peak RSS {peak_rss_bytes() / 2**20:.0f} MB")
+    print(f"nvme bytes in the last step: read {engine.stats.io.read_bytes}, written {engine.stats.io.write_bytes}")
     swap = sum(f.stat().st_blocks * 512 for f in Path(args.nvme).rglob("*") if f.is_file())
     print(f"nvme swap dir bytes: {swap / 2**20:.0f} MiB")  # the anchor's line, as it counts them
     engine.close()
@@ -84,15 +87,18 @@ def run_ours(args) -> None:
           f"{max(ms):.0f} (n={len(ms)})")
 
 
-def _side(command: list[str], env: dict, swap: dict[str, list[float]] | None = None, name: str = "") -> float:
+def _side(command: list[str], env: dict, swap: dict[str, list[float]] | None = None, name: str = "",
+          moved: dict[str, tuple[int, int]] | None = None) -> float:
     """Run one side in a fresh process; its median step time in ms (and into ``swap[name]`` the MiB its
-    swap directory held)."""
+    swap directory held, into ``moved[name]`` the NVMe bytes our side read and wrote in its last step)."""
     done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=900)
     match = RESULT.search(done.stdout)
     if done.returncode != 0 or match is None:
         raise SystemExit(f"{command[:3]} failed ({done.returncode}):\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}")
     if swap is not None:
         swap.setdefault(name, []).append(float(SWAP.search(done.stdout).group(1)))
+    if moved is not None and (bytes_moved := MOVED.search(done.stdout)):
+        moved[name] = (int(bytes_moved.group(1)), int(bytes_moved.group(2)))
     return float(match.group(2))
 
 
@@ -146,9 +152,9 @@ def compare_formats(args) -> None:
             "--batch", str(args.batch), "--nvme", str(nvme / "ours"), "--dtype", "bf16"]
     theirs = [args.deepspeed_python, args.anchor, "--mode", "ds", "--dtype", "bf16", "--steps", str(args.steps),
               "--batch", str(args.batch), "--nvme", str(nvme / "ds")]
-    env, swap = {**os.environ, "DS_ACCELERATOR": "cpu"}, {}
+    env, swap, moved = {**os.environ, "DS_ACCELERATOR": "cpu"}, {}, {}
     print(f"machine: {os.cpu_count()} CPUs; swap under {nvme}; {args.pairs} rounds of {args.steps} timed steps, bf16")
-    sides = {name: (lambda extra=extra, name=name: _side([*ours, *extra], env, swap, name))
+    sides = {name: (lambda extra=extra, name=name: _side([*ours, *extra], env, swap, name, moved))
              for name, extra in FORMATS.items()}
     sides["DeepSpeed ZeRO-3"] = lambda: _side(theirs, env, swap, "DeepSpeed ZeRO-3")
     try:
@@ -159,6 +165,7 @@ def compare_formats(args) -> None:
                                 ("split + bf16 moments", "split", 1.0), ("split + int8 moments", "split", 0.6)):
         report_pairs(f"ZeRO-3 NVMe, bf16: {name} against {other}", (name, other),
                      list(zip(times[name], times[other])), target, unit="ms/step")
+    _report_split_bytes(swap, moved)
     for name, target in (("fp32 master", 1.0), ("split", 0.72), ("split + bf16 moments", 0.72),
                          ("split + int8 moments", 0.40)):
         ratio = statistics.median(swap[name]) / statistics.median(swap["DeepSpeed ZeRO-3"])
@@ -168,6 +175,23 @@ def compare_formats(args) -> None:
         record("check", title=f"ZeRO-3 NVMe, bf16: swap bytes, {name} / DeepSpeed's", value=ratio,
                target=f"≤ {target:.2f}", met=ratio <= target,
                detail=f"{statistics.median(swap[name]):.0f} / {statistics.median(swap['DeepSpeed ZeRO-3']):.0f} MiB")
+
+
+def _report_split_bytes(swap: dict[str, list[float]], moved: dict[str, tuple[int, int]]) -> None:
+    """The split master's NVMe bytes against the fp32 master's in the same run: on disk, and read and
+    written in a step (the engine's count; the same every step of a side, so one step's serves)."""
+    on_disk = statistics.median(swap["split"]) / statistics.median(swap["fp32 master"])
+    (split_read, split_written), (fp32_read, fp32_written) = moved["split"], moved["fp32 master"]
+    for what, ratio, detail in (("swap bytes on disk", on_disk, f"{statistics.median(swap['split']):.0f} / "
+                                 f"{statistics.median(swap['fp32 master']):.0f} MiB"),
+                                ("NVMe bytes written a step", split_written / fp32_written,
+                                 f"{split_written / 2**20:.0f} / {fp32_written / 2**20:.0f} MiB"),
+                                ("NVMe bytes read a step", split_read / fp32_read,
+                                 f"{split_read / 2**20:.0f} / {fp32_read / 2**20:.0f} MiB")):
+        print(f"split / fp32 master, {what}: {ratio:.3f} ({detail}; target ≤ 0.88: "
+              f"{'met' if ratio <= 0.88 else 'NOT met'})")
+        record("check", title=f"ZeRO-3 NVMe, bf16: {what}, split / fp32 master", value=ratio, target="≤ 0.88",
+               met=ratio <= 0.88, detail=detail)
 
 
 def compare_checksum(args) -> None:
