@@ -205,9 +205,64 @@ AVX2 static double avx2_range(const void *pass, size_t begin, size_t end)
     return sumsq + scalar_range(s, i, end);
 }
 
+/* int8_code on 8 lanes of q in [0, 1] or NaN (int8_fraction's), each code in the low byte of its lane.
+ * As there: branch-free, each form computed and one chosen; q's bit patterns are at most 1.0f's, so
+ * signed comparisons order them. */
+AVX2 static ALWAYS_INLINE __m256i avx2_int8_code(__m256 q, int bias, __m256i noise16)
+{
+    __m256i bits = _mm256_castps_si256(_mm256_and_ps(q, _mm256_cmp_ps(q, q, _CMP_ORD_Q)));
+    __m256i zero_exponent = _mm256_set1_epi32((127 - bias) << 23);
+    __m256i subnormal = _mm256_cmpgt_epi32(_mm256_set1_epi32(((127 - bias) << 23) + (1 << 23)), bits);
+    __m256i rebased = _mm256_srli_epi32(_mm256_sub_epi32(_mm256_add_epi32(bits, _mm256_slli_epi32(noise16, 4)),
+                                                         zero_exponent), 20);
+    __m256 steps = _mm256_mul_ps(_mm256_castsi256_ps(_mm256_and_si256(subnormal, bits)),
+                                 _mm256_set1_ps(float_of((uint32_t)(127 + bias + 2) << 23)));
+    __m256i linear = _mm256_cvttps_epi32(_mm256_add_ps(steps, _mm256_mul_ps(_mm256_cvtepi32_ps(noise16),
+                                                                            _mm256_set1_ps(0x1p-16f))));
+    return _mm256_blendv_epi8(rebased, linear, subnormal);
+}
+
+/* int8_fraction on 8 lanes (a NaN stays NaN: the comparison is false for it, as in C). */
+AVX2 static ALWAYS_INLINE __m256 avx2_int8_fraction(__m256 x, __m256 reciprocal)
+{
+    __m256 q = _mm256_mul_ps(_mm256_and_ps(x, _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF))), reciprocal);
+    return _mm256_blendv_ps(q, _mm256_set1_ps(1.0f), _mm256_cmp_ps(q, _mm256_set1_ps(1.0f), _CMP_GT_OQ));
+}
+
+/* 8 lanes of codes (each below 256) as 8 bytes at `to`. */
+AVX2 static ALWAYS_INLINE void avx2_store_bytes(uint8_t *to, __m256i codes)
+{
+    __m128i words = avx2_pack16(codes);
+    _mm_storel_epi64((__m128i *)to, _mm_packus_epi16(words, words));
+}
+
+/* int8_codes with 8 lanes a vector: GCC's vectorized loop of the same arithmetic works 32 elements at
+ * a time to fill a vector of bytes, and spills its lanes to the stack; 8 at a time, each packed down
+ * to 8 bytes, stays in registers. The same operations on the same values as int8_code_range, which
+ * codes the block's last n % 8. */
+AVX2 static void avx2_int8_codes(const float *m, const float *v, size_t n, uint32_t noise_base, uint32_t seed,
+                                 float m_reciprocal, float v_reciprocal, uint8_t *m_codes, uint8_t *v_codes)
+{
+    __m256 m_scaled = _mm256_set1_ps(m_reciprocal), v_scaled = _mm256_set1_ps(v_reciprocal);
+    __m256i low16 = _mm256_set1_epi32(0xFFFF), sign_bit = _mm256_set1_epi32(0x80);
+    size_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m256i index = _mm256_add_epi32(_mm256_set1_epi32((int)(noise_base + (uint32_t)i)),
+                                         _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+        __m256i noise = avx2_mix32(_mm256_xor_si256(index, _mm256_set1_epi32((int)seed)));
+        __m256 mi = _mm256_loadu_ps(m + i), vi = _mm256_loadu_ps(v + i);
+        __m256i sign = _mm256_and_si256(_mm256_srli_epi32(_mm256_castps_si256(mi), 24), sign_bit);
+        __m256i m_code = avx2_int8_code(avx2_int8_fraction(mi, m_scaled), INT8_M_BIAS, _mm256_and_si256(noise, low16));
+        __m256i v_code = avx2_int8_code(avx2_int8_fraction(vi, v_scaled), INT8_V_BIAS, _mm256_srli_epi32(noise, 16));
+        avx2_store_bytes(m_codes + i, _mm256_or_si256(m_code, sign));
+        avx2_store_bytes(v_codes + i, v_code);
+    }
+    int8_code_range(m, v, i, n, noise_base, seed, m_reciprocal, v_reciprocal, m_codes, v_codes);
+}
+
 AVX2 double zo_avx2_run(const void *pass, size_t begin, size_t end)
 {
-    return any_moments_range(pass, begin, end, avx2_range);
+    return any_moments_range(pass, begin, end, avx2_range, avx2_int8_codes);
 }
 
 

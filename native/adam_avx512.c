@@ -157,6 +157,6 @@ AVX512 static double avx512_range(const void *pass, size_t begin, size_t end)
 
 AVX512 double zo_avx512_run(const void *pass, size_t begin, size_t end)
 {
-    return any_moments_range(pass, begin, end, avx512_range);
+    return any_moments_range(pass, begin, end, avx512_range, int8_codes);
 }
 #endif

@@ -43,7 +43,7 @@ static double scalar_level_range(const void *pass, size_t begin, size_t end)
 
 static double scalar_run(const void *pass, size_t begin, size_t end)
 {
-    return any_moments_range(pass, begin, end, scalar_level_range);
+    return any_moments_range(pass, begin, end, scalar_level_range, int8_codes);
 }
 
 /* ---------------------------------------------------------------------------------------------

@@ -77,17 +77,15 @@ static ALWAYS_INLINE float int8_fraction(float x, float reciprocal)
     return q > 1.0f ? 1.0f : q;
 }
 
-/* One block's n new moments m and v as codes and scales; element i's noise is
- * mix32((noise_base + i) ^ seed), its low 16 bits for m, its high 16 for v (as bf16 moments round). A
- * block of zeros has scale 0 and codes 0; a block with a NaN or inf has that scale, and every value of
- * it reads back as a NaN. */
-static ALWAYS_INLINE void int8_encode(const float *m, const float *v, size_t n, uint32_t noise_base, uint32_t seed,
-                                      uint8_t *m_codes, uint8_t *v_codes, float *m_scale, float *v_scale)
+/* Codes of elements [from, n) of a block's new moments m and v, given the reciprocals of their
+ * block's scales; element i's noise is mix32((noise_base + i) ^ seed), its low 16 bits for m, its
+ * high 16 for v (as bf16 moments round). A level may code the whole vectors of a block itself and
+ * leave the rest to this (adam_avx2.c). */
+static ALWAYS_INLINE void int8_code_range(const float *m, const float *v, size_t from, size_t n, uint32_t noise_base,
+                                          uint32_t seed, float m_reciprocal, float v_reciprocal, uint8_t *m_codes,
+                                          uint8_t *v_codes)
 {
-    *m_scale = int8_scale(m, n);
-    *v_scale = int8_scale(v, n);
-    float m_reciprocal = 1.0f / *m_scale, v_reciprocal = 1.0f / *v_scale;
-    for (size_t i = 0; i < n; i++) {
+    for (size_t i = from; i < n; i++) {
         uint32_t noise = mix32((noise_base + (uint32_t)i) ^ seed);
         uint32_t sign = bits_of(m[i]) >> 24 & 0x80;
         m_codes[i] = (uint8_t)(int8_code(int8_fraction(m[i], m_reciprocal), INT8_M_BIAS, noise & 0xFFFF) | sign);
@@ -95,11 +93,35 @@ static ALWAYS_INLINE void int8_encode(const float *m, const float *v, size_t n, 
     }
 }
 
+/* A level's code loop over a whole block: int8_code_range's arguments from 0. */
+typedef void int8_codes_fn(const float *m, const float *v, size_t n, uint32_t noise_base, uint32_t seed,
+                           float m_reciprocal, float v_reciprocal, uint8_t *m_codes, uint8_t *v_codes);
+
+/* int8_code_range over a whole block: the levels whose compiler-vectorized loop serves. */
+static ALWAYS_INLINE void int8_codes(const float *m, const float *v, size_t n, uint32_t noise_base, uint32_t seed,
+                                     float m_reciprocal, float v_reciprocal, uint8_t *m_codes, uint8_t *v_codes)
+{
+    int8_code_range(m, v, 0, n, noise_base, seed, m_reciprocal, v_reciprocal, m_codes, v_codes);
+}
+
+/* One block's n new moments m and v as codes (by the level's `codes`) and scales. A block of zeros
+ * has scale 0 and codes 0; a block with a NaN or inf has that scale, and every value of it reads
+ * back as a NaN. */
+static ALWAYS_INLINE void int8_encode(const float *m, const float *v, size_t n, uint32_t noise_base, uint32_t seed,
+                                      uint8_t *m_codes, uint8_t *v_codes, float *m_scale, float *v_scale,
+                                      int8_codes_fn *codes)
+{
+    *m_scale = int8_scale(m, n);
+    *v_scale = int8_scale(v, n);
+    codes(m, v, n, noise_base, seed, 1.0f / *m_scale, 1.0f / *v_scale, m_codes, v_codes);
+}
+
 /* Elements [begin, end) of a pass with int8 moments (begin a multiple of ZO_INT8_BLOCK, as every range
  * of a split is), a block at a time: its moments decoded into fp32 arrays on the stack, the level's
  * fp32-moment pass `run` over the block, the new moments encoded. No block is ever widened in memory
  * beyond these 2 KiB, which stay in the first-level cache. */
-static ALWAYS_INLINE double int8_range(const struct pass *s, size_t begin, size_t end, range_fn *run)
+static ALWAYS_INLINE double int8_range(const struct pass *s, size_t begin, size_t end, range_fn *run,
+                                       int8_codes_fn *codes)
 {
     static const size_t dtype_size[] = {[ZO_DTYPE_NONE] = 0, [ZO_DTYPE_FP32] = 4, [ZO_DTYPE_BF16] = 2,
                                         [ZO_DTYPE_FP16] = 2};
@@ -119,17 +141,18 @@ static ALWAYS_INLINE double int8_range(const struct pass *s, size_t begin, size_
         sub.residual_bit0 = s->residual_bit0 + at;
         sumsq += run(&sub, 0, n);
         int8_encode(m, v, n, s->noise_base + (uint32_t)at, s->k.noise_seed, m_codes, v_codes,
-                    &s->exp_avg_scale[block], &s->exp_avg_sq_scale[block]);
+                    &s->exp_avg_scale[block], &s->exp_avg_sq_scale[block], codes);
     }
     return sumsq;
 }
 
-/* A level's range function over any moment format: int8 moments a block at a time (int8_range), the
- * others by the level's own `range`. */
-static ALWAYS_INLINE double any_moments_range(const void *pass, size_t begin, size_t end, range_fn *range)
+/* A level's range function over any moment format: int8 moments a block at a time (int8_range, the
+ * level's `codes` coding them), the others by the level's own `range`. */
+static ALWAYS_INLINE double any_moments_range(const void *pass, size_t begin, size_t end, range_fn *range,
+                                              int8_codes_fn *codes)
 {
     const struct pass *s = pass;
-    return s->moment_dtype == ZO_DTYPE_INT8 ? int8_range(s, begin, end, range) : range(s, begin, end);
+    return s->moment_dtype == ZO_DTYPE_INT8 ? int8_range(s, begin, end, range, codes) : range(s, begin, end);
 }
 
 #endif
