@@ -21,7 +21,7 @@ import os
 import sys
 import traceback
 import warnings
-from typing import Callable
+from typing import Callable, TextIO
 
 from ..config import Config, ConfigError, DeepSpeedConfigWarning
 from ..errors import CheckpointError, EngineGroupEnded, SkipStreakError
@@ -356,8 +356,15 @@ def _fail(status: int, line: str, debug: bool) -> int:
     if debug:
         traceback.print_exc()
     rank = f"rank {current_rank()}: " if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
-    print(f"zerooffload: {rank}{_one_line(line)}", file=sys.stderr)
+    _write_line(f"zerooffload: {rank}{_one_line(line)}", sys.stderr)
     return status
+
+
+def _write_line(line: str, file: TextIO) -> None:
+    """``line`` and its newline in one write: ``print`` writes them apart, two system calls on stderr,
+    and under torchrun the ranks' lines, ending at the same moment, tore into each other."""
+    file.write(line + "\n")
+    file.flush()
 
 
 def _warning_printer(python_showwarning: Callable) -> Callable:
@@ -365,7 +372,7 @@ def _warning_printer(python_showwarning: Callable) -> Callable:
     message, not the library line that raised it); other warnings as Python shows them."""
     def show(message, category, filename, lineno, file=None, line=None) -> None:
         if issubclass(category, DeepSpeedConfigWarning):
-            print(f"zerooffload: warning: {_one_line(str(message))}", file=sys.stderr if file is None else file)
+            _write_line(f"zerooffload: warning: {_one_line(str(message))}", sys.stderr if file is None else file)
         else:
             python_showwarning(message, category, filename, lineno, file, line)
     return show
