@@ -3,7 +3,8 @@
  * function that runs a level's pass over them a block at a time. Included by the level files alone
  * (cpu_adam.c's scalar level, adam_avx2.c, adam_avx512.c), so that the loops below are compiled, and
  * vectorized by GCC, for each level's instruction set: plain C with IEEE operations and integer
- * arithmetic, so every level gives the same bits.
+ * arithmetic, so every level gives the same bits. (The AVX2 level codes whole vectors of a block with
+ * intrinsics of the same operations: adam_avx2.c's avx2_int8_codes.)
  *
  * A block's values x are stored as one fp32 scale, the largest |x| in the block, and a code per
  * element for q = |x| / scale in [0, 1] (the largest is 1 exactly). The code is a tiny float of q:
