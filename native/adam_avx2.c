@@ -113,6 +113,13 @@ AVX2 static ALWAYS_INLINE __m256i avx2_mix32(__m256i x)
     return (__m256i)v;
 }
 
+/* The rounding noise of 8 elements from `index`: mix32((index + lane) ^ seed) in each lane. */
+AVX2 static ALWAYS_INLINE __m256i avx2_noise(uint32_t index, uint32_t seed)
+{
+    __m256i lanes = _mm256_add_epi32(_mm256_set1_epi32((int)index), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    return avx2_mix32(_mm256_xor_si256(lanes, _mm256_set1_epi32((int)seed)));
+}
+
 /* bf16_stochastic on 8 lanes. */
 AVX2 static ALWAYS_INLINE __m128i avx2_bf16_stochastic(__m256 f, __m256i noise16)
 {
@@ -128,12 +135,20 @@ AVX2 static ALWAYS_INLINE void avx2_store_moments(const struct pass *s, size_t i
         _mm256_storeu_ps((float *)s->exp_avg_sq + i, v);
         return;
     }
-    __m256i index = _mm256_add_epi32(_mm256_set1_epi32((int)(s->noise_base + (uint32_t)i)),
-                                     _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-    __m256i noise = avx2_mix32(_mm256_xor_si256(index, _mm256_set1_epi32((int)s->k.noise_seed)));
+    __m256i noise = avx2_noise(s->noise_base + (uint32_t)i, s->k.noise_seed);
     _mm_storeu_si128((__m128i *)((uint16_t *)s->exp_avg + i),
                      avx2_bf16_stochastic(m, _mm256_and_si256(noise, _mm256_set1_epi32(0xFFFF))));
     _mm_storeu_si128((__m128i *)((uint16_t *)s->exp_avg_sq + i), avx2_bf16_stochastic(v, _mm256_srli_epi32(noise, 16)));
+}
+
+/* The update of 8 elements in place, their gradient's squares added to acc when the pass sums them. */
+AVX2 static ALWAYS_INLINE __m256 avx2_update(const struct pass *s, const struct consts *k, __m256 *p, __m256 g,
+                                             __m256 *m, __m256 *v, __m256 acc)
+{
+    if (s->sumsq)
+        acc = _mm256_fmadd_ps(g, g, acc);
+    ADAM_UPDATE(*k, *p, g, *m, *v, _mm256_set1_ps, _mm256_fmadd_ps, _mm256_sqrt_ps);
+    return acc;
 }
 
 /* Elements a staged range (below) carries through each of its three loops at a time: 256 bytes a
@@ -160,11 +175,8 @@ AVX2 static ALWAYS_INLINE __m256 avx2_staged(const struct pass *s, const struct 
         _mm256_store_ps(v + j, avx2_moment(s, s->exp_avg_sq, i + j));
     }
     for (size_t j = 0; j < STAGE; j += 8) {
-        __m256 pj = _mm256_load_ps(p + j), gj = _mm256_load_ps(g + j);
-        __m256 mj = _mm256_load_ps(m + j), vj = _mm256_load_ps(v + j);
-        if (s->sumsq)
-            acc = _mm256_fmadd_ps(gj, gj, acc);
-        ADAM_UPDATE(*k, pj, gj, mj, vj, _mm256_set1_ps, _mm256_fmadd_ps, _mm256_sqrt_ps);
+        __m256 pj = _mm256_load_ps(p + j), mj = _mm256_load_ps(m + j), vj = _mm256_load_ps(v + j);
+        acc = avx2_update(s, k, &pj, _mm256_load_ps(g + j), &mj, &vj, acc);
         _mm256_store_ps(p + j, pj);
         _mm256_store_ps(m + j, mj);
         _mm256_store_ps(v + j, vj);
@@ -193,9 +205,7 @@ AVX2 static double avx2_range(const void *pass, size_t begin, size_t end)
         for (; i + 8 <= block_end; i += 8) {
             __m256 p = avx2_master(s, i), g = avx2_grad(s, i);
             __m256 m = avx2_moment(s, s->exp_avg, i), v = avx2_moment(s, s->exp_avg_sq, i);
-            if (s->sumsq)
-                acc = _mm256_fmadd_ps(g, g, acc);
-            ADAM_UPDATE(k, p, g, m, v, _mm256_set1_ps, _mm256_fmadd_ps, _mm256_sqrt_ps);
+            acc = avx2_update(s, &k, &p, g, &m, &v, acc);
             avx2_store_master(s, i, p);
             avx2_store_moments(s, i, m, v);
         }
@@ -247,9 +257,7 @@ AVX2 static void avx2_int8_codes(const float *m, const float *v, size_t n, uint3
     __m256i low16 = _mm256_set1_epi32(0xFFFF), sign_bit = _mm256_set1_epi32(0x80);
     size_t i = 0;
     for (; i + 8 <= n; i += 8) {
-        __m256i index = _mm256_add_epi32(_mm256_set1_epi32((int)(noise_base + (uint32_t)i)),
-                                         _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-        __m256i noise = avx2_mix32(_mm256_xor_si256(index, _mm256_set1_epi32((int)seed)));
+        __m256i noise = avx2_noise(noise_base + (uint32_t)i, seed);
         __m256 mi = _mm256_loadu_ps(m + i), vi = _mm256_loadu_ps(v + i);
         __m256i sign = _mm256_and_si256(_mm256_srli_epi32(_mm256_castps_si256(mi), 24), sign_bit);
         __m256i m_code = avx2_int8_code(avx2_int8_fraction(mi, m_scaled), INT8_M_BIAS, _mm256_and_si256(noise, low16));
