@@ -216,8 +216,11 @@ AVX2 static double avx2_range(const void *pass, size_t begin, size_t end)
 }
 
 /* int8_code on 8 lanes of q in [0, 1] or NaN (int8_fraction's), each code in the low byte of its lane.
- * As there: branch-free, each form computed and one chosen; q's bit patterns are at most 1.0f's, so
- * signed comparisons order them. */
+ * As there, each form computed and one chosen per lane, but the linear form only when a lane needs it:
+ * a block's values lie within 2^-17 (m) or 2^-33 (v) of its largest but for zeros, so most vectors have
+ * no such lane, and skipping its 7 operations makes the int8 pass 8% faster (AVX2 EPYC, 1 thread, 4
+ * interleaved pairs: 0.327 -> 0.354 G elements/s). q's bit patterns are at most 1.0f's, so signed
+ * comparisons order them. */
 AVX2 static ALWAYS_INLINE __m256i avx2_int8_code(__m256 q, int bias, __m256i noise16)
 {
     __m256i bits = _mm256_castps_si256(_mm256_and_ps(q, _mm256_cmp_ps(q, q, _CMP_ORD_Q)));
@@ -225,6 +228,8 @@ AVX2 static ALWAYS_INLINE __m256i avx2_int8_code(__m256 q, int bias, __m256i noi
     __m256i subnormal = _mm256_cmpgt_epi32(_mm256_set1_epi32(((127 - bias) << 23) + (1 << 23)), bits);
     __m256i rebased = _mm256_srli_epi32(_mm256_sub_epi32(_mm256_add_epi32(bits, _mm256_slli_epi32(noise16, 4)),
                                                          zero_exponent), 20);
+    if (_mm256_testz_si256(subnormal, subnormal))  /* the usual vector: no lane in the linear range */
+        return rebased;
     __m256 steps = _mm256_mul_ps(_mm256_castsi256_ps(_mm256_and_si256(subnormal, bits)),
                                  _mm256_set1_ps(float_of((uint32_t)(127 + bias + 2) << 23)));
     __m256i linear = _mm256_cvttps_epi32(_mm256_add_ps(steps, _mm256_mul_ps(_mm256_cvtepi32_ps(noise16),
