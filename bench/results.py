@@ -20,8 +20,10 @@ named by $ZO_BENCH_RECORD (``pairs.record``), a fresh one per benchmark, in four
 ``zerooffload bench adam`` records nothing (it is a command of the package): its ratio lines are
 parsed instead. Each child's stdout and stderr go to ``bench/results_logs/<name>.txt`` (not committed).
 
-Each full run's results are kept in ``bench/results_runs.json``, so ``--only`` reruns some benchmarks and
-RESULTS.md still shows every other one's last results (the runs table dates each). The *slow* benchmarks
+Each full run's results are kept in ``bench/results_runs.json`` by benchmark and CPU, so ``--only`` reruns
+some benchmarks and RESULTS.md still shows every other one's last results (the runs table dates each), and
+a run on another kind of machine (say an AVX2 AMD EPYC after an AVX-512 Xeon) is shown beside the first
+one's, never in its place: every row names the CPU it was measured on, as ratios differ between them. The *slow* benchmarks
 (tens of minutes: training runs for accuracy, the 7b showcase) run only when ``--only`` names them.
 
 Without fio the benchmarks that measure against it are skipped; without DeepSpeed the comparisons
@@ -111,17 +113,22 @@ class Run:
     notes: list[str] = field(default_factory=list)
     when: str = ""
     """When it ran (RESULTS.md's runs table)."""
+    cpu: str = ""
+    """The CPU and the fused Adam SIMD level it ran on (``cpu_label``): what its rows are kept and shown by."""
+    machine: str = ""
+    """The whole machine it ran on (``machine``): RESULTS.md's list of machines."""
 
     def saved(self) -> dict:
         return {"name": self.bench.name, "status": self.status, "seconds": self.seconds, "shown": self.shown,
-                "records": self.records, "notes": self.notes, "when": self.when}
+                "records": self.records, "notes": self.notes, "when": self.when, "cpu": self.cpu,
+                "machine": self.machine}
 
 
-def kept_runs() -> dict[str, Run]:
-    """The last full runs of the benchmarks still in BENCHES, by name."""
+def kept_runs() -> dict[tuple[str, str], Run]:
+    """The last full run of each benchmark still in BENCHES on each CPU, by (name, cpu)."""
     benches = {b.name: b for b in BENCHES}
     saved = json.loads(RUNS.read_text()) if RUNS.exists() else []
-    return {s["name"]: Run(benches[s.pop("name")], **s) for s in saved if s["name"] in benches}
+    return {(s["name"], s["cpu"]): Run(benches[s.pop("name")], **s) for s in saved if s["name"] in benches}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -224,17 +231,28 @@ def parse_bench_adam(output: str) -> list[dict]:
 # RESULTS.md
 
 
+def cpu_name() -> str:
+    cpuinfo = Path("/proc/cpuinfo").read_text().splitlines()
+    return next((line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")),
+                platform.processor())
+
+
+def cpu_label() -> str:
+    """This CPU and the SIMD level the fused Adam pass runs at, e.g. "AMD EPYC (avx2)": the rows' key.
+    (zerooffload is imported here, after the runs, so this process stays small while they run.)"""
+    from zerooffload.optim import simd_level
+
+    return f"{cpu_name()} ({simd_level()})"
+
+
 def machine(deepspeed_note: str) -> str:
-    """What the figures were measured on (imported here, after the runs, so this process stays small
-    while they run)."""
+    """What the figures were measured on (imported here, as in ``cpu_label``)."""
     import psutil
     import torch
 
     from zerooffload.optim import simd_level
 
-    cpuinfo = Path("/proc/cpuinfo").read_text().splitlines()
-    cpu = next((line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")),
-               platform.processor())
+    cpu = cpu_name()
     temp = tempfile.gettempdir()
     found = subprocess.run(["findmnt", "-n", "-o", "FSTYPE,SOURCE", "-T", temp], capture_output=True, text=True,
                            check=False).stdout.split()
@@ -252,9 +270,9 @@ def verdict(met: bool | None) -> str:
     return "—" if met is None else "met" if met else "**NOT met**"
 
 
-def records_of(runs: list[Run], kind: str) -> list[tuple[str, dict]]:
-    """(benchmark name, record) for every record of ``kind``, in run order."""
-    return [(r.bench.name, rec) for r in runs for rec in r.records if rec["kind"] == kind]
+def records_of(runs: list[Run], kind: str) -> list[tuple[str, str, dict]]:
+    """(benchmark name, cpu, record) for every record of ``kind``, in run order."""
+    return [(r.bench.name, r.cpu, rec) for r in runs for rec in r.records if rec["kind"] == kind]
 
 
 PHASES = ("forward", "backward", "step")
@@ -267,9 +285,18 @@ def markdown_table(header: list[str], rows: list[list]) -> list[str]:
         "| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]
 
 
+def machines_table(runs: list[Run]) -> list[str]:
+    """Each CPU the runs were measured on and its whole machine (its latest run's description)."""
+    latest = {}
+    for r in sorted(runs, key=lambda r: r.when):
+        latest[r.cpu] = r.machine
+    return markdown_table(["cpu", "machine"], [[cpu, described] for cpu, described in latest.items()])
+
+
 def runs_table(runs: list[Run]) -> list[str]:
-    return markdown_table(["benchmark", "command", "status", "seconds", "ran"],
-                          [[r.bench.name, f"`{r.shown}`", r.status, f"{r.seconds:.0f}", r.when] for r in runs])
+    return markdown_table(["benchmark", "cpu", "command", "status", "seconds", "ran"],
+                          [[r.bench.name, r.cpu, f"`{r.shown}`", r.status, f"{r.seconds:.0f}", r.when]
+                           for r in runs])
 
 
 def pairs_table(runs: list[Run]) -> list[str]:
@@ -278,36 +305,39 @@ def pairs_table(runs: list[Run]) -> list[str]:
         return ["No comparisons recorded."]
     return [("Ratio = ours / theirs (time) per pair or round, the two sides interleaved; judged on the median. "
              "A target of — means none is set."), ""] + markdown_table(
-        ["benchmark", "comparison", "ours / theirs", "ratio min / median / max", "target", "verdict"],
-        [[name, rec["title"], f"{rec['names'][0]} / {rec['names'][1]}", spread(rec["ratios"]),
-          "—" if rec["target"] is None else f"≤ {rec['target']:.2f}", verdict(rec["met"])] for name, rec in rows])
+        ["benchmark", "cpu", "comparison", "ours / theirs", "ratio min / median / max", "target", "verdict"],
+        [[name, cpu, rec["title"], f"{rec['names'][0]} / {rec['names'][1]}", spread(rec["ratios"]),
+          "—" if rec["target"] is None else f"≤ {rec['target']:.2f}", verdict(rec["met"])]
+         for name, cpu, rec in rows])
 
 
 def checks_table(runs: list[Run]) -> list[str]:
     rows = records_of(runs, "check")
     if not rows:
         return ["No single-figure checks recorded."]
-    return markdown_table(["benchmark", "check", "value", "target", "verdict", "detail"],
-                          [[name, rec["title"], f"{rec['value']:.4g}", rec["target"], verdict(rec["met"]),
-                            rec["detail"]] for name, rec in rows])
+    return markdown_table(["benchmark", "cpu", "check", "value", "target", "verdict", "detail"],
+                          [[name, cpu, rec["title"], f"{rec['value']:.4g}", rec["target"], verdict(rec["met"]),
+                            rec["detail"]] for name, cpu, rec in rows])
 
 
 def formats_section(runs: list[Run]) -> list[str]:
     """formats_accuracy.py's plot of each format's loss, when it ran (its figures: the checks above)."""
-    if not any(r.bench.name == "formats_accuracy" and r.status == "ok" for r in runs):
+    ran = sorted((r for r in runs if r.bench.name == "formats_accuracy" and r.status == "ok"), key=lambda r: r.when)
+    if not ran:
         return ["formats_accuracy.py has not run: no plot."]
-    return ["The `small` preset in bf16 with each optimizer state format (formats_accuracy.py; the last-50-step "
-            "means are in the checks above).", "", "![loss with each optimizer state format](formats_loss.png)"]
+    return [f"The `small` preset in bf16 with each optimizer state format (formats_accuracy.py on {ran[-1].cpu}, "
+            "its last run; the last-50-step means are in the checks above).", "",
+            "![loss with each optimizer state format](formats_loss.png)"]
 
 
 def split_section(runs: list[Run]) -> list[str]:
     rows = records_of(runs, "split")
     if not rows:
         return ["No step-time split recorded (optimizer_phase.py's iteration phase did not run): no plot."]
-    plot_split([rec for _, rec in rows], HERE / "results_split.png")
-    table = markdown_table(["iteration", "side", "forward", "backward", "step", "total"],
-                           [[rec["title"], rec["side"], *(f"{rec['phases'][k]:.3f}" for k in PHASES),
-                             f"{sum(rec['phases'].values()):.3f}"] for _, rec in rows])
+    plot_split([(cpu, rec) for _, cpu, rec in rows], HERE / "results_split.png")
+    table = markdown_table(["iteration", "cpu", "side", "forward", "backward", "step", "total"],
+                           [[rec["title"], cpu, rec["side"], *(f"{rec['phases'][k]:.3f}" for k in PHASES),
+                             f"{sum(rec['phases'].values()):.3f}"] for _, cpu, rec in rows])
     return (["Mean seconds per iteration (optimizer_phase.py, iteration phase).", ""] + table
             + ["", "![forward / backward / step per side](results_split.png)"])
 
@@ -316,11 +346,11 @@ def rss_section(runs: list[Run]) -> list[str]:
     rows = records_of(runs, "rss")
     if not rows:
         return ["No RSS rows recorded (rss_depth.py did not run or recorded none): no plot."]
-    plot_rss([rec for _, rec in rows], HERE / "results_rss.png")
+    plot_rss([(cpu, rec) for _, cpu, rec in rows], HERE / "results_rss.png")
     table = markdown_table(
-        ["benchmark", "layers", "params (M)", "RSS above baseline (GB)", "engine's report (GB)", "ratio"],
-        [[name, rec["layers"], f"{rec['params'] / 1e6:.0f}", f"{rec['rss_bytes'] / 1e9:.2f}",
-          f"{rec['report_bytes'] / 1e9:.2f}", f"{rec['ratio']:.2f}"] for name, rec in rows])
+        ["benchmark", "cpu", "layers", "params (M)", "RSS above baseline (GB)", "engine's report (GB)", "ratio"],
+        [[name, cpu, rec["layers"], f"{rec['params'] / 1e6:.0f}", f"{rec['rss_bytes'] / 1e9:.2f}",
+          f"{rec['report_bytes'] / 1e9:.2f}", f"{rec['ratio']:.2f}"] for name, cpu, rec in rows])
     return table + ["", "![RSS above baseline against the engine's report](results_rss.png)"]
 
 
@@ -329,17 +359,19 @@ def notes_list(runs: list[Run]) -> list[str]:
     return notes or ["None: every benchmark ran in full."]
 
 
-def write_results(runs: list[Run], command: str, deepspeed_note: str, quick: bool) -> Path:
-    """RESULTS.md (and its plots) from ``runs``; a plot whose records are absent is removed, not kept stale."""
+def write_results(runs: list[Run], command: str, quick: bool) -> Path:
+    """RESULTS.md (and its plots) from ``runs``; a plot whose records are absent is removed, not kept stale.
+    ``command``: how it was generated, and where (Markdown)."""
     for stale in ("results_split.png", "results_rss.png"):
         (HERE / stale).unlink(missing_ok=True)
     when = datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")
     lines = ["# Benchmark results", "",
-             (f"Generated by `{command}` on {when}, beside the other benchmarks' last results (dated in the "
+             (f"Generated by {command}, {when}, beside the other benchmarks' last results (dated in the "
               "runs table); `python bench/results.py` reruns all but the slow ones."),
              *(["", ("**Quick run (--quick): the smallest arguments, for checking the script; the figures "
                      "are not measurements.**")] if quick else []),
-             "", f"Machine: {machine(deepspeed_note)}.", "",
+             "", "Machines (every row below names its CPU and the fused Adam pass's SIMD level):", "",
+             *machines_table(runs), "",
              ("The disk and CPUs are shared and noisy: compare ratios measured in one run, never absolute figures "
               "across runs."), "",
              "## Runs", "", *runs_table(runs), "",
@@ -368,10 +400,14 @@ def _pyplot():
     return plt
 
 
-def plot_split(records: list[dict], path: Path) -> None:
-    """Stacked bars, one per (iteration, side): forward, backward and step seconds."""
+def plot_split(rows: list[tuple[str, dict]], path: Path) -> None:
+    """Stacked bars, one per (iteration, side, and cpu where there are several): forward, backward and step
+    seconds."""
     plt = _pyplot()
-    labels = [f"{textwrap.fill(rec['title'], 10)}\n{rec['side']}" for rec in records]
+    several = len({cpu for cpu, _ in rows}) > 1
+    labels = [f"{textwrap.fill(rec['title'], 10)}\n{rec['side']}" + (f"\n{textwrap.fill(cpu, 10)}" if several else "")
+              for cpu, rec in rows]
+    records = [rec for _, rec in rows]
     fig, ax = plt.subplots(figsize=(max(5.0, 1.2 * len(records) + 1.5), 4.5))
     bottom = [0.0] * len(records)
     for phase in PHASES:
@@ -386,21 +422,26 @@ def plot_split(records: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
-def plot_rss(records: list[dict], path: Path) -> None:
-    """Peak RSS above the baseline and the engine's report against parameters, each point's depth marked."""
+def plot_rss(rows: list[tuple[str, dict]], path: Path) -> None:
+    """Peak RSS above the baseline and the engine's report against parameters, each point's depth marked;
+    a pair of lines per cpu, named where there are several."""
     plt = _pyplot()
-    records = sorted(records, key=lambda rec: rec["params"])
-    params = [rec["params"] / 1e6 for rec in records]
+    cpus = list(dict.fromkeys(cpu for cpu, _ in rows))
     fig, ax = plt.subplots(figsize=(6.0, 4.5))
-    ax.plot(params, [rec["rss_bytes"] / 1e9 for rec in records], "o-", label="peak RSS above baseline")
-    ax.plot(params, [rec["report_bytes"] / 1e9 for rec in records], "s--", label="engine's memory report")
-    for x, rec in zip(params, records):
-        ax.annotate(f"{rec['layers']} layers", (x, rec["rss_bytes"] / 1e9), textcoords="offset points",
-                    xytext=(4, 6), fontsize=8)
+    for cpu in cpus:
+        records = sorted((rec for row_cpu, rec in rows if row_cpu == cpu), key=lambda rec: rec["params"])
+        params = [rec["params"] / 1e6 for rec in records]
+        suffix = f" ({cpu})" if len(cpus) > 1 else ""
+        ax.plot(params, [rec["rss_bytes"] / 1e9 for rec in records], "o-", label="peak RSS above baseline" + suffix)
+        ax.plot(params, [rec["report_bytes"] / 1e9 for rec in records], "s--",
+                label="engine's memory report" + suffix)
+        for x, rec in zip(params, records):
+            ax.annotate(f"{rec['layers']} layers", (x, rec["rss_bytes"] / 1e9), textcoords="offset points",
+                        xytext=(4, 6), fontsize=8)
     ax.margins(x=0.15)
     ax.set_xlabel("parameters (M)")
     ax.set_ylabel("GB")
-    ax.set_ylim(0, 1.2 * max(max(rec["rss_bytes"], rec["report_bytes"]) for rec in records) / 1e9)
+    ax.set_ylim(0, 1.2 * max(max(rec["rss_bytes"], rec["report_bytes"]) for _, rec in rows) / 1e9)
     ax.set_title("Peak RSS against depth (parameters, optimizer on NVMe)")
     ax.legend()
     fig.tight_layout()
@@ -454,21 +495,27 @@ def main() -> int:
     LOGS.mkdir(exist_ok=True)
     chosen = [b for b in BENCHES if b.name in args.only]
     runs = {} if args.quick else kept_runs()  # a quick run's figures mean nothing: nothing kept, nothing saved
+    fresh = []
     with tempfile.TemporaryDirectory(prefix="zo-results-") as workdir:
         for number, bench in enumerate(chosen, 1):
             print(f"[{number}/{len(chosen)}] {bench.name:<16}", end=" ", flush=True)
-            done = runs[bench.name] = run(bench, args.quick, deepspeed, Path(workdir))
+            done = run(bench, args.quick, deepspeed, Path(workdir))
             done.when = datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M")
+            fresh.append(done)
             print(f"{done.status:<8} {done.seconds:5.0f} s  {'; '.join(done.notes)}", flush=True)
-    runs = [runs[b.name] for b in BENCHES if b.name in runs]
+    cpu = cpu_label()
+    described = machine(f"DeepSpeed {version} in its own venv" if version else "DeepSpeed not available")
+    for done in fresh:
+        done.cpu, done.machine = cpu, described
+        runs[(done.bench.name, cpu)] = done
+    runs = sorted(runs.values(), key=lambda r: ([b.name for b in BENCHES].index(r.bench.name), r.cpu))
     if not args.quick:
         RUNS.write_text(json.dumps([r.saved() for r in runs], indent=1) + "\n")
     command = " ".join(["python bench/results.py", *(["--quick"] if args.quick else []),
                         *(["--only", ",".join(args.only)] if chosen != [b for b in BENCHES if not b.slow] else [])])
-    note = f"DeepSpeed {version} in its own venv" if version else "DeepSpeed not available"
-    path = write_results(runs, command, note, args.quick)
+    path = write_results(runs, f"`{command}` on {cpu}", args.quick)
     print(f"wrote {path.relative_to(HERE.parent)} (logs in {LOGS.relative_to(HERE.parent)}/)")
-    return 0 if all(r.status != "failed" for r in runs) else 1
+    return 0 if all(r.status != "failed" for r in fresh) else 1
 
 
 if __name__ == "__main__":
