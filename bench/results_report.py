@@ -228,7 +228,7 @@ def plot_rss(rows: list[tuple[str, dict]], path: Path) -> None:
         ax.plot(params, [rec["rss_bytes"] / 1e9 for rec in records], "o-", label="peak RSS above baseline" + suffix)
         ax.plot(params, [rec["report_bytes"] / 1e9 for rec in records], "s--",
                 label="engine's memory report" + suffix)
-        for x, rec in zip(params, records):
+        for x, rec in zip(params, records if cpu == cpus[0] else []):  # depths once: every cpu runs the same
             ax.annotate(f"{rec['layers']} layers", (x, rec["rss_bytes"] / 1e9), textcoords="offset points",
                         xytext=(4, 6), fontsize=8)
     ax.margins(x=0.15)
