@@ -190,9 +190,8 @@ AVX2 static ALWAYS_INLINE __m256 avx2_staged(const struct pass *s, const struct 
 
 /* A range of fp32 or bf16 moments: bf16 moments staged (avx2_staged) while whole stages remain, every
  * other element in one loop. */
-AVX2 static double avx2_range(const void *pass, size_t begin, size_t end)
+AVX2 static ALWAYS_INLINE double avx2_range_of(const struct pass *s, size_t begin, size_t end)
 {
-    const struct pass *s = pass;
     const struct consts k = s->k;
     int staged = s->moment_dtype == ZO_DTYPE_BF16;
     size_t i = begin + split_head(s, begin, end, 8);
@@ -213,6 +212,46 @@ AVX2 static double avx2_range(const void *pass, size_t begin, size_t end)
     }
     _mm_sfence();  /* the streamed stores are ordered before the tail's and the join's */
     return sumsq + scalar_range(s, i, end);
+}
+
+/* avx2_range_of on a copy of the pass whose dtypes and split are these constants. Why: through the
+ * caller's pointer GCC must assume that the loop's stores may change the pass's fields, so the loop
+ * reloads and tests every one of them for each vector; on a local copy with these fields constant it
+ * drops those tests, and keeps only the loads and stores of these dtypes. Measured on an AVX2 AMD EPYC,
+ * 25M elements, 1 thread, 3 interleaved pairs: a split master 0.744 -> 0.93 G elements/s, bf16 moments
+ * 0.574 -> 0.69, fp32 0.885 -> 1.0 (bf16 gradient and weights). The same operations: the same bits. */
+AVX2 static ALWAYS_INLINE double avx2_range_as(struct pass s, size_t begin, size_t end, int grad_dtype, int out_dtype,
+                                              int split, int moment_dtype)
+{
+    s.grad_dtype = grad_dtype, s.out_dtype = out_dtype, s.split = split, s.moment_dtype = moment_dtype;
+    return avx2_range_of(&s, begin, end);
+}
+
+/* avx2_range_as for fp32 or bf16 moments, as the pass has. */
+AVX2 static ALWAYS_INLINE double avx2_range_by_moments(const struct pass *s, size_t begin, size_t end, int grad_dtype,
+                                                      int out_dtype, int split)
+{
+    if (s->moment_dtype == ZO_DTYPE_BF16)
+        return avx2_range_as(*s, begin, end, grad_dtype, out_dtype, split, ZO_DTYPE_BF16);
+    return avx2_range_as(*s, begin, end, grad_dtype, out_dtype, split, ZO_DTYPE_FP32);
+}
+
+/* A range of fp32 or bf16 moments (int8 moments run as blocks of fp32 ones: int8_range), a loop of its
+ * own for each of the engine's precisions (bf16: a gradient and weights in bf16, an fp32 or split master;
+ * fp16; fp32, whose master is the weight) and one for any other pass. */
+AVX2 static double avx2_range(const void *pass, size_t begin, size_t end)
+{
+    const struct pass *s = pass;
+    int grad = s->grad_dtype, out = s->out_dtype;
+    if (grad == ZO_DTYPE_BF16 && out == ZO_DTYPE_BF16 && s->split)
+        return avx2_range_by_moments(s, begin, end, ZO_DTYPE_BF16, ZO_DTYPE_BF16, 1);
+    if (grad == ZO_DTYPE_BF16 && out == ZO_DTYPE_BF16)
+        return avx2_range_by_moments(s, begin, end, ZO_DTYPE_BF16, ZO_DTYPE_BF16, 0);
+    if (grad == ZO_DTYPE_FP16 && out == ZO_DTYPE_FP16 && !s->split)
+        return avx2_range_by_moments(s, begin, end, ZO_DTYPE_FP16, ZO_DTYPE_FP16, 0);
+    if (grad == ZO_DTYPE_FP32 && out == ZO_DTYPE_NONE && !s->split)
+        return avx2_range_by_moments(s, begin, end, ZO_DTYPE_FP32, ZO_DTYPE_NONE, 0);
+    return avx2_range_as(*s, begin, end, grad, out, s->split, s->moment_dtype);
 }
 
 /* int8_code on 8 lanes of q in [0, 1] or NaN (int8_fraction's), each code in the low byte of its lane.

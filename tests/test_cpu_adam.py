@@ -51,6 +51,7 @@ CASES = [
     Case("adamw-3-threads", 1_000_003, threads=3, out_dtype=torch.float16),
     Case("bf16-grad", 1000, grad_dtype=torch.bfloat16),
     Case("fp16-grad", 1000, adamw=False, grad_dtype=torch.float16, out_dtype=torch.float32),
+    Case("fp16-grad-and-out", 1000, grad_dtype=torch.float16, out_dtype=torch.float16),  # fp16 training's pass
     Case("grad-scale", 1000, grad_scale=0.37, out_dtype=None),
     Case("bf16-grad-scale", 1000, adamw=False, grad_dtype=torch.bfloat16, grad_scale=3.5),
     Case("cast-bf16", 0, lr=0.0, steps=1, special=True),
