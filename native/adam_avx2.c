@@ -162,8 +162,10 @@ AVX2 static ALWAYS_INLINE __m256 avx2_update(const struct pass *s, const struct 
  * each group then outlasts the core's reorder window, so the loop waits on it. Staged, the update's
  * loop is short and its groups overlap, while the widening and narrowing are integer work that overlaps
  * freely. Measured on an AVX2 AMD EPYC, 100M elements a core: split + bf16 moments 0.48 -> 0.58 G
- * elements/s (3 interleaved pairs); a split master with fp32 moments lost 5% staged, and stays in one
- * loop. The same instructions on the same values: the same bits. */
+ * elements/s (3 interleaved pairs). Since each precision has a loop of its own (avx2_range_as), a split
+ * master with fp32 moments gains too (25M elements, 1 thread, 3 pairs: 0.93 -> 0.99), while an fp32
+ * master with fp32 moments loses 11% (1.26 -> 1.12) and stays in one loop. The same instructions on
+ * the same values: the same bits. */
 AVX2 static ALWAYS_INLINE __m256 avx2_staged(const struct pass *s, const struct consts *k, size_t i, __m256 acc)
 {
     float p[STAGE] __attribute__((aligned(32))), g[STAGE] __attribute__((aligned(32)));
@@ -188,12 +190,12 @@ AVX2 static ALWAYS_INLINE __m256 avx2_staged(const struct pass *s, const struct 
     return acc;
 }
 
-/* A range of fp32 or bf16 moments: bf16 moments staged (avx2_staged) while whole stages remain, every
- * other element in one loop. */
+/* A range of fp32 or bf16 moments: bf16 moments or a split master staged (avx2_staged) while whole stages
+ * remain, every other element in one loop. */
 AVX2 static ALWAYS_INLINE double avx2_range_of(const struct pass *s, size_t begin, size_t end)
 {
     const struct consts k = s->k;
-    int staged = s->moment_dtype == ZO_DTYPE_BF16;
+    int staged = s->moment_dtype == ZO_DTYPE_BF16 || s->split;
     size_t i = begin + split_head(s, begin, end, 8);
     double sumsq = scalar_range(s, begin, i);
     while (i + 8 <= end) {
@@ -218,8 +220,9 @@ AVX2 static ALWAYS_INLINE double avx2_range_of(const struct pass *s, size_t begi
  * caller's pointer GCC must assume that the loop's stores may change the pass's fields, so the loop
  * reloads and tests every one of them for each vector; on a local copy with these fields constant it
  * drops those tests, and keeps only the loads and stores of these dtypes. Measured on an AVX2 AMD EPYC,
- * 25M elements, 1 thread, 3 interleaved pairs: a split master 0.744 -> 0.93 G elements/s, bf16 moments
- * 0.574 -> 0.69, fp32 0.885 -> 1.0 (bf16 gradient and weights). The same operations: the same bits. */
+ * 25M elements, 1 thread, 3 interleaved pairs, bf16 gradient and weights: a split master 0.72 -> 0.89 G
+ * elements/s, split + bf16 moments 0.57 -> 0.68, an fp32 master 0.88 -> 1.09; 2 threads, 100M: split
+ * 1.18 -> 1.74, bf16 moments 1.12 -> 1.33. The same operations: the same bits. */
 AVX2 static ALWAYS_INLINE double avx2_range_as(struct pass s, size_t begin, size_t end, int grad_dtype, int out_dtype,
                                               int split, int moment_dtype)
 {
