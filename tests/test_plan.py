@@ -176,6 +176,25 @@ def test_activations_go_to_the_host_only_where_they_would_move():
     assert {c.config.offload.activations.tier for c in kept} == {"host"}
 
 
+def test_a_precision_whose_matmuls_crawl_gets_a_note_naming_fp32(cache):
+    """torch's bf16 matmuls on a CPU without bf16 units run without vector instructions (an AVX2 AMD EPYC:
+    1.36 GFLOP/s against fp32's 178): a bf16 plan measures fp32's rate too, and says so where it is at
+    least twice as fast, naming the setting; not where bf16 is the faster (a Xeon with AMX), nor for fp32."""
+    config = _config(cache, ["train.precision=bf16"])
+    probe_machine(config)
+    data = json.loads(cache_path().read_text())
+    del data["machine"]["matmul_flops"]["fp32"]  # as a cache from before the comparison has it
+    cache_path().write_text(json.dumps(data))
+    probe = probe_machine(config)
+    assert {"bf16", "fp32"} <= set(probe.matmul_flops)
+    crawling = dataclasses.replace(probe, matmul_flops={"bf16": 1.36e9, "fp32": 1.78e11})
+    assert crawling.precision_hint("bf16") == ("train.precision = bf16: its matmuls run at 1.36 GFLOP/s on this "
+                                               "machine and fp32's at 178 (131x): train.precision=fp32 computes "
+                                               "faster here")
+    assert crawling.precision_hint("fp32") is None
+    assert dataclasses.replace(probe, matmul_flops={"bf16": 8.1e11, "fp32": 1.4e11}).precision_hint("bf16") is None
+
+
 @SLOW
 def test_a_machine_with_no_room_gets_an_error_naming_the_budgets(cache):
     result = plan("nano", _config(cache, ["memory.device_budget=1MB", "memory.host_budget=1MB",

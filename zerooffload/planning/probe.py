@@ -39,6 +39,8 @@ _ADAM_ELEMENTS = 8 << 20
 _RATE_SECONDS = 0.3
 """How long each machine rate is timed: large steady operations, a few runs each suffice."""
 _COLLECTIVE_BYTES = 32 << 20
+SLOW_PRECISION = 2.0
+"""fp32 matmuls this many times faster than the run's precision's: ``Probe.precision_hint`` says so."""
 
 
 def cache_path() -> Path:
@@ -83,6 +85,16 @@ class Probe:
 
     def disk(self, path: str) -> DiskRates:
         return self.disks[os.path.realpath(path)]
+
+    def precision_hint(self, precision: str) -> str | None:
+        """One line when ``precision``'s matmuls run far slower here than fp32's (a CPU without bf16 or fp16
+        units, where torch computes them without vector instructions: 1.4 GFLOP/s in bf16 against fp32's
+        ~100 on an AVX2 AMD EPYC), naming the setting that computes faster; None otherwise."""
+        own, fp32 = self.matmul_flops.get(precision), self.matmul_flops.get("fp32")
+        if precision == "fp32" or not own or not fp32 or fp32 < SLOW_PRECISION * own:
+            return None
+        return (f"train.precision = {precision}: its matmuls run at {own / 1e9:.3g} GFLOP/s on this machine and "
+                f"fp32's at {fp32 / 1e9:.3g} ({fp32 / own:.0f}x): train.precision=fp32 computes faster here")
 
     def adam_rate(self, config: Config) -> float:
         """The optimizer pass's elements per second in ``config``'s precision and state format; where that
@@ -178,6 +190,8 @@ def _probe(config: Config, data: dict, world_size: int, *, measure: bool, progre
     fresh = rate("copy_gbps", "into_fresh_pages", _first_touch_gbps)
     link = copy if device == "cpu" else rate("copy_gbps", "link", lambda: _copy_gbps(device, pinned_source=True))
     rate("matmul_flops", precision, lambda: _matmul_flops(device, COMPUTE_DTYPES[precision]))
+    if measure and "fp32" not in machine["matmul_flops"]:  # what precision_hint compares with
+        rate("matmul_flops", "fp32", lambda: _matmul_flops(device, torch.float32))
     rate("adam_elements_per_s", precision, lambda: _adam_rate(COMPUTE_DTYPES[precision]))
     collective = None
     if world_size > 1:
