@@ -177,7 +177,7 @@ def test_activations_go_to_the_host_only_where_they_would_move():
 
 
 def test_a_precision_whose_matmuls_crawl_gets_a_note_naming_fp32(cache):
-    """torch's bf16 matmuls on a CPU without bf16 units run without vector instructions (an AVX2 AMD EPYC:
+    """torch's bf16 matmuls on a CPU without bf16 units fall back to a generic loop (an AVX2 AMD EPYC:
     1.36 GFLOP/s against fp32's 178): a bf16 plan measures fp32's rate too, and says so where it is at
     least twice as fast, naming the setting; not where bf16 is the faster (a Xeon with AMX), nor for fp32."""
     config = _config(cache, ["train.precision=bf16"])
