@@ -184,6 +184,16 @@ def failing_together(comm: Comm) -> Iterator[None]:
         raise
 
 
+def end_process_groups() -> None:
+    """Destroy every process group of this process (the default one ``init_comm`` started from torchrun's
+    environment, and the engine's), at the clean end of a command. Without it gloo's worker threads can
+    outlive the interpreter and abort the finished process as it exits ("terminate called without an
+    active exception", SIGABRT), which torchrun reports as a failed job. Only at a clean end: where a rank
+    failed, its peers may still wait in a collective, and ending groups then is ``end_group``'s work."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def end_group(comm: Comm, reason: str | None = None) -> None:
     """Destroy the engine's group and drop this process's reference to it, which is what closes
     gloo's connections (idempotent)."""

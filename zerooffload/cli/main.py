@@ -378,6 +378,16 @@ def _warning_printer(python_showwarning: Callable) -> Callable:
     return show
 
 
+def _end_process_groups() -> None:
+    """After a command that ran to its end: its process groups ended, so that gloo's threads cannot abort
+    the finished process at exit (``comm.end_process_groups``). A command that never imported
+    torch.distributed has none, and is not made to import torch for it."""
+    if "torch.distributed" in sys.modules:
+        from ..comm import end_process_groups
+
+        end_process_groups()
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the console script and ``python -m zerooffload``."""
     debug = os.environ.get("ZEROOFFLOAD_DEBUG", "0") not in ("", "0")
@@ -387,7 +397,9 @@ def main(argv: list[str] | None = None) -> int:
         configure_logging(args.log_level)
         with warnings.catch_warnings():  # puts showwarning back afterwards (main may run inside a test)
             warnings.showwarning = _warning_printer(warnings.showwarning)
-            return args.run(args)
+            status = args.run(args)
+        _end_process_groups()
+        return status
     except KeyboardInterrupt:
         return _fail(INTERRUPTED, "interrupted (Ctrl-C); nothing was saved by this command", debug)
     except Exception as exc:
