@@ -287,7 +287,7 @@ def main() -> int:
     for done in fresh:
         done.cpu, done.machine = cpu, described
         runs[(done.bench.name, cpu)] = done
-    runs = sorted(runs.values(), key=lambda r: ([b.name for b in BENCHES].index(r.bench.name), r.cpu))
+    runs = sorted(runs.values(), key=lambda r: (BENCHES.index(r.bench), r.cpu))
     if not args.quick:
         RUNS.write_text(json.dumps([r.saved() for r in runs], indent=1) + "\n")
     command = " ".join(["python bench/results.py", *(["--quick"] if args.quick else []),

@@ -241,18 +241,18 @@ AVX2 static ALWAYS_INLINE double avx2_range_by_moments(const struct pass *s, siz
 
 /* A range of fp32 or bf16 moments (int8 moments run as blocks of fp32 ones: int8_range), a loop of its
  * own for each of the engine's precisions (bf16: a gradient and weights in bf16, an fp32 or split master;
- * fp16; fp32, whose master is the weight) and one for any other pass. */
+ * fp16; fp32, whose master is the weight) and one for any other pass. Only a bf16 out can be a split
+ * master's weight (zo_adam_steps refuses any other), so the other precisions' masters are fp32. */
 AVX2 static double avx2_range(const void *pass, size_t begin, size_t end)
 {
     const struct pass *s = pass;
     int grad = s->grad_dtype, out = s->out_dtype;
-    if (grad == ZO_DTYPE_BF16 && out == ZO_DTYPE_BF16 && s->split)
-        return avx2_range_by_moments(s, begin, end, ZO_DTYPE_BF16, ZO_DTYPE_BF16, 1);
     if (grad == ZO_DTYPE_BF16 && out == ZO_DTYPE_BF16)
-        return avx2_range_by_moments(s, begin, end, ZO_DTYPE_BF16, ZO_DTYPE_BF16, 0);
-    if (grad == ZO_DTYPE_FP16 && out == ZO_DTYPE_FP16 && !s->split)
+        return s->split ? avx2_range_by_moments(s, begin, end, ZO_DTYPE_BF16, ZO_DTYPE_BF16, 1)
+                        : avx2_range_by_moments(s, begin, end, ZO_DTYPE_BF16, ZO_DTYPE_BF16, 0);
+    if (grad == ZO_DTYPE_FP16 && out == ZO_DTYPE_FP16)
         return avx2_range_by_moments(s, begin, end, ZO_DTYPE_FP16, ZO_DTYPE_FP16, 0);
-    if (grad == ZO_DTYPE_FP32 && out == ZO_DTYPE_NONE && !s->split)
+    if (grad == ZO_DTYPE_FP32 && out == ZO_DTYPE_NONE)
         return avx2_range_by_moments(s, begin, end, ZO_DTYPE_FP32, ZO_DTYPE_NONE, 0);
     return avx2_range_as(*s, begin, end, grad, out, s->split, s->moment_dtype);
 }

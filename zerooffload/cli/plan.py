@@ -69,8 +69,8 @@ def format_plan(result: PlanResult, top: int) -> str:
     for candidate in _refusals(result.refused):
         lines.append(f"    refused: {candidate.describe()}: {candidate.refusal}")
     lines.append(f"best: {best.describe()}: {best.prediction.bottleneck}")
-    if hint := result.probe.precision_hint(best.config.train.precision):
-        lines.append(f"note: {hint}")
+    if note := result.precision_note:
+        lines.append(f"note: {note}")
     return "\n".join(lines)
 
 

@@ -87,8 +87,8 @@ def best_layout(result) -> tuple[list[str], Prediction]:
     best = result.best
     print(f"plan: {best.describe()} (of {len(result.fitting)} that fit): predicted {best.prediction.step_seconds:.2f} "
           f"s/step; {best.prediction.bottleneck}", file=sys.stderr)
-    if hint := result.probe.precision_hint(best.config.train.precision):
-        print(f"plan: note: {hint}", file=sys.stderr)
+    if note := result.precision_note:
+        print(f"plan: note: {note}", file=sys.stderr)
     return [f"{key}={json.dumps(value)}" for key, value in best.overrides.items()], best.prediction
 
 

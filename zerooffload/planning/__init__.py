@@ -49,6 +49,11 @@ class PlanResult:
                               f"needing the least memory, {nearest.describe()}, is refused: {nearest.refusal}")
         return self.fitting[0]
 
+    @property
+    def precision_note(self) -> str | None:
+        """The probe's word on the best layout's precision (``Probe.precision_hint``), if it has one."""
+        return self.probe.precision_hint(self.best.config.train.precision)
+
     def to_toml(self) -> str:
         """The best layout as a complete config, its prediction in the header: in words, and whole on the
         ``PREDICTION`` line (``read_prediction``), which ``train --plan FILE`` prints beside what it measures."""
