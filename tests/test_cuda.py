@@ -13,7 +13,8 @@ pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available()
 OFFLOADS = {"device": {}, "host optimizer": {"optimizer": {"tier": "host"}},
             "half the optimizer on the host": {"optimizer": {"tier": "host", "fraction": 0.5}},
             "nvme everything": {"optimizer": {"tier": "nvme"}, "param": {"tier": "nvme"}}}
-WINDOWS = {"accumulation and clipping": (2, 0.05), "updates in backward": (1, 0.0)}
+WINDOWS = {"accumulation and clipping": (2, 0.05), "updates in backward": (1, 0.0),
+           "accumulation, updates in backward": (2, 0.0)}
 
 
 @pytest.fixture(autouse=True)
@@ -94,3 +95,4 @@ def test_checkpointed_inputs_offloaded_to_the_host_train_bitwise_as_on_the_devic
     assert results["device"][1] == [0, 0] and all(h > 0 for h in results["host"][1])
     device, host = results["device"][0], results["host"][0]
     assert all(torch.equal(device[k], host[k]) for k in device)
+

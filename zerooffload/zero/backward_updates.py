@@ -189,7 +189,7 @@ class BackwardUpdates:
             yield shard.to(unit.compute_dtype)
             return
         with unit.offloaded_grad.loaded() as grad:
-            yield grad.add_(shard[:grad.numel()])  # the tier keeps the trainable span's
+            yield grad.add_(shard[:grad.numel()].to(grad.device))  # the tier keeps the trainable span's (on the host)
 
     def _prefetch_window_part(self, position: int) -> None:
         """Start reading the earlier gradient parts (accumulation) of the ``position``-th unit updated in

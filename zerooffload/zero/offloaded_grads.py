@@ -58,8 +58,8 @@ class OffloadedGrad:
         stored: a tentative update in backward reads the very values the step would read for its redo."""
         data = self.writer.begin(self.block, read=self.written)
         reduced = reduced[:self.block.numel]  # the block holds the trainable span: frozen slots' are zeros
-        if self.written:
-            data.add_(reduced)
+        if self.written:  # a shard on the GPU comes to the host first: add_, unlike copy_, stays on one device
+            data.add_(reduced.to(data.device))
         else:
             data.copy_(reduced)
         yield data
