@@ -160,12 +160,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 state = self.state[piece]
                 state["step"] += 1
                 out = outs.get(piece)
-                fused_out = out if out is not None and out.device.type == "cpu" else None  # the pass writes CPU memory
-                if out is not None and fused_out is None:
-                    copies.append((out, piece))
-                key, base = self._noise.get(piece, (0, 0))
                 split = dict(residual=piece, residual_bits=state["residual_bits"], residual_bit0=state["residual_bit0"]
                              ) if piece.dtype == torch.int16 else {}  # a split master: the piece is its residual
+                fused_out, copied_from = _pass_out(out, piece, bool(split))
+                if copied_from is not None:
+                    copies.append((out, copied_from))
+                key, base = self._noise.get(piece, (0, 0))
                 scales = {f"{name}_scale": state[f"{name}_scale"] for name in ("exp_avg", "exp_avg_sq")
                           } if state["exp_avg"].dtype == torch.uint8 else {}  # int8 moments' scales
                 updates.append(AdamUpdate(None if split else piece, grad, state["exp_avg"], state["exp_avg_sq"],
@@ -174,6 +174,19 @@ class ZeroOptimizer(torch.optim.Optimizer):
                                           adamw=self.kind == "adamw", grad_scale=grad_scale, grad_sumsq=grad_sumsq,
                                           noise_key=key, noise_base=base, **split, **scales))
         sums = fused_adam_steps(updates) if updates else []
-        for out, piece in copies:
-            out.copy_(piece)
+        for out, source in copies:
+            out.copy_(source)
         return sum(sumsq or 0.0 for sumsq in sums)
+
+
+def _pass_out(out: torch.Tensor | None, piece: torch.Tensor, split: bool
+              ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The out the native pass writes (it writes CPU memory) and what a GPU ``out`` is copied from after
+    it: the fp32 master, cast on the way; or, for a split master, whose weights are half of it and read
+    by the pass, those weights staged on the host and written back."""
+    if out is None or out.device.type == "cpu":
+        return out, None
+    if split:
+        staged = out.to("cpu")
+        return staged, staged
+    return None, piece

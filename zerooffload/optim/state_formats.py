@@ -86,12 +86,13 @@ def split_master(master: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torc
 
 
 def join_master(weight: torch.Tensor, residual: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
-    """The fp32 master of a bf16 weight, its int16 residual and bool residual bits."""
+    """The fp32 master of a bf16 weight, its int16 residual and bool residual bits, where the residual
+    is (the optimizer's tier): weights on the GPU come over a chunk at a time."""
     weight, residual, bits = weight.reshape(-1), residual.reshape(-1), bits.reshape(-1)
-    master = torch.empty(weight.numel(), dtype=torch.float32, device=weight.device)
+    master = torch.empty(weight.numel(), dtype=torch.float32, device=residual.device)
     for start in _chunks(weight.numel()):
         stop = start + CHUNK
-        value = ((_uint16(weight[start:stop]) << 16) + residual[start:stop].to(torch.int64)
+        value = ((_uint16(weight[start:stop].to(residual.device)) << 16) + residual[start:stop].to(torch.int64)
                  + (bits[start:stop].to(torch.int64) << 16))
         master[start:stop] = _from_bits(value & _LOW32)
     return master
