@@ -3,8 +3,9 @@
 # Builds native/ (the engine falls back to the pool backend by itself when io_uring is refused), runs
 # the CUDA-marked tests plus the native-kernel and async-I/O tests, `plan` (its probe on the GPU), then
 # three short GPT runs on the GPU (no offload; parameters + optimizer on NVMe; the same with compact
-# states, split master + int8 moments) and prints their table last: s/step measured and planned, loss, the engine's device peak
-# beside CUDA's own max_memory_allocated, NVMe peak. Writes under $OUT (default ./gpu-check):
+# states, split master + int8 moments, then resumed from its step-15 checkpoint) and prints their table
+# last: s/step measured and planned, loss, the engine's device peak beside CUDA's own
+# max_memory_allocated, NVMe peak, and whether the resumed losses are bitwise the uninterrupted ones. Writes under $OUT (default ./gpu-check):
 # report.txt (everything printed), pytest.log (every test's outcome) and one summary JSON per run;
 # the runs' directories and swap stay in a scratch folder, so $OUT keeps a handful of files.
 # Sized for < 6 minutes (each step has its own timeout). Usage (device tool): bash bench/gpu_check.sh
@@ -31,7 +32,7 @@ section() { echo "== [${SECONDS}s] $*"; }
   timeout 120 python3 -m zerooffload plan --model small zero.stage=3 train.precision=bf16 nvme.path="$RUNS/swap" \
       2>&1 | tail -7
   declare -A OPTIONS=([none]="" [nvme]="offload.param.tier=nvme offload.optimizer.tier=nvme"
-                      [nvme-split-int8]="offload.param.tier=nvme offload.optimizer.tier=nvme optimizer.master=split optimizer.moments=int8")
+                      [nvme-split-int8]="offload.param.tier=nvme offload.optimizer.tier=nvme optimizer.master=split optimizer.moments=int8 --save-every 15")
   for run in none nvme nvme-split-int8; do
     section "GPT small on the GPU, stage 3, bf16, 30 steps: $run"
     # shellcheck disable=SC2086  # the options are words on purpose
@@ -39,6 +40,12 @@ section() { echo "== [${SECONDS}s] $*"; }
         ${OPTIONS[$run]} nvme.path="$RUNS/swap" --out "$RUNS/$run" 2>&1 | tr "\r" "\n" | uniq | tail -12
     cp "$RUNS/$run/summary.json" "$OUT/train-$run.json" 2>/dev/null || echo "($run wrote no summary)"
   done
+  section "resume on the GPU: nvme-split-int8 from its step-15 checkpoint to step 30"
+  # shellcheck disable=SC2086
+  timeout 60 python3 -m zerooffload train --model small --steps 30 zero.stage=3 train.precision=bf16 \
+      ${OPTIONS[nvme-split-int8]} nvme.path="$RUNS/swap" --out "$RUNS/nvme-split-int8" --resume --tag step00000015 \
+      2>&1 | tr "\r" "\n" | uniq | tail -3
+  cp "$RUNS/nvme-split-int8/summary.json" "$OUT/resumed.json" 2>/dev/null || echo "(the resumed run wrote no summary)"
   section "table"
   python3 - "$OUT" <<'PY'
 import json, sys
@@ -53,6 +60,12 @@ for path in sorted(Path(sys.argv[1]).glob("train-*.json")):
           f"{s['tokens_per_second']:>7} {s['first_loss_mean']:>7.3f}>{s['last_loss_mean']:<8.3f} "
           f"{peak['device'] / MB:>13.1f} {measured.get('peak_bytes', {}).get('device', NAN) / MB:>11.1f} "
           f"{peak.get('nvme', 0) / MB:>8.1f}")
+resumed = Path(sys.argv[1]) / "resumed.json"
+if resumed.exists():
+    whole = json.loads((Path(sys.argv[1]) / "train-nvme-split-int8.json").read_text())["losses"]
+    again = json.loads(resumed.read_text())
+    print(f"resumed at step {again['first_step']}: its {len(again['losses']) - again['first_step']} losses "
+          f"{'bitwise equal to' if again['losses'] == whole else 'DIFFER from'} the uninterrupted run's")
 PY
   section "done"
 } 2>&1 | tee "$OUT/report.txt"
