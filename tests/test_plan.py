@@ -97,13 +97,7 @@ def _config(root: Path, overrides=()) -> Config:
 def test_predicted_bytes_moved_equal_the_engines_telemetry(cache, evaluators, make_engine, layout):
     config = _config(cache, layout)
     prediction = evaluators(config).evaluate(Candidate({}, config)).prediction
-    with zo.init_context():
-        model = GPT(PRESETS["nano"])
-    engine = make_engine(model, config, init_fn=model.init_fn(), prediction=prediction)
-    tokens = torch.zeros(MICRO, PRESETS["nano"].block_size, dtype=torch.long)
-    for _ in range(2 * config.train.grad_accum_steps):  # the second step: the prefetch trace is in use
-        engine.backward(engine(tokens, tokens))
-        engine.step()
+    engine = _two_steps_of_nano(make_engine, config, prediction)
     io, link = engine.stats.io, engine.stats.link
     moved = prediction.moved_bytes
     assert (moved["nvme_read"], moved["nvme_write"]) == pytest.approx((io.read_bytes, io.write_bytes), rel=0.06)
@@ -111,6 +105,32 @@ def test_predicted_bytes_moved_equal_the_engines_telemetry(cache, evaluators, ma
     assert engine.stats.predicted is prediction
     assert set(engine.stats.phase_seconds) == {"forward", "backward", "step"}
     assert sum(engine.stats.phase_seconds.values()) <= engine.stats.seconds
+
+
+def test_a_binding_clip_moves_the_bytes_of_the_redone_prediction(cache, evaluators, make_engine):
+    """A clip below any gradient's norm: stage 3's tentative updates (optimizer on NVMe) are all undone and
+    redone in the step, moving what ``Prediction.redone`` says: their blocks and kept gradients again."""
+    config = _config(cache, ("zero.stage=3", "offload.optimizer.tier=nvme", "offload.param.tier=nvme",
+                             "train.grad_clip=1e-9"))
+    prediction = evaluators(config).evaluate(Candidate({}, config)).prediction
+    engine = _two_steps_of_nano(make_engine, config, prediction)
+    io, redone = engine.stats.io, prediction.redone.moved_bytes
+    assert engine.stats.undone_updates == sum(u.layout.trainable for u in engine.state.units)  # every one redone
+    assert (redone["nvme_read"], redone["nvme_write"]) == pytest.approx((io.read_bytes, io.write_bytes), rel=0.06)
+    assert redone["nvme_write"] > 1.5 * prediction.moved_bytes["nvme_write"]  # what the clip-free step would move
+    assert pickle.loads(pickle.dumps(prediction)) == prediction  # rank 0's plan reaches the others, redone too
+
+
+def _two_steps_of_nano(make_engine, config: Config, prediction):
+    """The nano GPT's engine after two steps: the second reads ahead by the first's trace."""
+    with zo.init_context():
+        model = GPT(PRESETS["nano"])
+    engine = make_engine(model, config, init_fn=model.init_fn(), prediction=prediction)
+    tokens = torch.zeros(MICRO, PRESETS["nano"].block_size, dtype=torch.long)
+    for _ in range(2 * config.train.grad_accum_steps):
+        engine.backward(engine(tokens, tokens))
+        engine.step()
+    return engine
 
 
 def test_the_step_model_takes_each_state_formats_own_pass_rate(cache):

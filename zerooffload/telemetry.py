@@ -79,16 +79,23 @@ class Prediction:
     """On a CPU device, where the device and host tiers are one RAM: their expected peak together. Each
     tier's peak comes in its own phase (the host's streaming buffers in the step, the device's
     activations at the end of forward), so this is less than their sum (predict's note)."""
+    redone: Prediction | None = None
+    """The same step when a binding ``train.grad_clip`` redoes its tentative updates (their blocks read,
+    updated and written again in the step: backward_updates' note); None where no unit updates
+    tentatively. The rest of this prediction is the step the clip leaves alone."""
 
     def as_json(self) -> dict:
         return {"step_seconds": self.step_seconds, "phases": dict(self.phases), "work": dict(self.work),
                 "peak_bytes": dict(self.peak_bytes), "moved_bytes": dict(self.moved_bytes),
-                "bottleneck": self.bottleneck, "ram_peak_bytes": self.ram_peak_bytes}
+                "bottleneck": self.bottleneck, "ram_peak_bytes": self.ram_peak_bytes,
+                "redone": self.redone.as_json() if self.redone else None}
 
     @classmethod
     def from_json(cls, data: dict) -> Prediction:
         mappings = ("phases", "work", "peak_bytes", "moved_bytes")
-        return cls(**{k: MappingProxyType(dict(v)) if k in mappings else v for k, v in data.items()})
+        redone = data.get("redone")
+        return cls(**{k: MappingProxyType(dict(v)) if k in mappings else v for k, v in data.items() if k != "redone"},
+                   redone=cls.from_json(redone) if redone else None)
 
     def __reduce__(self):
         """Pickled as its JSON (a mapping proxy does not pickle): rank 0's plan reaches every rank."""

@@ -76,7 +76,7 @@ def _run(args: argparse.Namespace) -> int:
             return 0
         run = _train(args, engine, config, corpus, (first_step, losses, shape), checkpoints, stop)
         summary = _summary(args, engine, run, model_config)
-        summary.update(predicted_and_measured(engine, run.step_seconds, run.phases, memory))
+        summary.update(predicted_and_measured(engine, run.step_seconds, run.phases, run.redone, memory))
         engine.close()
         if engine.comm.rank == 0:  # before the handlers go back: torchrun may SIGTERM a rank that is finishing
             _print_summary(summary)
@@ -108,6 +108,8 @@ class _Run:
     """Wall time of each of this process's steps."""
     phases: list[dict[str, float]] = field(default_factory=list)
     """``engine.stats.phase_seconds`` of each of this process's steps."""
+    redone: list[bool] = field(default_factory=list)
+    """Whether each of this process's steps redid tentative updates (``engine.stats.undone_updates``)."""
     stopped_by: signal.Signals | None = None
     saved: Path | None = None
     """The last checkpoint this loop wrote: after a signal, the one holding the steps done."""
@@ -144,6 +146,7 @@ def _train(args, engine, config: Config, corpus: ByteCorpus, resumed: tuple[int,
         elapsed = time.perf_counter() - step_start
         run.step_seconds.append(elapsed)
         run.phases.append(dict(engine.stats.phase_seconds))
+        run.redone.append(engine.stats.undone_updates > 0)
         progress.update(run.last_step, {"loss": f"{window_loss:.3f}", "tok_s": f"{run.tokens_per_step / elapsed:,.0f}",
                                         "step_s": f"{elapsed:.3f}", **engine_postfix(engine.stats)})
         run.stopped_by = stop.agreed(engine.comm)

@@ -104,16 +104,19 @@ def on_rank_zero(world: int, decide):
 
 
 def predicted_and_measured(engine, step_seconds: list[float], step_phases: list[dict[str, float]],
-                           memory: RunMemory) -> dict:
+                           step_redone: list[bool], memory: RunMemory) -> dict:
     """summary.json's ``predicted`` (the plan's) and ``measured``: the median of this process's steps
-    after the first, and the peak bytes per tier measured apart from the engine (``measured``'s note:
-    the process's RAM, the device's own peak, the swap files' blocks); the engine's own accounting
-    beside them as ``engine_peak_bytes``."""
+    after the first, how many of those redid tentative updates under the clip (``step_redone``), and
+    the peak bytes per tier measured apart from the engine (``measured``'s note: the process's RAM, the
+    device's own peak, the swap files' blocks); the engine's own accounting beside them as
+    ``engine_peak_bytes``."""
     steps = step_seconds[1:] or step_seconds
     phases = step_phases[1:] or step_phases
+    redone = step_redone[1:] or step_redone
     peaks = engine.memory_report().peaks
     measured = {"step_seconds": statistics.median(steps) if steps else None,
                 "phases": {k: statistics.median(p[k] for p in phases) for k in PHASES} if phases else {},
+                "steps": len(steps), "redone_steps": sum(redone),
                 "peak_bytes": memory.peaks(swap_paths(engine.config)),
                 "engine_peak_bytes": {tier: peaks.get(tier, 0) for tier in TIER_NAMES}}
     predicted = engine.stats.predicted if engine.stats else None
@@ -129,13 +132,30 @@ def predicted_peaks(predicted: dict, measured: dict) -> dict[str, int]:
 
 
 def format_prediction(s: dict) -> str:
-    """The plan's step split next to the one measured, and the peak bytes per tier (see predicted_peaks)."""
+    """The plan's step split next to the one measured, and the peak bytes per tier (see predicted_peaks).
+    Where the plan predicts the step both ways (tentative updates redone under the clip or not), the
+    split shown is the one most measured steps took, and a line says how many took which."""
     p, m = s["predicted"], s["measured"]
+    phases, clip_line = _predicted_case(p, m)
     lines = [f"{'predicted vs measured':<24}{'plan':>10}{'measured':>10}"]
     for phase in PHASES:
-        lines.append(f"{phase + ' s':<24}{p['phases'][phase]:>10.3f}{m['phases'].get(phase, 0.0):>10.3f}")
-    ratio = m["step_seconds"] / p["step_seconds"] if p["step_seconds"] else float("nan")
-    lines.append(f"{'step s (wall)':<24}{p['step_seconds']:>10.3f}{m['step_seconds']:>10.3f}  (x{ratio:.2f})")
+        lines.append(f"{phase + ' s':<24}{phases[phase]:>10.3f}{m['phases'].get(phase, 0.0):>10.3f}")
+    wall = sum(phases.values())
+    ratio = m["step_seconds"] / wall if wall else float("nan")
+    lines.append(f"{'step s (wall)':<24}{wall:>10.3f}{m['step_seconds']:>10.3f}  (x{ratio:.2f})")
     for tier, bytes_ in predicted_peaks(p, m).items():
         lines.append(f"{tier + ' peak MB':<24}{bytes_ / 1e6:>10.1f}{m['peak_bytes'][tier] / 1e6:>10.1f}")
-    return "\n".join(lines + [f"plan: {p['bottleneck']}"])
+    return "\n".join(lines + [f"plan: {p['bottleneck']}"] + ([clip_line] if clip_line else []))
+
+
+def _predicted_case(p: dict, m: dict) -> tuple[dict[str, float], str | None]:
+    """The predicted phases of the case most measured steps took, and the line saying so (None where the
+    plan predicted one case only)."""
+    redone = p.get("redone")
+    if redone is None:
+        return p["phases"], None
+    count, steps = m.get("redone_steps", 0), m.get("steps", 0)
+    line = (f"plan: train.grad_clip bound in {count} of {steps} measured steps, whose tentative updates were "
+            f"redone in the step: {redone['step_seconds']:.3f} s predicted for those, {p['step_seconds']:.3f} s for "
+            "the others")
+    return (redone["phases"] if 2 * count > steps else p["phases"]), line

@@ -21,8 +21,9 @@ Time follows the engine's schedule, phase by phase ([Note: phases] in telemetry)
 - *step*: the norm over the gradients, the updates left for the step (the fused CPU pass, or on a
   CUDA device a pass bound by its memory bandwidth), their blocks streamed in and out, new weights
   published to the device (where the weights live there). A tentative update that a binding
-  ``train.grad_clip`` undoes is redone in the step: its block read and written again, which the
-  prediction does not count (``StepStats.undone_updates`` says how often it happened).
+  ``train.grad_clip`` undoes is redone in the step: its block read, updated and written again, its
+  kept gradient read back. Whether the clip binds is the run's to say (``StepStats.undone_updates``),
+  so the step is predicted both ways: ``phases`` as the clip leaves it, ``redone_phases`` redone.
 On a CPU device, host memory mapped afresh costs its page faults (the probe's first-touch rate):
 stage 3's gathered buffers each micro-batch, and with ``memory.release_freed`` (every large buffer its
 own mapping) the activations and the host buffers stage 3's shards are read into from NVMe as well
@@ -40,6 +41,7 @@ all-gather on this machine's ranks; they run on the CPU over gloo and beside the
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
@@ -54,7 +56,7 @@ from ..optim.optimizer import moment_names
 from ..optim.state import state_bytes
 from ..telemetry import Prediction
 from ..tiers import MemoryPlan
-from ..zero.placement import TIER_NAMES, Placement, activations_leave_device, streams_state
+from ..zero.placement import TIER_NAMES, Placement, UnitPlacement, activations_leave_device, streams_state
 from ..zero.reduction import REDUCE_DTYPE
 from ..zero.unit_layout import UnitLayout
 from .model_spec import BlockTimes
@@ -99,20 +101,25 @@ def predict(config: Config, layouts: list[UnitLayout], probe: Probe, times: Bloc
     """The ``Prediction`` of one optimizer step of ``config`` (see [Note: the step model])."""
     device = torch.device(probe.device)
     placement, plan = plan_for_machine(layouts, config, world_size, device, activations)
-    phases = _phases(config, layouts, placement, probe, times, world_size)
-    if probe.device == "cpu":
-        _fresh_memory(config, layouts, placement, activations, phases)
-    _activation_copies(config, activations, probe, phases)
-    seconds = {name: _seconds(phase, probe, config) for name, phase in phases.items()}
-    work = {k: sum(p.work[k] for p in phases.values()) for k in WORK}
     peaks = _peaks(plan, placement, config, activations, device)
     ram_peak = _ram_peak(plan, config, layouts, placement, activations, world_size) if device.type == "cpu" else None
-    moved = {"nvme_read": sum(p.read for p in phases.values()), "nvme_write": sum(p.write for p in phases.values()),
-             "host_device": sum(p.link + p.gathered for p in phases.values())}
-    return Prediction(step_seconds=sum(seconds.values()), phases=MappingProxyType(seconds),
-                      work=MappingProxyType(work), peak_bytes=MappingProxyType(peaks),
-                      moved_bytes=MappingProxyType({k: int(v) for k, v in moved.items()}),
-                      bottleneck=_bottleneck(phases, work, probe, config), ram_peak_bytes=ram_peak)
+
+    def step(redone: bool) -> Prediction:
+        phases = _phases(config, layouts, placement, probe, times, world_size, redone)
+        if probe.device == "cpu":
+            _fresh_memory(config, layouts, placement, activations, phases)
+        _activation_copies(config, activations, probe, phases)
+        seconds = {name: _seconds(phase, probe, config) for name, phase in phases.items()}
+        work = {k: sum(p.work[k] for p in phases.values()) for k in WORK}
+        moved = {"nvme_read": sum(p.read for p in phases.values()), "nvme_write": sum(p.write for p in phases.values()),
+                 "host_device": sum(p.link + p.gathered for p in phases.values())}
+        return Prediction(step_seconds=sum(seconds.values()), phases=MappingProxyType(seconds),
+                          work=MappingProxyType(work), peak_bytes=MappingProxyType(peaks),
+                          moved_bytes=MappingProxyType({k: int(v) for k, v in moved.items()}),
+                          bottleneck=_bottleneck(phases, work, probe, config), ram_peak_bytes=ram_peak)
+
+    tentative = any(p.updates_tentatively and p.trainable for p in placement.units)
+    return dataclasses.replace(step(redone=False), redone=step(redone=True) if tentative else None)
 
 
 def _peaks(plan: MemoryPlan, placement: Placement, config: Config, activations: ActivationProfile | None,
@@ -146,8 +153,9 @@ def _ram_peak(plan: MemoryPlan, config: Config, layouts: list[UnitLayout], place
 
 
 def _phases(config: Config, layouts: list[UnitLayout], placement: Placement, probe: Probe, times: BlockTimes,
-            world_size: int) -> dict[str, _Phase]:
-    """Each phase's work for one optimizer step (``grad_accum_steps`` forwards and backwards)."""
+            world_size: int, redone: bool) -> dict[str, _Phase]:
+    """Each phase's work for one optimizer step (``grad_accum_steps`` forwards and backwards), with the
+    tentative updates ``redone`` in the step or not."""
     cb = dtype_bytes(config.train.precision)
     moments = len(moment_names(config.optimizer))
     accum = config.train.grad_accum_steps
@@ -175,21 +183,29 @@ def _phases(config: Config, layouts: list[UnitLayout], placement: Placement, pro
             if p.grads_streamed:  # written home each micro-batch, read back by the step's update (none for a
                 backward.write += shard * cb * accum  # tentative update but when redone)
                 step.read += 0 if p.updates_tentatively else shard * cb
-        update = backward if p.updates_in_backward else step
-        update.optimizer_elements += layout.trainable_in_shard(0)
-        if p.updated_on_device and probe.device != "cpu":
-            update.device_updates += layout.trainable_in_shard(0)
-        if p.streamed:
-            update.read += block
-            update.write += block
-        if p.params_stream and not p.params_in_masters:
-            update.write += shard * cb  # the new weights' shard, written where they are read from
-        if p.weights_cross_link:
-            update.link += shard * cb  # the new weights, from where the update ran to where they live
+        _add_update(backward if p.updates_in_backward else step, layout, p, block, cb, probe)
+        if redone and p.updates_tentatively:  # undone by the clip, done again in the step
+            _add_update(step, layout, p, block, cb, probe)
+            step.read += shard * cb if p.grads_streamed else 0  # its kept gradient, read back
     _collectives(config, layouts, placement, world_size, forward, backward, step)
     step.copy = sum(u.shard_numel for u in layouts) * cb  # the norm reads every gradient once
-    _fills(config, layouts, placement, cb, moments, probe, forward, step)
+    _fills(config, layouts, placement, cb, moments, probe, forward, step, redone)
     return {"forward": forward, "backward": backward, "step": step}
+
+
+def _add_update(phase: _Phase, layout: UnitLayout, p: UnitPlacement, block: int, cb: int, probe: Probe) -> None:
+    """One unit's update in ``phase`` (``p`` its placement): its elements, its optimizer ``block``
+    streamed in and out, its new weights written where they are read from and sent where they live."""
+    phase.optimizer_elements += layout.trainable_in_shard(0)
+    if p.updated_on_device and probe.device != "cpu":
+        phase.device_updates += layout.trainable_in_shard(0)
+    if p.streamed:
+        phase.read += block
+        phase.write += block
+    if p.params_stream and not p.params_in_masters:
+        phase.write += layout.shard_numel * cb  # the new weights' shard, written where they are read from
+    if p.weights_cross_link:
+        phase.link += layout.shard_numel * cb  # the new weights, from where the update ran to where they live
 
 
 def _partitioned_bytes(config: Config, layouts: list[UnitLayout], placement: Placement) -> int:
@@ -253,15 +269,15 @@ def _collectives(config: Config, layouts: list[UnitLayout], placement: Placement
 
 
 def _fills(config: Config, layouts: list[UnitLayout], placement: Placement, cb: int, moments: int, probe: Probe,
-           forward: _Phase, step: _Phase) -> None:
-    """The transfers nothing overlaps (see the note)."""
+           forward: _Phase, step: _Phase, redone: bool) -> None:
+    """The transfers nothing overlaps (see the note): with tentative updates ``redone``, theirs in the step too."""
     read, write = _disk_rates(probe, config)
     streamed_params = [u.shard_numel * cb for u, p in zip(layouts, placement.units) if p.params_stream]
     if streamed_params:
         forward.exposed += max(streamed_params) / read
     blocks = [state_bytes(u.shard_numel, moments, config.optimizer.moments, p.master_format, len(u.slots))
               for u, p in zip(layouts, placement.units)
-              if p.streamed and p.trainable and not p.updates_in_backward]
+              if p.streamed and p.trainable and (not p.updates_in_backward or redone and p.updates_tentatively)]
     if blocks:
         step.exposed += max(blocks) / read + max(blocks) / write
 
