@@ -100,12 +100,13 @@ def test_checkpointed_inputs_offloaded_to_the_host_train_bitwise_as_on_the_devic
 @pytest.mark.parametrize("stage, offload", [(1, {"optimizer": {"tier": "host"}}), (3, OFFLOADS["nvme everything"])],
                          ids=["stage1-host", "stage3-nvme"])
 def test_compact_states_on_cuda_a_split_master_bitwise_and_int8_moments_close(make_engine, tmp_path, stage, offload):
-    """Issue 32 on the GPU: bf16 weights on the device, the update on the host's native pass. A split
+    """Compact states on the GPU: bf16 weights on the device, the update on the host's native pass. A split
     master trains bitwise as the fp32 master; int8 moments follow fp32 ones (test_compact_states' bound)."""
     finals = {}
     for master, moments in (("fp32", "fp32"), ("split", "fp32"), ("split", "int8")):
         engine = make_engine(make_model(0), {
-            "zero": {"stage": stage}, "offload": offload, "train": {"precision": "bf16"}, "nvme": {"path": str(tmp_path)},
+            "zero": {"stage": stage}, "offload": offload, "train": {"precision": "bf16"},
+            "nvme": {"path": str(tmp_path)},
             "optimizer": {"lr": 1e-2, "weight_decay": 0.1, "master": master, "moments": moments}})
         initial = engine.full_state_dict()
         for (idx, targets), in make_batches(5, 1, 4):

@@ -23,7 +23,7 @@ Time follows the engine's schedule, phase by phase ([Note: phases] in telemetry)
   published to the device (where the weights live there). A tentative update that a binding
   ``train.grad_clip`` undoes is redone in the step: its block read, updated and written again, its
   kept gradient read back. Whether the clip binds is the run's to say (``StepStats.undone_updates``),
-  so the step is predicted both ways: ``phases`` as the clip leaves it, ``redone_phases`` redone.
+  so the step is predicted both ways: as the clip leaves it, and redone (``Prediction.redone``).
 On a CPU device, host memory mapped afresh costs its page faults (the probe's first-touch rate):
 stage 3's gathered buffers each micro-batch, and with ``memory.release_freed`` (every large buffer its
 own mapping) the activations and the host buffers stage 3's shards are read into from NVMe as well
@@ -104,7 +104,7 @@ def predict(config: Config, layouts: list[UnitLayout], probe: Probe, times: Bloc
     peaks = _peaks(plan, placement, config, activations, device)
     ram_peak = _ram_peak(plan, config, layouts, placement, activations, world_size) if device.type == "cpu" else None
 
-    def step(redone: bool) -> Prediction:
+    def predicted(redone: bool) -> Prediction:
         phases = _phases(config, layouts, placement, probe, times, world_size, redone)
         if probe.device == "cpu":
             _fresh_memory(config, layouts, placement, activations, phases)
@@ -119,7 +119,7 @@ def predict(config: Config, layouts: list[UnitLayout], probe: Probe, times: Bloc
                           bottleneck=_bottleneck(phases, work, probe, config), ram_peak_bytes=ram_peak)
 
     tentative = any(p.updates_tentatively and p.trainable for p in placement.units)
-    return dataclasses.replace(step(redone=False), redone=step(redone=True) if tentative else None)
+    return dataclasses.replace(predicted(redone=False), redone=predicted(redone=True) if tentative else None)
 
 
 def _peaks(plan: MemoryPlan, placement: Placement, config: Config, activations: ActivationProfile | None,
