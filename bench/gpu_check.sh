@@ -5,7 +5,8 @@
 # three short GPT runs on the GPU (no offload; parameters + optimizer on NVMe; the same with compact
 # states, split master + int8 moments, then resumed from its step-15 checkpoint) and prints their table
 # last: s/step measured and planned, loss, the engine's device peak beside CUDA's own
-# max_memory_allocated, NVMe peak, and whether the resumed losses are bitwise the uninterrupted ones. Writes under $OUT (default ./gpu-check):
+# max_memory_allocated, NVMe peak, and whether the resumed losses are bitwise the uninterrupted ones.
+# Writes under $OUT (default ./gpu-check):
 # report.txt (everything printed), pytest.log (every test's outcome) and one summary JSON per run;
 # the runs' directories and swap stay in a scratch folder, so $OUT keeps a handful of files.
 # Sized for < 6 minutes (each step has its own timeout). Usage (device tool): bash bench/gpu_check.sh
@@ -15,6 +16,9 @@ RUNS="$(mktemp -d)"
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 section() { echo "== [${SECONDS}s] $*"; }
+# the small GPT on the GPU, stage 3, bf16, 30 steps, swap in the scratch folder; more arguments after
+train() { timeout 60 python3 -m zerooffload train --model small --steps 30 zero.stage=3 train.precision=bf16 \
+              nvme.path="$RUNS/swap" "$@" 2>&1 | tr "\r" "\n" | uniq; }
 {
   section "machine"; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
   python3 -c "import sys, torch; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.cuda.is_available())"
@@ -32,19 +36,17 @@ section() { echo "== [${SECONDS}s] $*"; }
   timeout 120 python3 -m zerooffload plan --model small zero.stage=3 train.precision=bf16 nvme.path="$RUNS/swap" \
       2>&1 | tail -7
   declare -A OPTIONS=([none]="" [nvme]="offload.param.tier=nvme offload.optimizer.tier=nvme"
-                      [nvme-split-int8]="offload.param.tier=nvme offload.optimizer.tier=nvme optimizer.master=split optimizer.moments=int8 --save-every 15")
+                      [nvme-split-int8]="offload.param.tier=nvme offload.optimizer.tier=nvme optimizer.master=split
+                                         optimizer.moments=int8 --save-every 15")
   for run in none nvme nvme-split-int8; do
     section "GPT small on the GPU, stage 3, bf16, 30 steps: $run"
     # shellcheck disable=SC2086  # the options are words on purpose
-    timeout 60 python3 -m zerooffload train --model small --steps 30 zero.stage=3 train.precision=bf16 \
-        ${OPTIONS[$run]} nvme.path="$RUNS/swap" --out "$RUNS/$run" 2>&1 | tr "\r" "\n" | uniq | tail -12
+    train ${OPTIONS[$run]} --out "$RUNS/$run" | tail -12
     cp "$RUNS/$run/summary.json" "$OUT/train-$run.json" 2>/dev/null || echo "($run wrote no summary)"
   done
   section "resume on the GPU: nvme-split-int8 from its step-15 checkpoint to step 30"
   # shellcheck disable=SC2086
-  timeout 60 python3 -m zerooffload train --model small --steps 30 zero.stage=3 train.precision=bf16 \
-      ${OPTIONS[nvme-split-int8]} nvme.path="$RUNS/swap" --out "$RUNS/nvme-split-int8" --resume --tag step00000015 \
-      2>&1 | tr "\r" "\n" | uniq | tail -3
+  train ${OPTIONS[nvme-split-int8]} --out "$RUNS/nvme-split-int8" --resume --tag step00000015 | tail -3
   cp "$RUNS/nvme-split-int8/summary.json" "$OUT/resumed.json" 2>/dev/null || echo "(the resumed run wrote no summary)"
   section "table"
   python3 - "$OUT" <<'PY'

@@ -136,11 +136,11 @@ def format_prediction(s: dict) -> str:
     Where the plan predicts the step both ways (tentative updates redone under the clip or not), the
     split shown is the one most measured steps took, and a line says how many took which."""
     p, m = s["predicted"], s["measured"]
-    phases, clip_line = _predicted_case(p, m)
+    case, clip_line = _predicted_case(p, m)
     lines = [f"{'predicted vs measured':<24}{'plan':>10}{'measured':>10}"]
     for phase in PHASES:
-        lines.append(f"{phase + ' s':<24}{phases[phase]:>10.3f}{m['phases'].get(phase, 0.0):>10.3f}")
-    wall = sum(phases.values())
+        lines.append(f"{phase + ' s':<24}{case['phases'][phase]:>10.3f}{m['phases'].get(phase, 0.0):>10.3f}")
+    wall = case["step_seconds"]
     ratio = m["step_seconds"] / wall if wall else float("nan")
     lines.append(f"{'step s (wall)':<24}{wall:>10.3f}{m['step_seconds']:>10.3f}  (x{ratio:.2f})")
     for tier, bytes_ in predicted_peaks(p, m).items():
@@ -148,14 +148,14 @@ def format_prediction(s: dict) -> str:
     return "\n".join(lines + [f"plan: {p['bottleneck']}"] + ([clip_line] if clip_line else []))
 
 
-def _predicted_case(p: dict, m: dict) -> tuple[dict[str, float], str | None]:
-    """The predicted phases of the case most measured steps took, and the line saying so (None where the
-    plan predicted one case only)."""
+def _predicted_case(p: dict, m: dict) -> tuple[dict, str | None]:
+    """The prediction of the case most measured steps took (``p`` or its ``redone``), and the line saying
+    so (None where the plan predicted one case only)."""
     redone = p.get("redone")
     if redone is None:
-        return p["phases"], None
+        return p, None
     count, steps = m.get("redone_steps", 0), m.get("steps", 0)
     line = (f"plan: train.grad_clip bound in {count} of {steps} measured steps, whose tentative updates were "
             f"redone in the step: {redone['step_seconds']:.3f} s predicted for those, {p['step_seconds']:.3f} s for "
             "the others")
-    return (redone["phases"] if 2 * count > steps else p["phases"]), line
+    return (redone if 2 * count > steps else p), line

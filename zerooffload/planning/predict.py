@@ -118,7 +118,7 @@ def predict(config: Config, layouts: list[UnitLayout], probe: Probe, times: Bloc
                           moved_bytes=MappingProxyType({k: int(v) for k, v in moved.items()}),
                           bottleneck=_bottleneck(phases, work, probe, config), ram_peak_bytes=ram_peak)
 
-    tentative = any(p.updates_tentatively and p.trainable for p in placement.units)
+    tentative = any(p.updates_tentatively for p in placement.units)  # only trainable units update at all
     return dataclasses.replace(predicted(redone=False), redone=predicted(redone=True) if tentative else None)
 
 
@@ -180,13 +180,12 @@ def _phases(config: Config, layouts: list[UnitLayout], placement: Placement, pro
             continue
         if p.grad_leaves:
             backward.link += shard * cb * accum
-            if p.grads_streamed:  # written home each micro-batch, read back by the step's update (none for a
-                backward.write += shard * cb * accum  # tentative update but when redone)
-                step.read += 0 if p.updates_tentatively else shard * cb
+            if p.grads_streamed:  # written home each micro-batch, read back by the step's update (by a
+                backward.write += shard * cb * accum  # tentative update's only when redone)
+                step.read += shard * cb if redone or not p.updates_tentatively else 0
         _add_update(backward if p.updates_in_backward else step, layout, p, block, cb, probe)
         if redone and p.updates_tentatively:  # undone by the clip, done again in the step
             _add_update(step, layout, p, block, cb, probe)
-            step.read += shard * cb if p.grads_streamed else 0  # its kept gradient, read back
     _collectives(config, layouts, placement, world_size, forward, backward, step)
     step.copy = sum(u.shard_numel for u in layouts) * cb  # the norm reads every gradient once
     _fills(config, layouts, placement, cb, moments, probe, forward, step, redone)
