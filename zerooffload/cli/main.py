@@ -232,7 +232,7 @@ def _add_checkpoint(commands) -> None:
     kinds = checkpoint.add_subparsers(dest="checkpoint_command", required=True, metavar="WHAT")
     merge = kinds.add_parser("consolidate", help="write a checkpoint's model as one safetensors file")
     merge.add_argument("checkpoint", metavar="CKPT", help="checkpoint directory (holding 'latest' and tags)")
-    merge.add_argument("out", metavar="OUT.safetensors")
+    merge.add_argument("out", metavar="OUT.safetensors", help="the safetensors file to write")
     merge.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="parameter dtype (default fp32)")
     merge.add_argument("--tag", help="tag to read (default: the one 'latest' names)")
     merge.set_defaults(run=_cmd_consolidate)
