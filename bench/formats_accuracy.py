@@ -4,9 +4,10 @@ each state format, as a user runs it (``zerooffload train``, train's defaults ot
 from each run's summary.json.
 
 Judged: the mean loss of the last 50 steps of each compact format within 2% of the fp32 format's (an
-fp32 master and fp32 moments). A split master is bitwise the fp32 master (tests/test_compact_states.py),
-so its curve is the fp32 one and it is not run alone; bf16 and int8 moments are not bitwise.
-``--plot FILE`` draws the curves.
+fp32 master and fp32 moments), which is recorded as the reference (its loss, judged against nothing).
+A split master is bitwise the fp32 master (tests/test_compact_states.py), so its curve is the fp32 one
+and it is not run alone; bf16 and int8 moments are not bitwise. Every format's losses are recorded too
+(``curve``), so ``results.py --report`` redraws the plot from the records; ``--plot FILE`` draws it here.
 
     python bench/formats_accuracy.py [--steps 500] [--plot bench/formats_loss.png]
 """
@@ -22,6 +23,7 @@ import tempfile
 from pathlib import Path
 
 from pairs import record
+from results_report import plot_curves
 
 FORMATS = {"fp32 master, fp32 moments": [],
            "split master, bf16 moments": ["optimizer.master=split", "optimizer.moments=bf16"],
@@ -39,23 +41,6 @@ def losses(overrides: list[str], steps: int) -> list[float]:
         return json.loads((Path(work) / "out" / "summary.json").read_text())["losses"]
 
 
-def plot(curves: dict[str, list[float]], path: str) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(8, 4.5))
-    for name, values in curves.items():
-        smooth = [statistics.fmean(values[max(0, i - 9):i + 1]) for i in range(len(values))]
-        ax.plot(range(1, len(values) + 1), smooth, label=name, linewidth=1.2)
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss (mean of the last 10 steps)")
-    ax.set_title("small preset, bf16: the optimizer state's formats")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=500)
@@ -63,18 +48,25 @@ def main() -> None:
     args = parser.parse_args()
     print(f"machine: {os.cpu_count()} CPUs; zerooffload train --model small --steps {args.steps} train.precision=bf16")
     curves = {name: losses(overrides, args.steps) for name, overrides in FORMATS.items()}
-    reference = statistics.fmean(curves["fp32 master, fp32 moments"][-TAIL:])
+    names = list(curves)
+    reference = statistics.fmean(curves[names[0]][-TAIL:])
+    title = f"small, bf16, {args.steps} steps: last-{TAIL}-step mean loss"
     print(f"\n| format | last-{TAIL}-step mean loss | vs fp32 | within {BOUND:.0%} |\n|---|---|---|---|")
+    print(f"| {names[0]} | {reference:.4f} | the reference | - |")
+    record("check", title=f"{title}, {names[0]}: the reference", value=reference, target="—", met=None,
+           reference=True, detail="the other formats' means are divided by this")
     failed = 0
-    for name, values in curves.items():
-        tail = statistics.fmean(values[-TAIL:])
+    for name in names[1:]:
+        tail = statistics.fmean(curves[name][-TAIL:])
         ok = abs(tail / reference - 1) <= BOUND
         failed += not ok
         print(f"| {name} | {tail:.4f} | {tail / reference:.4f} | {'yes' if ok else 'NO'} |")
-        record("check", title=f"small, bf16, {len(values)} steps: last-{TAIL}-step mean loss, {name} / fp32 states",
-               value=tail / reference, target=f"{1 - BOUND:.2f}–{1 + BOUND:.2f}", met=ok, detail=f"{tail:.4f}")
+        record("check", title=f"{title}, {name} / fp32 states", value=tail / reference,
+               target=f"{1 - BOUND:.2f}–{1 + BOUND:.2f}", met=ok, detail=f"{tail:.4f}")
+    for name, values in curves.items():
+        record("curve", title=name, values=values)
     if args.plot:
-        plot(curves, args.plot)
+        plot_curves(curves, Path(args.plot))
         print(f"\nplot: {args.plot}")
     raise SystemExit(1 if failed else 0)
 

@@ -31,6 +31,8 @@ import threading
 import time
 from pathlib import Path
 
+from pairs import record
+
 CASES = {
     # name: (model, GPT shape or None for a preset, seq, batch, budgets)
     "fits": ("small", None, 256, 4, {}),
@@ -220,6 +222,28 @@ def format_report(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def record_results(results: list[dict]) -> None:
+    """RESULTS.md's rows: per layout its step, RAM and NVMe measured / predicted (judged within 25%, ±15%,
+    ±15%), per case the chosen layout against the fastest hand layout (≤ 1.1); the tables raw beside them."""
+    for res in results:
+        case = f"{res['case']} ({res['model']}, {res['params'] / 1e6:.0f}M)"
+        for r in res["rows"]:
+            for what, ratio, low, high, detail in (
+                    ("step s", r["time_ratio"], 0.75, 1.25, f"{r['measured_s']:.3f} / {r['predicted_s']:.3f} s"),
+                    ("RAM peak", r["ram_ratio"], 0.85, 1.15,
+                     f"{r['measured_ram'] / 1e6:.0f} / {r['predicted_ram'] / 1e6:.0f} MB"),
+                    ("NVMe peak", r["nvme_ratio"], 0.85, 1.15,
+                     f"{r['measured_nvme'] / 1e6:.0f} / {r['predicted_nvme'] / 1e6:.0f} MB")):
+                if ratio is not None:
+                    record("check", title=f"plan, {case}: {r['layout']}: {what}, measured / predicted", value=ratio,
+                           target=f"{low:.2f}–{high:.2f}", met=low <= ratio <= high, detail=detail)
+        c = res["chosen_vs_fastest_hand"]
+        record("check", title=f"plan, {case}: chosen / fastest hand layout, per round", value=c["median"],
+               target="≤ 1.1", met=c["median"] <= 1.1,
+               detail=f"min / median / max {c['min']:.3f} / {c['median']:.3f} / {c['max']:.3f}")
+    record("raw", results=results)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--worker", help=argparse.SUPPRESS)
@@ -236,6 +260,7 @@ def main() -> None:
     os.makedirs(nvme, exist_ok=True)
     results = [check(case, args.rounds, args.steps, nvme) for case in args.cases.split(",")]
     print(format_report(results))
+    record_results(results)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
 

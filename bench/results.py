@@ -8,20 +8,28 @@ Usage (from the repository root; meant to take at most 20 minutes on a 2-core ma
     python bench/results.py --only nvme_step,io_vs_fio   those again; the others' last results are kept
     python bench/results.py --only formats_accuracy,showcase_7b   the slow ones (never in a plain run)
     python bench/results.py --list               the table below and what this machine lacks
+    python bench/results.py --report             RESULTS.md and its plots again from the kept records alone,
+                                                 running nothing (seconds; a clean clone with the [test] extra)
     python bench/results.py --deepspeed-python PATH   DeepSpeed's venv (default DEFAULT_DEEPSPEED_PYTHON)
 
 Each benchmark runs as a child (``python <command> <args>``, cwd ``bench/``, a timeout each, its
 process group killed on timeout). It reports what it measured by appending JSON lines to the file
-named by $ZO_BENCH_RECORD (``pairs.record``), a fresh one per benchmark, in four kinds:
+named by $ZO_BENCH_RECORD (``pairs.record``), a fresh one per benchmark, in these kinds:
   pairs  ``report_pairs``: ours against theirs in interleaved pairs, ratio = ours / theirs per pair
-  check  one figure against a target (``met`` None: reported without a numeric target)
+  check  one figure against a target (``met`` None: reported without a numeric target; ``reference``
+         true: the figure others are divided by, shown as the reference, never judged against itself)
   split  forward / backward / step seconds of one side of an iteration (optimizer_phase.py)
   rss    peak RSS above the baseline against the engine's memory report, one per depth (rss_depth.py)
+  curve  one series of values, e.g. a loss per step (formats_accuracy.py: RESULTS.md's loss plot)
+  raw    whatever else a benchmark measured, kept with the rest and shown nowhere
 ``zerooffload bench adam`` records nothing (it is a command of the package): its ratio lines are
 parsed instead. Each child's stdout and stderr go to ``bench/results_logs/<name>.txt`` (not committed).
 RESULTS.md and its plots are written by ``results_report.py``.
 
-Each full run's results are kept in ``bench/results_runs.json`` by benchmark and CPU, so ``--only`` reruns
+Each full run's results are kept in ``bench/results_runs.json`` by benchmark and CPU, with its command, the
+commit it measured (``measured_commit``: taken as it starts, "-dirty" when the package, native code or
+benchmarks had uncommitted changes), the CPU and SIMD level, the machine, the date and every sample; README
+and docs/ quote figures from these records only, linking the RESULTS.md row that shows each. ``--only`` reruns
 some benchmarks and RESULTS.md still shows every other one's last results (the runs table dates each), and
 a run on another kind of machine (say an AVX2 AMD EPYC after an AVX-512 Xeon) is shown beside the first
 one's, never in its place: every row names the CPU it was measured on, as ratios differ between them.
@@ -35,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.util
 import json
 import os
 import re
@@ -48,7 +57,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from results_report import cpu_label, machine, write_results
+from results_report import cpu_label, machine, measured_commit, write_results
 
 HERE = Path(__file__).resolve().parent
 LOGS = HERE / "results_logs"
@@ -93,9 +102,13 @@ BENCHES = [
           deepspeed="--deepspeed-python"),
     Bench("zero3_formats", "zero3_nvme.py", "--only formats --pairs 5 --steps 2",
           "--only formats --pairs 1 --steps 1", 1500, deepspeed="--deepspeed-python", slow=True),
-    Bench("formats_accuracy", "formats_accuracy.py", "--steps 500 --plot formats_loss.png", "--steps 60", 3600,
+    Bench("formats_accuracy", "formats_accuracy.py", "--steps 500", "--steps 60", 3600,
           slow=True),
     Bench("showcase_7b", "showcase_7b.py", "--steps 3", "--steps 1 --cases cap", 7200, slow=True),
+    Bench("plan_check", "plan_check.py", "--rounds 3 --steps 5", "--rounds 1 --steps 2 --cases fits", 2400,
+          slow=True),
+    Bench("hf_trainer_1b", "hf_trainer_1b.py", "--steps 10", "--steps 2 --layers 2 --plain-steps 2", 5400,
+          slow=True),
 ]
 RUNS = HERE / "results_runs.json"
 """Every benchmark's last full run (``Run.saved``), read back for those a run does not repeat."""
@@ -118,11 +131,13 @@ class Run:
     """The CPU and the fused Adam SIMD level it ran on (``cpu_label``): what its rows are kept and shown by."""
     machine: str = ""
     """The whole machine it ran on (``machine``): RESULTS.md's list of machines."""
+    commit: str = ""
+    """The commit it measured (``measured_commit``); "" for runs kept before commits were: "unknown"."""
 
     def saved(self) -> dict:
         return {"name": self.bench.name, "status": self.status, "seconds": self.seconds, "shown": self.shown,
                 "records": self.records, "notes": self.notes, "when": self.when, "cpu": self.cpu,
-                "machine": self.machine}
+                "machine": self.machine, "commit": self.commit}
 
 
 def kept_runs() -> dict[tuple[str, str], Run]:
@@ -130,6 +145,11 @@ def kept_runs() -> dict[tuple[str, str], Run]:
     benches = {b.name: b for b in BENCHES}
     saved = json.loads(RUNS.read_text()) if RUNS.exists() else []
     return {(s["name"], s["cpu"]): Run(benches[s.pop("name")], **s) for s in saved if s["name"] in benches}
+
+
+def ordered(runs) -> list[Run]:
+    """RESULTS.md's order: BENCHES', then by CPU."""
+    return sorted(runs, key=lambda r: (BENCHES.index(r.bench), r.cpu))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -164,7 +184,7 @@ def shown_command(bench: Bench, quick: bool, deepspeed: str | None) -> str:
 
 def run(bench: Bench, quick: bool, deepspeed: str | None, workdir: Path) -> Run:
     """Run ``bench`` (or skip it), its output to its log and its records read back."""
-    result = Run(bench, "ok", shown=shown_command(bench, quick, deepspeed))
+    result = Run(bench, "ok", shown=shown_command(bench, quick, deepspeed), commit=measured_commit())
     if bench.needs == "fio" and not shutil.which("fio"):
         result.status = "skipped"
         result.notes.append("skipped: fio not installed")
@@ -254,6 +274,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--only", help="comma-separated benchmark names: " + ", ".join(b.name for b in BENCHES))
     parser.add_argument("--quick", action="store_true", help="every benchmark with its smallest arguments")
     parser.add_argument("--list", action="store_true", help="print the benchmarks and exit")
+    parser.add_argument("--report", action="store_true",
+                        help="regenerate RESULTS.md and its plots from results_runs.json, running nothing")
     parser.add_argument("--deepspeed-python", default=DEFAULT_DEEPSPEED_PYTHON,
                         help="python of a venv with DeepSpeed ('' for none; default %(default)s)")
     args = parser.parse_args()
@@ -266,6 +288,14 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> int:
     args = parse_args()
+    if not args.list and importlib.util.find_spec("matplotlib") is None:
+        print("results.py: matplotlib, which draws RESULTS.md's plots, is missing: pip install -e '.[test]'",
+              file=sys.stderr)
+        return 1
+    if args.report:
+        path = write_results(ordered(kept_runs().values()))
+        print(f"wrote {path.relative_to(HERE.parent)} from {RUNS.relative_to(HERE.parent)}")
+        return 0
     version = deepspeed_version(args.deepspeed_python)
     deepspeed = args.deepspeed_python if version else None
     if args.list:
@@ -287,12 +317,10 @@ def main() -> int:
     for done in fresh:
         done.cpu, done.machine = cpu, described
         runs[(done.bench.name, cpu)] = done
-    runs = sorted(runs.values(), key=lambda r: (BENCHES.index(r.bench), r.cpu))
+    runs = ordered(runs.values())
     if not args.quick:
         RUNS.write_text(json.dumps([r.saved() for r in runs], indent=1) + "\n")
-    command = " ".join(["python bench/results.py", *(["--quick"] if args.quick else []),
-                        *(["--only", ",".join(args.only)] if chosen != [b for b in BENCHES if not b.slow] else [])])
-    path = write_results(runs, f"`{command}` on {cpu}", args.quick)
+    path = write_results(runs, args.quick)
     print(f"wrote {path.relative_to(HERE.parent)} (logs in {LOGS.relative_to(HERE.parent)}/)")
     return 0 if all(r.status != "failed" for r in fresh) else 1
 

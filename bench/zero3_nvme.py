@@ -156,16 +156,20 @@ def compare_formats(args) -> None:
     print(f"machine: {os.cpu_count()} CPUs; swap under {nvme}; {args.pairs} rounds of {args.steps} timed steps, bf16")
     sides = {name: (lambda extra=extra, name=name: _side([*ours, *extra], env, swap, name, moved))
              for name, extra in FORMATS.items()}
-    sides["DeepSpeed ZeRO-3"] = lambda: _side(theirs, env, swap, "DeepSpeed ZeRO-3")
+    if args.deepspeed_python:
+        sides["DeepSpeed ZeRO-3"] = lambda: _side(theirs, env, swap, "DeepSpeed ZeRO-3")
     try:
         times = rotating_rounds(args.pairs, sides, unit="ms/step")
     finally:
         shutil.rmtree(nvme, ignore_errors=True)
     for name, other, target in (("split", "DeepSpeed ZeRO-3", 0.32), ("split", "fp32 master", 0.92),
                                 ("split + bf16 moments", "split", 1.0), ("split + int8 moments", "split", 0.6)):
-        report_pairs(f"ZeRO-3 NVMe, bf16: {name} against {other}", (name, other),
-                     list(zip(times[name], times[other])), target, unit="ms/step")
+        if other in times:
+            report_pairs(f"ZeRO-3 NVMe, bf16: {name} against {other}", (name, other),
+                         list(zip(times[name], times[other])), target, unit="ms/step")
     _report_split_bytes(swap, moved)
+    if not args.deepspeed_python:
+        return
     for name, target in (("fp32 master", 1.0), ("split", 0.72), ("split + bf16 moments", 0.72),
                          ("split + int8 moments", 0.40)):
         ratio = statistics.median(swap[name]) / statistics.median(swap["DeepSpeed ZeRO-3"])
