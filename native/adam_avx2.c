@@ -279,11 +279,15 @@ AVX2 static ALWAYS_INLINE __m256i avx2_int8_code(__m256 q, int bias, __m256i noi
     return _mm256_blendv_epi8(rebased, linear, subnormal);
 }
 
-/* int8_fraction on 8 lanes (a NaN stays NaN: the comparison is false for it, as in C). */
-AVX2 static ALWAYS_INLINE __m256 avx2_int8_fraction(__m256 x, __m256 reciprocal)
+/* int8_fraction on 8 lanes (a NaN stays NaN: the comparison is false for it, as in C). |x|'s bit
+ * patterns lie below 2^31, so a signed comparison orders them as the unsigned one there. */
+AVX2 static ALWAYS_INLINE __m256 avx2_int8_fraction(__m256 x, __m256 reciprocal, __m256i top)
 {
-    __m256 q = _mm256_mul_ps(_mm256_and_ps(x, _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF))), reciprocal);
-    return _mm256_blendv_ps(q, _mm256_set1_ps(1.0f), _mm256_cmp_ps(q, _mm256_set1_ps(1.0f), _CMP_GT_OQ));
+    __m256i magnitude = _mm256_and_si256(_mm256_castps_si256(x), _mm256_set1_epi32(0x7FFFFFFF));
+    __m256 q = _mm256_mul_ps(_mm256_castsi256_ps(magnitude), reciprocal), one = _mm256_set1_ps(1.0f);
+    q = _mm256_blendv_ps(q, one, _mm256_cmp_ps(q, one, _CMP_GT_OQ));
+    __m256i below_top = _mm256_cmpgt_epi32(top, magnitude);
+    return _mm256_blendv_ps(one, q, _mm256_castsi256_ps(below_top));
 }
 
 /* 8 lanes of codes (each below 256) as 8 bytes at `to`. */
@@ -298,21 +302,24 @@ AVX2 static ALWAYS_INLINE void avx2_store_bytes(uint8_t *to, __m256i codes)
  * to 8 bytes, stays in registers. The same operations on the same values as int8_code_range, which
  * codes the block's last n % 8. */
 AVX2 static void avx2_int8_codes(const float *m, const float *v, size_t n, uint32_t noise_base, uint32_t seed,
-                                 float m_reciprocal, float v_reciprocal, uint8_t *m_codes, uint8_t *v_codes)
+                                 struct int8_block b, uint8_t *m_codes, uint8_t *v_codes)
 {
-    __m256 m_scaled = _mm256_set1_ps(m_reciprocal), v_scaled = _mm256_set1_ps(v_reciprocal);
+    __m256 m_scaled = _mm256_set1_ps(b.m_reciprocal), v_scaled = _mm256_set1_ps(b.v_reciprocal);
+    __m256i m_top = _mm256_set1_epi32((int)b.m_top), v_top = _mm256_set1_epi32((int)b.v_top);
     __m256i low16 = _mm256_set1_epi32(0xFFFF), sign_bit = _mm256_set1_epi32(0x80);
     size_t i = 0;
     for (; i + 8 <= n; i += 8) {
         __m256i noise = avx2_noise(noise_base + (uint32_t)i, seed);
         __m256 mi = _mm256_loadu_ps(m + i), vi = _mm256_loadu_ps(v + i);
         __m256i sign = _mm256_and_si256(_mm256_srli_epi32(_mm256_castps_si256(mi), 24), sign_bit);
-        __m256i m_code = avx2_int8_code(avx2_int8_fraction(mi, m_scaled), INT8_M_BIAS, _mm256_and_si256(noise, low16));
-        __m256i v_code = avx2_int8_code(avx2_int8_fraction(vi, v_scaled), INT8_V_BIAS, _mm256_srli_epi32(noise, 16));
+        __m256i m_code = avx2_int8_code(avx2_int8_fraction(mi, m_scaled, m_top), INT8_M_BIAS,
+                                        _mm256_and_si256(noise, low16));
+        __m256i v_code = avx2_int8_code(avx2_int8_fraction(vi, v_scaled, v_top), INT8_V_BIAS,
+                                        _mm256_srli_epi32(noise, 16));
         avx2_store_bytes(m_codes + i, _mm256_or_si256(m_code, sign));
         avx2_store_bytes(v_codes + i, v_code);
     }
-    int8_code_range(m, v, i, n, noise_base, seed, m_reciprocal, v_reciprocal, m_codes, v_codes);
+    int8_code_range(m, v, i, n, noise_base, seed, b, m_codes, v_codes);
 }
 
 AVX2 double zo_avx2_run(const void *pass, size_t begin, size_t end)

@@ -6,8 +6,9 @@
  * arithmetic, so every level gives the same bits. (The AVX2 level codes whole vectors of a block with
  * intrinsics of the same operations: adam_avx2.c's avx2_int8_codes.)
  *
- * A block's values x are stored as one fp32 scale, the largest |x| in the block, and a code per
- * element for q = |x| / scale in [0, 1] (the largest is 1 exactly). The code is a tiny float of q:
+ * A block's values x are stored as one fp32 scale, the largest finite |x| in the block, and a code per
+ * element for q = |x| / scale in [0, 1] (the largest takes q = 1, the top code, always; a non-finite
+ * value codes as the largest, so it spoils no other value of its block). The code is a tiny float of q:
  * 3 mantissa bits and an exponent field f, biased so that q = 1 is the top exponent; f = 0 is the
  * subnormal range, linear down to 0, so that the map is continuous and monotone:
  *   code c >= 8: q = 2^(c/8 - bias) x (1 + (c % 8) / 8)      code c < 8: q = c x 2^(-bias - 2)
@@ -57,64 +58,90 @@ static ALWAYS_INLINE void int8_decode(const uint8_t *codes, float scale, size_t 
     }
 }
 
-/* The largest |x[i]| of n (the scale of their block); a NaN or inf when one of them is (as integers,
- * the bit patterns of |x| order as the values do, and a NaN's lies above inf's). */
+/* The largest finite |x[i]| of n: the scale of their block. A non-finite value is left out, so that it
+ * costs its block nothing but itself (it codes as the block's largest: int8_fraction). As integers, the
+ * bit patterns of |x| order as the values do, and inf's and a NaN's lie at 0x7F800000 and above. */
 static ALWAYS_INLINE float int8_scale(const float *x, size_t n)
 {
     uint32_t largest = 0;
     for (size_t i = 0; i < n; i++) {
         uint32_t a = bits_of(x[i]) & 0x7FFFFFFF;
+        a = a < 0x7F800000u ? a : 0;
         largest = a > largest ? a : largest;
     }
     return float_of(largest);
 }
 
-/* |x| / scale, as |x| times the scale's reciprocal (a division per block, not per element), at most 1:
- * the block's largest is exactly 1, its reciprocal's rounding aside. A NaN where the block has one, or
- * is all zeros (0 x inf). */
-static ALWAYS_INLINE float int8_fraction(float x, float reciprocal)
+/* How one block codes: the reciprocals of its moments' scales (a division per block, not per element)
+ * and the |x| bit patterns at and above which an element codes as q = 1, the top code. */
+struct int8_block {
+    float m_reciprocal, v_reciprocal;
+    uint32_t m_top, v_top;
+};
+
+/* The top-code threshold of a block's scale: the scale's own bit pattern, so that the block's largest
+ * takes q = 1 exactly, whatever |x| x (1 / scale) rounds to (0.99999994 for ~12% of floats: coded below
+ * the top, a save and load would give the block a new scale and new codes); inf's for a block of zeros,
+ * whose non-finite values then code as the top too. */
+static ALWAYS_INLINE uint32_t int8_top(float scale)
 {
-    float q = float_of(bits_of(x) & 0x7FFFFFFF) * reciprocal;
-    return q > 1.0f ? 1.0f : q;
+    uint32_t bits = bits_of(scale);
+    return bits ? bits : 0x7F800000u;
 }
 
-/* Codes of elements [from, n) of a block's new moments m and v, given the reciprocals of their
- * block's scales; element i's noise is mix32((noise_base + i) ^ seed), its low 16 bits for m, its
+static ALWAYS_INLINE struct int8_block int8_block_of(float m_scale, float v_scale)
+{
+    return (struct int8_block){1.0f / m_scale, 1.0f / v_scale, int8_top(m_scale), int8_top(v_scale)};
+}
+
+/* q = |x| / scale in [0, 1], as |x| times the scale's reciprocal: 1 at and above `top` (the block's
+ * largest, and a non-finite value: coded as the largest finite one, its sign kept), at most 1 below it.
+ * A NaN only where |x| is 0 in a block of zeros (0 x inf), which int8_code takes as 0. */
+static ALWAYS_INLINE float int8_fraction(float x, float reciprocal, uint32_t top)
+{
+    uint32_t a = bits_of(x) & 0x7FFFFFFF;
+    float q = float_of(a) * reciprocal;
+    q = q > 1.0f ? 1.0f : q;
+    return a >= top ? 1.0f : q;
+}
+
+/* Codes of elements [from, n) of a block's new moments m and v, given how their block codes (b);
+ * element i's noise is mix32((noise_base + i) ^ seed), its low 16 bits for m, its
  * high 16 for v (as bf16 moments round). A level may code the whole vectors of a block itself and
  * leave the rest to this (adam_avx2.c). */
 static ALWAYS_INLINE void int8_code_range(const float *m, const float *v, size_t from, size_t n, uint32_t noise_base,
-                                          uint32_t seed, float m_reciprocal, float v_reciprocal, uint8_t *m_codes,
-                                          uint8_t *v_codes)
+                                          uint32_t seed, struct int8_block b, uint8_t *m_codes, uint8_t *v_codes)
 {
     for (size_t i = from; i < n; i++) {
         uint32_t noise = mix32((noise_base + (uint32_t)i) ^ seed);
         uint32_t sign = bits_of(m[i]) >> 24 & 0x80;
-        m_codes[i] = (uint8_t)(int8_code(int8_fraction(m[i], m_reciprocal), INT8_M_BIAS, noise & 0xFFFF) | sign);
-        v_codes[i] = (uint8_t)int8_code(int8_fraction(v[i], v_reciprocal), INT8_V_BIAS, noise >> 16);
+        float q = int8_fraction(m[i], b.m_reciprocal, b.m_top);
+        m_codes[i] = (uint8_t)(int8_code(q, INT8_M_BIAS, noise & 0xFFFF) | sign);
+        v_codes[i] = (uint8_t)int8_code(int8_fraction(v[i], b.v_reciprocal, b.v_top), INT8_V_BIAS, noise >> 16);
     }
 }
 
 /* A level's code loop over a whole block: int8_code_range's arguments from 0. */
 typedef void int8_codes_fn(const float *m, const float *v, size_t n, uint32_t noise_base, uint32_t seed,
-                           float m_reciprocal, float v_reciprocal, uint8_t *m_codes, uint8_t *v_codes);
+                           struct int8_block b, uint8_t *m_codes, uint8_t *v_codes);
 
 /* int8_code_range over a whole block: the levels whose compiler-vectorized loop serves. */
 static ALWAYS_INLINE void int8_codes(const float *m, const float *v, size_t n, uint32_t noise_base, uint32_t seed,
-                                     float m_reciprocal, float v_reciprocal, uint8_t *m_codes, uint8_t *v_codes)
+                                     struct int8_block b, uint8_t *m_codes, uint8_t *v_codes)
 {
-    int8_code_range(m, v, 0, n, noise_base, seed, m_reciprocal, v_reciprocal, m_codes, v_codes);
+    int8_code_range(m, v, 0, n, noise_base, seed, b, m_codes, v_codes);
 }
 
 /* One block's n new moments m and v as codes (by the level's `codes`) and scales. A block of zeros
- * has scale 0 and codes 0; a block with a NaN or inf has that scale, and every value of it reads
- * back as a NaN. */
+ * has scale 0 and codes 0; a non-finite value is isolated: it codes as its block's largest finite
+ * magnitude (with its sign), and the block's other values keep theirs. */
 static ALWAYS_INLINE void int8_encode(const float *m, const float *v, size_t n, uint32_t noise_base, uint32_t seed,
                                       uint8_t *m_codes, uint8_t *v_codes, float *m_scale, float *v_scale,
                                       int8_codes_fn *codes)
 {
     *m_scale = int8_scale(m, n);
     *v_scale = int8_scale(v, n);
-    codes(m, v, n, noise_base, seed, 1.0f / *m_scale, 1.0f / *v_scale, m_codes, v_codes);
+    codes(m, v, n, noise_base, seed, int8_block_of(*m_scale, *v_scale), m_codes, v_codes);
 }
 
 /* Elements [begin, end) of a pass with int8 moments (begin a multiple of ZO_INT8_BLOCK, as every range

@@ -108,6 +108,37 @@ def _resumed(make_engine, config: dict, directory) -> dict:
     return final
 
 
+def _stored_int8(engine) -> list[torch.Tensor]:
+    return [part.clone() for state in engine.state_dicts.visit(write=False) for name in state.moment_names
+            for part in state.stored_moment(name)]
+
+
+@pytest.mark.parametrize("layout", ["stage1-host", "stage3-nvme"])
+def test_int8_moments_load_their_codes_and_scales_as_saved(make_engine, tmp_path, layout):
+    """At the saved world size a load stores int8 codes and scales as they were saved, even where a
+    block's largest codes below the top (as runs before the top-code rule wrote once in 65,536 blocks,
+    constructed here): decoded and encoded anew, such a block takes a new scale and 256 new codes."""
+    stage, offload, clip = LAYOUTS[layout]
+    (tmp_path / "swap").mkdir()
+    config = _config("int8", stage, offload, clip, str(tmp_path / "swap"))
+    engine = make_engine(make_model(0), config)
+    _train(engine, 0, 2)
+    lowered = 0
+    for state in engine.state_dicts.visit(write=True):
+        codes = state.stored_moment("exp_avg_sq")[0]
+        top = codes == 248  # q = 1: each block's largest v
+        codes[top] = 247
+        lowered += int(top.sum())
+    assert lowered > 10
+    saved = _stored_int8(engine)
+    engine.save_checkpoint(tmp_path / "ckpt")
+    engine.close()
+    loaded = make_engine(make_model(1), config)
+    loaded.load_checkpoint(tmp_path / "ckpt")
+    assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(saved, _stored_int8(loaded),
+                                                                                     strict=True))
+
+
 @pytest.mark.parametrize("moments", ["bf16", "int8"])
 def test_a_checkpoint_of_compact_moments_resumes_bitwise_and_loads_into_fp32_moments(make_engine, tmp_path, moments):
     stage, offload, clip = LAYOUTS["stage3-nvme"]

@@ -162,7 +162,8 @@ def run_child(level: str, script: str, *args: str) -> subprocess.CompletedProces
 
 
 LEVEL_RUNS = (("test_cpu_adam", "run_all_cases"), ("test_state_formats", "run_updates"),
-              ("test_state_formats", "run_noise_sums"), ("test_int8_moments", "run_int8_chain"))
+              ("test_state_formats", "run_noise_sums"), ("test_int8_moments", "run_int8_chain"),
+              ("test_int8_moments", "run_top_code_updates"))
 """Every ``module.function`` whose results a test checks at each level: one interpreter per level runs
 them all (the level is chosen once per process; a process each would spend most of the time starting)."""
 

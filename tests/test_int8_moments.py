@@ -55,15 +55,50 @@ def test_a_block_is_scaled_by_its_largest_which_reads_back_exactly():
         assert torch.all((back - block).abs() <= block.abs() / 8 + block.abs().max() * 2.0 ** -17)  # a code apart
 
 
-def test_zero_and_non_finite_blocks():
+TOP = {True: 120, False: 248}
+"""The code of q = 1 (the block's largest): exponent field 15 (m) or 31 (v), mantissa 0, by the map."""
+
+
+def _below_one_after_reciprocal(count: int) -> torch.Tensor:
+    """fp32 values s whose ``s * (1 / s)`` rounds to 0.99999994 (~12% of floats): coded by the product
+    alone, with noise 0, a block's largest would take the code below the top."""
+    candidates = torch.rand(20 * count, generator=torch.Generator().manual_seed(5)) * 10 + 1e-3
+    below = candidates * (torch.ones_like(candidates) / candidates) < 1
+    return candidates[below][:count]
+
+
+@pytest.mark.parametrize("signed", [True, False])
+def test_a_blocks_largest_takes_the_top_code_whatever_its_reciprocal_rounds_to(signed):
+    largest = _below_one_after_reciprocal(50)
+    x = torch.rand(50, formats.INT8_BLOCK, generator=torch.Generator().manual_seed(6)) * largest[:, None] * 0.9
+    x[:, 7] = largest
+    codes, scales = formats.encode_int8(x.reshape(-1), torch.zeros(x.numel(), dtype=torch.int64), signed)
+    assert torch.equal(scales, largest)
+    assert (codes.view(50, -1)[:, 7] == TOP[signed]).all()
+    decoded = formats.decode_int8(codes, scales, signed)
+    assert torch.equal(decoded.view(50, -1)[:, 7], largest)
+    again, again_scales = formats.encode_int8(decoded, torch.full((x.numel(),), 0x8000), signed)  # a save and load
+    assert torch.equal(again, codes) and torch.equal(again_scales, scales)
+
+
+def test_a_non_finite_moment_is_isolated_in_its_block():
+    """It codes as its block's largest finite magnitude, its sign kept; every other value of the block
+    keeps the code and scale it has without it (fp32 moments keep one bad value too, not 256)."""
     x = torch.zeros(3 * formats.INT8_BLOCK)
-    x[formats.INT8_BLOCK + 5] = float("nan")
-    x[2 * formats.INT8_BLOCK:] = torch.linspace(-1, 1, formats.INT8_BLOCK)
-    codes, scales = formats.encode_int8(x, torch.zeros(x.numel(), dtype=torch.int64), True)
-    decoded = formats.decode_int8(codes, scales, True).split(formats.INT8_BLOCK)
-    assert torch.equal(decoded[0], torch.zeros(formats.INT8_BLOCK))  # all zeros: scale 0, nothing divided by it
-    assert decoded[1].isnan().all()  # a NaN takes its block, and no other
-    assert decoded[2].isfinite().all()
+    x[formats.INT8_BLOCK:] = torch.linspace(-1, 0.5, 2 * formats.INT8_BLOCK)
+    noise = torch.randint(0, 1 << 16, (x.numel(),), generator=torch.Generator().manual_seed(2))
+    clean, clean_scales = formats.encode_int8(x, noise, True)
+    bad = x.clone()
+    bad[5], bad[formats.INT8_BLOCK + 3], bad[2 * formats.INT8_BLOCK + 9] = float("nan"), float("-inf"), float("inf")
+    codes, scales = formats.encode_int8(bad, noise, True)
+    assert torch.equal(scales, clean_scales)  # the largest finite magnitudes: 0, 1, 0.5
+    others = torch.ones(x.numel(), dtype=torch.bool)
+    others[[5, formats.INT8_BLOCK + 3, 2 * formats.INT8_BLOCK + 9]] = False
+    assert torch.equal(codes[others], clean[others])
+    decoded = formats.decode_int8(codes, scales, True)
+    assert decoded.isfinite().all()
+    assert decoded[formats.INT8_BLOCK + 3] == -1.0 and decoded[2 * formats.INT8_BLOCK + 9] == 0.5
+    assert decoded[5].abs() == 0.0  # a block of zeros: its scale is 0, whatever codes it holds
 
 
 def _step_pair(n: int, step: int, grad: torch.Tensor, state: dict, split: bool) -> tuple[dict, dict]:
@@ -106,6 +141,44 @@ def run_int8_chain() -> dict:
             results[(n, split, step)] = (out, ref)
             state = out
     return results
+
+
+def _noise_base_with_zero(high: bool) -> int:
+    """An element number whose rounding noise for m (low 16 bits) or v (high 16) is 0 at step 1, key 11."""
+    noise = formats.rounding_noise(11, 1, 0, 1 << 22)
+    return int(torch.nonzero(((noise >> 16) if high else (noise & 0xFFFF)) == 0)[0])
+
+
+def run_top_code_updates() -> dict:
+    """A first update of int8 moments whose block's largest new moment (m, then v) has a reciprocal that
+    rounds its q below 1 and the rounding noise 0 there: the case that coded once in 65,536 blocks below
+    the top code. Returns, for "m" and "v", whether the precondition held, the codes and scales."""
+    results = {}
+    for moment in ("m", "v"):
+        base = _noise_base_with_zero(high=moment == "v")
+        for gradient in torch.linspace(1.0, 3.0, 400).tolist():
+            grad = torch.rand(formats.INT8_BLOCK, generator=torch.Generator().manual_seed(4)) * 0.5
+            grad[0] = gradient  # element 0, numbered ``base``: the block's largest
+            m, v = torch.zeros(formats.INT8_BLOCK, dtype=torch.uint8), torch.zeros(formats.INT8_BLOCK, dtype=torch.uint8)
+            scales = {"m": torch.zeros(1), "v": torch.zeros(1)}
+            fused_adam_step(torch.zeros(formats.INT8_BLOCK), grad, m, v, step=1, noise_key=11, noise_base=base,
+                            exp_avg_scale=scales["m"], exp_avg_sq_scale=scales["v"], **HYPER)
+            scale = scales[moment]
+            if scale * (torch.ones(1) / scale) < 1:
+                results[moment] = {"codes": m if moment == "m" else v, "scale": scale}
+                break
+    return results
+
+
+@pytest.mark.skipif(cpu_adam.simd_level() == "torch", reason="the native extension zerooffload._cpu_adam is not built")
+@pytest.mark.parametrize("level", LEVELS)
+def test_the_native_pass_codes_a_blocks_largest_at_the_top_at_every_level(level, tmp_path):
+    results = results_at_level(level, "test_int8_moments", "run_top_code_updates", tmp_path)
+    for moment, signed in (("m", True), ("v", False)):
+        assert moment in results, f"no gradient gave {moment} the constructed case: the test cannot judge"
+        codes, scale = results[moment]["codes"], results[moment]["scale"]
+        assert codes[0] & 0x7F == TOP[signed] if signed else codes[0] == TOP[signed]
+        assert formats.decode_int8(codes, scale, signed)[0].abs() == scale[0]
 
 
 @pytest.mark.skipif(cpu_adam.simd_level() == "torch", reason="the native extension zerooffload._cpu_adam is not built")

@@ -6,6 +6,7 @@ tiers) and ``consolidate`` both read through here.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,7 +21,7 @@ from .files import CheckpointError, load_manifest_json, resolve_tag, verify_file
 
 __all__ = ["FORMAT", "VERSION", "MOMENT_ITEMSIZE", "Manifest", "read_manifest", "first_verified", "rank_file",
            "malformed", "Source", "parameter_sources", "shard_segments", "RankFiles", "read_range",
-           "read_saved_buffers"]
+           "read_int8_piece", "read_saved_buffers"]
 
 FORMAT = "zerooffload-checkpoint"
 VERSION = 1
@@ -224,6 +225,25 @@ def _read_int8_range(files: RankFiles, source: Source, base: int, signed: bool, 
     scales_at = base + _aligned(source.unit["shard_numel"])
     files.read(rank, scales_at + 4 * (first_scale + first_block), scales)
     out.copy_(decode_int8(codes, scales, signed)[lo - code_lo:])
+
+
+def read_int8_piece(files: RankFiles, source: Source, segment: int, start: int, stop: int
+                    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The codes and scales of elements [start, stop) of one saved parameter's int8 moment ``segment``, as
+    they are, when a saved shard held exactly that piece (so its blocks were cut as the loading run's: a
+    resume at the saved world size); None when they were cut elsewhere (``read_range`` then decodes)."""
+    shard = source.unit["shard_numel"]
+    rank = (source.offset + start) // shard
+    piece_start, first_scale = _saved_piece(source.unit, source.offset, rank)
+    piece_stop = min(source.offset + math.prod(source.shape), (rank + 1) * shard) - rank * shard
+    if (piece_start, piece_stop) != (source.offset + start - rank * shard, source.offset + stop - rank * shard):
+        return None
+    base = files.manifest.segment_offset(source.unit_index, segment)
+    codes = torch.empty(stop - start, dtype=torch.uint8)
+    files.read(rank, base + piece_start, codes)
+    scales = torch.empty(int8_blocks(stop - start), dtype=torch.float32)
+    files.read(rank, base + _aligned(shard) + 4 * first_scale, scales)
+    return codes, scales
 
 
 def _saved_piece(unit: dict, slot_offset: int, rank: int) -> tuple[int, int]:

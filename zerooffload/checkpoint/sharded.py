@@ -10,8 +10,8 @@ master is saved as the fp32 value it holds exactly (4 bytes against its 4.125 be
 load reads every segment as fp32 (widened or decoded, exactly) and stores it in the loading run's
 format, so any format loads into any other: into bf16 rounded to nearest even, into int8 with codes
 rounded to nearest; a load into the format it was saved in gives the same bits back (int8: where the
-pieces, so the blocks, are cut as when saved; cut elsewhere, the blocks are encoded anew, within int8's
-rounding). ``DIR/latest``
+pieces, so the blocks, are cut as when saved, codes and scales are copied as they are; cut elsewhere,
+the blocks are encoded anew, within int8's rounding). ``DIR/latest``
 names the newest complete tag.
 The manifest records the format version, the config, the world size and stage, every unit's layout
 (parameter names, shapes, offsets, shard size), the optimizer's per-parameter step counts and group
@@ -75,6 +75,7 @@ from .layout import (
     parameter_sources,
     rank_file,
     read_manifest,
+    read_int8_piece,
     read_range,
     read_saved_buffers,
     shard_segments,
@@ -84,6 +85,7 @@ from .safetensors_file import SafetensorsEntry, write_safetensors
 if TYPE_CHECKING:
     from ..optim.state import UnitOptimizerState
     from ..zero.partition import FlatUnit
+    from ..zero.unit_layout import Piece
 
 __all__ = ["CheckpointError", "save_checkpoint", "load_checkpoint", "consolidate", "default_tag", "resolve_tag",
            "read_manifest", "Manifest", "persistent_buffers", "Trainable"]
@@ -318,10 +320,25 @@ def _fill_state(state: "UnitOptimizerState", frozen: torch.Tensor | None, source
         cut = piece.start + unit.held(piece)
         if cut > piece.start:
             for segment, target in enumerate(targets):
-                read_range(files, source, segment, start, start + cut - piece.start, target[piece.start:cut])
+                if not (segment and _kept_int8(state, files, source, segment, piece, start, start + cut - piece.start)):
+                    read_range(files, source, segment, start, start + cut - piece.start, target[piece.start:cut])
         if cut < piece.stop:
             read_range(files, source, 0, start + cut - piece.start, stop,
                        frozen[cut - trainable:piece.stop - trainable])
+
+
+def _kept_int8(state: "UnitOptimizerState", files: RankFiles, source: Source, segment: int, piece: "Piece",
+               start: int, stop: int) -> bool:
+    """Whether an int8 moment's piece was stored as saved: codes and scales copied as they are where the
+    saved blocks are the loading run's (``read_int8_piece``). Decoded and encoded anew, they would come
+    back the same only as far as every value's fp32 round trip lands on its code again; a copy is exact
+    by construction, so a resume at the same world size is bitwise, every time."""
+    if not (state.int8 and files.manifest.moment_format == "int8"):
+        return False
+    saved = read_int8_piece(files, source, segment, start, stop)
+    if saved is not None:
+        state.keep_int8(state.moment_names[segment - 1], piece, *saved)
+    return saved is not None
 
 
 def _restore_optimizer(engine: Trainable, manifest: Manifest) -> None:

@@ -111,6 +111,8 @@ class UnitOptimizerState:
         """A split master unpacked (``unpack_master``), until ``pack_master``."""
         self._moments: dict[str, torch.Tensor] | None = None
         """int8 moments unpacked (``unpack_moments``), until ``pack_moments``."""
+        self._kept: set[tuple[str, Piece]] = set()
+        """(moment, piece) of int8 codes stored as they are (``keep_int8``), until ``pack_moments``."""
 
     def _part(self, index: int) -> torch.Tensor:
         """Part ``index``'s values: the trainable part (its span's rest is alignment padding); all the
@@ -187,23 +189,38 @@ class UnitOptimizerState:
         return [self._moment_part(name), self._moment_part(name, scales=True)[:scales]]
 
     def unpack_moments(self, decode: bool = True) -> None:
-        """int8 moments as fp32 values for ``moment()`` (zeros without ``decode``: they will be overwritten)."""
+        """int8 moments as fp32 values for ``moment()`` (zeros without ``decode``: they will be overwritten,
+        and so are the codes and scales, so that the padding after the last piece is zero, as a step leaves it)."""
         if not self.int8:
             return
         self._moments = {}
         for index, name in enumerate(self.moment_names):
+            if not decode:
+                self._moment_part(name).zero_()
+                self._moment_part(name, scales=True).zero_()
             values = torch.zeros(self.unit.trainable_numel, dtype=torch.float32)
             for piece in self._first_scale if decode else ():
                 values[piece.start:piece.stop] = decode_int8(self._moment_part(name)[piece.start:piece.stop],
                                                              self._piece_scales(name, piece), signed=index == 0)
             self._moments[name] = values
 
+    def keep_int8(self, name: str, piece: Piece, codes: torch.Tensor, scales: torch.Tensor) -> None:
+        """Store an int8 moment's codes and scales of ``piece`` as they are (a checkpoint's, cut in the same
+        blocks), between ``unpack_moments`` and ``pack_moments``, which then leaves them as they are."""
+        self._moment_part(name)[piece.start:piece.start + codes.numel()] = codes
+        self._piece_scales(name, piece).copy_(scales)
+        self._kept.add((name, piece))
+
     def pack_moments(self) -> None:
-        """Unpacked int8 moments as they are now in ``moment()`` encoded into the block, rounded to nearest."""
+        """Unpacked int8 moments as they are now in ``moment()`` encoded into the block, rounded to nearest
+        (but the pieces stored as they are by ``keep_int8``)."""
         if not self.int8:
             return
+        kept, self._kept = self._kept, set()
         for index, name in enumerate(self.moment_names):
             for piece in self._first_scale:
+                if (name, piece) in kept:
+                    continue
                 values = self._moments[name][piece.start:piece.stop]
                 codes, scales = encode_int8(values, torch.tensor(_NEAREST).expand(values.numel()), signed=index == 0)
                 self._moment_part(name)[piece.start:piece.stop] = codes
@@ -212,7 +229,7 @@ class UnitOptimizerState:
 
     def drop_moments(self) -> None:
         """Forget unpacked int8 moments unchanged."""
-        self._moments = None
+        self._moments, self._kept = None, set()
 
     def initialize(self, shard_fp32: torch.Tensor) -> None:
         """First values of a loaded block: the master from this rank's fp32 shard (a split one's residual:

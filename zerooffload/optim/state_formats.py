@@ -21,7 +21,7 @@ the same bits whatever runs it, and reproducible on resume.
 
 [Note: int8 moments]
 Moments kept in 8 bits are *blockwise*: each run of ``INT8_BLOCK`` elements (counted from the first
-element of the piece the pass updates) keeps one fp32 scale, its largest magnitude, and each element a
+element of the piece the pass updates) keeps one fp32 scale, its largest finite magnitude, and each element a
 code of ``q = |x| / scale`` in [0, 1]: a tiny float with 3 mantissa bits whose top exponent is q = 1
 and whose lowest exponent field is linear down to 0 (native/int8_moments.h draws the map). exp_avg
 has a sign bit and 4 exponent bits (bias 15: down to 2^-17 of the block's largest), exp_avg_sq 5
@@ -29,6 +29,14 @@ has a sign bit and 4 exponent bits (bias 15: down to 2^-17 of the block's larges
 below 1/255 of its block's largest 0 and its update m / (sqrt(v) + eps) explode. Codes are rounded
 stochastically with the bf16 moments' noise (16 bits below the last code bit), so v still decays
 though codes lie 12.5% apart. 2 bytes and 1/32 for two moments, against 8 in fp32.
+- *The largest takes the top code, always*: q is ``|x| * (1 / scale)``, which rounds to 0.99999994 for
+  ~12% of floats; so the element whose magnitude is the scale's is given q = 1 by its bit pattern. Else,
+  once in 65,536 (noise 0), the largest would code below the top, and a save and load (decoded, encoded
+  anew) would give its block a new scale and all 256 elements new codes.
+- *A non-finite moment is isolated*: the scale is the largest *finite* magnitude, and an inf or NaN
+  codes as that largest (its sign kept). fp32 and bf16 moments keep the inf or NaN in its one element;
+  int8 ones cannot hold it, and a scale of inf or NaN would turn all 256 values of the block NaN. (The
+  update that met it used the non-finite value: its parameter is what the fp32 pass made it.)
 """
 from __future__ import annotations
 
@@ -155,6 +163,10 @@ INT8_BLOCK = 256
 _INT8_BIAS = {True: 15, False: 31}
 """The codes' exponent bias: exp_avg's (signed), exp_avg_sq's."""
 
+_INF = 0x7F800000
+"""inf's bit pattern: |x| patterns at and above it are not finite."""
+"""The codes' exponent bias: exp_avg's (signed), exp_avg_sq's."""
+
 
 def int8_blocks(numel: int) -> int:
     """Scales of an int8 moment over ``numel`` elements."""
@@ -179,12 +191,14 @@ def encode_int8(x: torch.Tensor, noise16: torch.Tensor, signed: bool) -> tuple[t
         part, noise = x[start:start + CHUNK], noise16[start:start + CHUNK]
         magnitude = _bits(part) & 0x7FFFFFFF
         padded = torch.zeros(int8_blocks(part.numel()) * INT8_BLOCK, dtype=torch.int64)
-        padded[:part.numel()] = magnitude
+        padded[:part.numel()] = torch.where(magnitude < _INF, magnitude, 0)  # the largest finite: the scale
         block_scales = _from_bits(padded.view(-1, INT8_BLOCK).amax(1))
         scales[start // INT8_BLOCK:start // INT8_BLOCK + block_scales.numel()] = block_scales
         reciprocals = torch.ones_like(block_scales).div(block_scales)  # IEEE's 1 / scale, as the native pass
         q = _from_bits(magnitude) * _per_element(reciprocals, part.numel())
         q = torch.where(q > 1.0, 1.0, q)
+        top = _per_element(torch.where(_bits(block_scales) > 0, _bits(block_scales), _INF), part.numel())
+        q = torch.where(magnitude >= top, 1.0, q)  # the largest (and a non-finite value) take the top code
         code = _int8_code(torch.nan_to_num(q, nan=0.0), _INT8_BIAS[signed], noise)
         if signed:
             code = code | ((_bits(part) >> 24) & 0x80)
