@@ -1,6 +1,6 @@
 """zerooffload: ZeRO sharded data-parallel training with a CPU/NVMe offload engine.
 
-The public names are listed in ``__all__``; README.md describes their contract. They load on first
+The public names are listed in ``__all__``; docs/python-api.md describes their contract. They load on first
 use (PEP 562), so ``import zerooffload.io`` or ``zerooffload.config`` brings in only those layers,
 never the engine.
 """

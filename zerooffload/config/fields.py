@@ -34,7 +34,8 @@ ALIGNMENT = 4096
 def option(default: Any, doc: str, *, min: float | None = None, max: float | None = None,
          below: float | None = None, above: float | None = None, size: bool = False,
          multiple_of: int | None = None) -> Any:
-    """A section field: its default, what it means (shown in errors and the README), and its bounds.
+    """A section field: its default, what it means (shown in errors and docs/configuration-reference.md,
+    which ``python docs/generate.py`` writes from it), and its bounds.
 
     ``min``/``max`` are inclusive, ``above``/``below`` exclusive; ``size`` marks a byte count.
     """

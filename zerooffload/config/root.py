@@ -23,7 +23,7 @@ __all__ = ["Config", "apply_override"]
 
 @section
 class Config(Section):
-    """Everything a run needs, by component; see README "Configuration" for every key."""
+    """Everything a run needs, by component; every key: docs/configuration-reference.md."""
 
     PATH = ""
     train: TrainConfig = field(default_factory=TrainConfig, metadata={"doc": "training loop"})
