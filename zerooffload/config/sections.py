@@ -1,6 +1,7 @@
 """The sections of a config, one frozen dataclass per component ([Note: config vocabulary] in ``fields``).
 
-Every field's doc is what README's "Configuration" table says of its key.
+Every field's doc is its key's entry in docs/configuration-reference.md (``python docs/generate.py``
+writes the page from these docs; tests/test_docs.py fails while it is stale), and errors quote it.
 """
 from __future__ import annotations
 
