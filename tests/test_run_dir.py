@@ -173,10 +173,11 @@ def test_a_damaged_swap_file_stops_the_run_in_one_line(tmp_path):
     finally:
         process.kill()
     line = _one_line(subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr), 1)
-    assert re.fullmatch(rf"zerooffload: swap block '(param|optimizer)\.\d+' is damaged: (the swap file ends before it "
-                        r"\(truncated\)|its checksum differs from the one taken when it was written( \(segment \d of "
-                        rf"\d\))?) \(\d+ bytes at offset \d+ of {path}\); something other than this run changed "
-                        r"the swap file .*: keep other writers out of nvme.path and resume from the last checkpoint",
+    assert re.fullmatch(rf"zerooffload: swap block '(param|optimizer)\.\d+' is damaged: (the swap file ends at byte "
+                        r"\d+, before the block's end \(truncated\)|its checksum differs from the one taken when it "
+                        rf"was written( \(segment \d of \d\))?) \(\d+ bytes at offset \d+ of {path}\); something "
+                        r"other than this run changed the swap file .*: keep other writers out of nvme.path and "
+                        r"resume from the last checkpoint",
                         line), line
 
 

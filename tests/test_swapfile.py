@@ -359,12 +359,84 @@ def test_checksum_catches_corruption_on_disk_by_default(tmp_path, aio):
         assert not torch.equal(out, data) and torch.equal(out[:100], data[:100])
 
 
-def test_a_truncated_swap_file_names_the_block_and_where(tmp_path, aio):
-    with SwapStore(str(tmp_path), aio) as store:
-        store.write("a", _random(8192, 6)).wait()
-        store.write("b", _random(8192, 7)).wait()
-        os.truncate(store.paths[0], 8192 + 4096)
-        store.read("a", torch.empty(8192, dtype=torch.uint8)).wait()
-        with pytest.raises(SwapDamage, match=f"swap block 'b' is damaged: the swap file ends before it "
-                                             f"\\(truncated\\) \\(8192 bytes at offset 12288 of {store.paths[0]}"):
-            store.read("b", torch.empty(8192, dtype=torch.uint8)).wait()
+@pytest.mark.parametrize("stripes", [1, 2])
+def test_a_truncated_swap_file_names_the_blocks_own_range_and_where_the_file_ends(tmp_path, aio, stripes):
+    """'b' lies after 'a' in each file (found there by its bytes); a file cut inside 'b', then before it:
+    the damage names b's own offset and length in that file (not where the read stopped), and the end."""
+    dirs = [tmp_path / str(i) for i in range(stripes)]
+    for directory in dirs:
+        directory.mkdir()
+    with SwapStore([str(d) for d in dirs], aio) as store:
+        a, b = _random(8192 * stripes, 6), _random(8192 * stripes, 7)
+        store.write("a", a).wait()
+        store.write("b", b).wait()
+        cut = store.paths[-1]  # the last stripe holds b's last 8192 bytes
+        assert cut.read_bytes().find(b[-8192:].numpy().tobytes()) == 8192
+        for end in (8192 + 4096, 4096):
+            os.truncate(cut, end)
+            with pytest.raises(SwapDamage) as damage:
+                store.read("b", torch.empty_like(b)).wait()
+            assert str(damage.value).startswith(
+                f"swap block 'b' is damaged: the swap file ends at byte {end}, before the block's end (truncated) "
+                f"(8192 bytes at offset 8192 of {cut}); something other than this run changed the swap file")
+
+
+def test_a_cap_refuses_the_write_that_would_grow_the_files_past_it_before_it_is_made(tmp_path, aio):
+    """``cap`` (a rank's share of nvme.max_bytes) holds as the file grows, preallocation included: the
+    write that would pass it is refused in one line naming the cap and the bytes, the file left as it
+    was; the store goes on, and a freed extent takes the write again."""
+    cap = 16 * 4096
+    with SwapStore(str(tmp_path), aio, cap=cap) as store:
+        blocks = {f"k{i}": _random(12_000, i) for i in range(5)}  # 3 pages each: five fit in 16, a sixth not
+        for key in blocks:
+            store.write(key, blocks[key]).wait()
+            assert os.stat(store.paths[0]).st_size <= cap
+        before = store.paths[0].read_bytes()
+        with pytest.raises(SwapSpaceError) as refused:
+            store.write("k5", _random(12_000, 5))
+        assert str(refused.value.strerror) == (
+            "swap block 'k5' (12,000 bytes) needs this rank's swap files to grow to 73,728 bytes, past its share of "
+            "nvme.max_bytes, 65,536 bytes (8,192 more): raise nvme.max_bytes, or keep more state in RAM "
+            "(offload.*.tier)")
+        assert store.paths[0].read_bytes() == before and "k5" not in store
+        for key, data in blocks.items():
+            out = torch.empty_like(data)
+            store.read(key, out).wait()
+            assert torch.equal(out, data)
+        store.free("k2")
+        store.write("k5", _random(12_000, 5)).wait()
+        assert os.stat(store.paths[0]).st_size == cap
+
+
+def test_a_cap_over_stripes_holds_the_files_together_and_refuses_a_reservation_past_it(tmp_path, aio):
+    """Two stripes grow within one cap between them, to the cap's last page; a reservation past the cap
+    is refused before any file is made."""
+    dirs = [tmp_path / "a", tmp_path / "b"]
+    for directory in dirs:
+        directory.mkdir()
+    cap = 32 * 4096
+    with SwapStore([str(d) for d in dirs], aio, cap=cap, reserve=5 * 4096) as store:
+        for i in range(16):  # 2 pages each, one a stripe: 32 pages in all
+            store.write(f"k{i}", _random(8192, i)).wait()
+            assert sum(os.stat(p).st_size for p in store.paths) <= cap
+        with pytest.raises(SwapSpaceError, match="needs this rank's swap files to grow to 139,264 bytes"):
+            store.write("k16", _random(8192, 16))
+    with pytest.raises(SwapSpaceError, match=r"a reservation of 135,168 bytes needs this rank's swap files to grow "
+                                             r"to 135,168 bytes, past its share of nvme.max_bytes, 131,072 bytes"):
+        SwapStore([str(d) for d in dirs], aio, cap=cap, reserve=cap + 4096)
+    assert [p for d in dirs for p in (d / PRIVATE_DIR).iterdir() if p.name != ".lock"] == []
+
+
+def test_the_engine_gives_each_rank_of_the_machine_an_even_share_of_max_bytes(tmp_path, monkeypatch):
+    """nvme.max_bytes is the machine's: with four ranks here (torchrun's LOCAL_WORLD_SIZE) each store
+    holds a quarter."""
+    import zerooffload as zo
+    from reference import make_model
+
+    config = {"zero": {"stage": 3}, "offload": {"param": {"tier": "nvme"}}, "nvme": {"path": str(tmp_path),
+                                                                                      "max_bytes": "64MiB"}}
+    for ranks, share in ((None, 64 << 20), ("4", 16 << 20)):
+        if ranks:
+            monkeypatch.setenv("LOCAL_WORLD_SIZE", ranks)
+        with zo.initialize(make_model(), config) as engine:
+            assert engine.tiers["nvme"].swap.cap == share

@@ -42,7 +42,7 @@ from .activation_offload import HostActivations
 from .activations import ActivationProfile, checkpoint_blocks
 from .comm import Comm, all_gather_object, failing_together
 from .config import Config
-from .memory_plan import check_memory
+from .memory_plan import check_memory, local_ranks
 from .optim import build_scheduler
 from .precision import COMPUTE_DTYPES, LossScaler, cast_floats
 from .telemetry import MemoryReport, Prediction, StepStats, WindowMeter, memory_report
@@ -90,7 +90,7 @@ class Engine:
         self.units = make_units(layouts, self.placement, comm.rank, self.compute_dtype)
         partitioned = [u for u in self.units if u.partitioned]
         check_live_bound(partitioned, config.zero.max_live_size)
-        self._io, self._link = open_swap(self.tiers, plan, config, comm.rank), LinkStats()
+        self._io, self._link = open_swap(self.tiers, plan, config, comm.rank, local_ranks(comm.world_size)), LinkStats()
         self.state = ShardedState(module, config, comm, self.units, self.placement, self.tiers, self._link,
                                   param_groups, values)
         self.opt_states, self.optimizer = self.state.opt_states, self.state.optimizer

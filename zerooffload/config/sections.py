@@ -168,8 +168,10 @@ class NvmeConfig(Section):
                                        "or a list to stripe over")
     checksum: bool = option(True, "verify every swapped-in block against the digest taken when it was written "
                                 "(off: faster by a few percent, and a damaged swap file is trained on)")
-    max_bytes: int = option(0, "cap on the swap files' bytes on this machine (all its ranks), which the engine "
-                               "refuses at start and plan keeps under; 0: the free space", size=True, min=0)
+    max_bytes: int = option(0, "cap on the swap files' bytes on this machine (all its ranks, each an even share), "
+                               "preallocated space included: refused at start, plan keeps under it, and a write that "
+                               "would grow the files past it is refused before it is made; 0: the free space",
+                            size=True, min=0)
 
     def check(self) -> None:
         if not self.path or (isinstance(self.path, list) and not all(self.path)):

@@ -12,6 +12,16 @@
   than the highest end of any write submitted to this AioFile (``note_end``), so it never removes
   bytes of a write that is still in flight, nor of one that already landed.
 Coordination is per AioFile: two AioFiles opened on one path do not see each other's edges.
+
+[Note: no links followed]
+The names zerooffload creates, locks or removes inside a directory it was given (``--out``'s ``.lock``,
+``nvme.path``'s ``zerooffload-swap`` and swap files, a checkpoint directory's tags, ``latest``) are
+never followed when they are symbolic links: such a name is opened with ``O_NOFOLLOW`` or checked with
+``lstat`` first, and a link there is refused (``LinkRefused``), naming it. Another user who may write
+to a shared directory could otherwise plant ``.lock -> ~/.bashrc`` and have a run truncate it, or a
+swap directory link that sends the run's writes and its sweep of stale files elsewhere. The directories
+given (``--out``, ``nvme.path``, a checkpoint directory) and those above them may be links: a disk is
+often mounted so.
 """
 from __future__ import annotations
 
@@ -27,7 +37,7 @@ import torch
 
 from .errors import AioError
 
-__all__ = ["AioFile", "FileWriteState", "OffsetReader", "open_file"]
+__all__ = ["AioFile", "FileWriteState", "LinkRefused", "OffsetReader", "open_file", "open_nofollow", "refuse_link"]
 
 _MODES = {"r": os.O_RDONLY, "w": os.O_WRONLY, "rw": os.O_RDWR}
 
@@ -118,14 +128,43 @@ class AioFile:
         return f"AioFile({self.path!r}, mode={self.mode!r}, direct={self.direct}, fd={self.fd})"
 
 
+class LinkRefused(OSError):
+    """A name zerooffload creates, locks or removes is a symbolic link (see [Note: no links followed])."""
+
+
+def refuse_link(path: str | os.PathLike[str]) -> None:
+    """Raise ``LinkRefused`` when ``path`` itself is a symbolic link (``lstat``; a missing path passes).
+    Only its last component is looked at: the directories above it may be links."""
+    if os.path.islink(path):
+        try:
+            target = f" to {os.readlink(path)}"
+        except OSError:
+            target = ""  # gone again since the lstat: still refused, this time
+        raise LinkRefused(errno.ELOOP, f"{os.fspath(path)} is a symbolic link{target}, and a link is never followed "
+                                       "where files are created, locked or removed: remove it (the directories "
+                                       "given, such as --out and nvme.path, and those above them may be links)",
+                          os.fspath(path))
+
+
+def open_nofollow(path: str | os.PathLike[str], flags: int, mode: int = 0o600) -> int:
+    """``os.open`` with ``O_NOFOLLOW | O_CLOEXEC``: a symbolic link at ``path`` is ``LinkRefused``."""
+    try:
+        return os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+    except OSError as error:
+        if error.errno == errno.ELOOP:
+            refuse_link(path)
+        raise
+
+
 def open_file(path: str | os.PathLike[str], mode: str = "r", direct: bool = True,
-              create: bool = True) -> AioFile:
+              create: bool = True, follow: bool = True) -> AioFile:
     """Open ``path`` for AsyncIO; raises AioError naming the path.
 
     ``mode`` is "r", "w" or "rw"; "w" and "rw" create a missing file (mode 0o600) when ``create``, and
     never truncate: transfers are positional, like pread/pwrite. A direct file opened "w" is opened
     read-write underneath, because unaligned writes read back their edge blocks; AsyncIO still refuses
-    reads from it.
+    reads from it. Without ``follow`` a symbolic link at ``path`` is ``LinkRefused`` (O_NOFOLLOW): the
+    files zerooffload names itself (swap files, checkpoint data; [Note: no links followed]).
     """
     if mode not in _MODES:
         raise ValueError(f"mode = {mode!r}: expected one of {sorted(_MODES)}")
@@ -136,7 +175,9 @@ def open_file(path: str | os.PathLike[str], mode: str = "r", direct: bool = True
     if direct:
         flags |= os.O_DIRECT
     try:
-        fd = os.open(name, flags, 0o600)
+        fd = os.open(name, flags, 0o600) if follow else open_nofollow(name, flags)
+    except LinkRefused:
+        raise
     except OSError as exc:
         hint = "; this filesystem may not support O_DIRECT: open with direct=False" if (
             direct and exc.errno == errno.EINVAL) else ""

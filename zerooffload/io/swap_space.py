@@ -16,6 +16,13 @@
   KeyboardInterrupt) leaves the files alone: the run goes on using them.
 - Files grow ahead of their extents in ``GROWTH`` steps with ``posix_fallocate``: writes that extend a
   file are serialized by ext4 and ran at half speed with io_uring at queue depth 32.
+- A store may have a *cap*: the most bytes its files may take on disk, preallocated space included
+  (``nvme.max_bytes`` over the ranks of the machine). Placing an entry that would grow them past it is
+  refused before anything is written (``grow``), and the growth steps shrink as the cap nears, a
+  stripe taking at most its even share of the room left, so a cap never costs room to preallocation.
+- No name here is followed when it is a symbolic link: ``zerooffload-swap`` is checked with ``lstat``,
+  the lock and swap files are opened with ``O_NOFOLLOW``, and a store removes only the file it created
+  (io.files' [Note: no links followed]).
 """
 from __future__ import annotations
 
@@ -26,16 +33,18 @@ import logging
 import os
 import shutil
 import signal
+import stat
 import threading
 import weakref
 from pathlib import Path
 from typing import Any
 
 from .aio import open_file
+from .files import open_nofollow, refuse_link
 
-__all__ = ["ALIGN", "GROWTH", "PRIVATE_DIR", "ExtentAllocator", "Stripe", "SwapSpaceError", "check_free_space",
-           "directory_lock", "extents", "install_signal_cleanup", "job_id", "live_finalizers", "private_dir",
-           "remove_stripes", "round_up", "sweep_stale"]
+__all__ = ["ALIGN", "GROWTH", "PRIVATE_DIR", "ExtentAllocator", "Stripe", "SwapSpaceError", "check_cap",
+           "check_free_space", "directory_lock", "extents", "grow", "install_signal_cleanup", "job_id",
+           "live_finalizers", "private_dir", "remove_stripes", "round_up", "sweep_stale"]
 
 logger = logging.getLogger(__name__)
 
@@ -96,7 +105,7 @@ class Stripe:
         self.allocator = ExtentAllocator()
         self.preallocated = 0
         with directory_lock(directory):
-            self.file = open_file(str(self.path), "rw", direct=direct, create=True)
+            self.file = open_file(str(self.path), "rw", direct=direct, create=True, follow=False)
             try:
                 fcntl.flock(self.file.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError as exc:
@@ -104,12 +113,10 @@ class Stripe:
                 raise BlockingIOError(exc.errno, f"swap file {self.path} is locked by another live process "
                                       "(same host, job, rank, pid and token); not using it") from exc
 
-    def allocate(self, length: int) -> int:
-        """An extent of ``length`` bytes, the file's blocks claimed ahead of it (see GROWTH)."""
-        offset = self.allocator.allocate(length)
-        if self.allocator.end > self.preallocated:
-            self.reserve(-(-self.allocator.end // GROWTH) * GROWTH)
-        return offset
+    @property
+    def span(self) -> int:
+        """Bytes the file takes: its extents' end, or what was preallocated past it."""
+        return max(self.allocator.end, self.preallocated)
 
     def reserve(self, nbytes: int) -> None:
         try:
@@ -122,8 +129,38 @@ class Stripe:
         self.preallocated = max(self.preallocated, nbytes)
 
     def close(self) -> None:
-        self.file.close()  # closing the last descriptor releases the flock
-        self.path.unlink(missing_ok=True)
+        """Close the file (which releases its flock) and remove it: the file this stripe created, not
+        whatever may have taken its name since."""
+        created = os.fstat(self.file.fd) if not self.file.closed else None
+        self.file.close()
+        try:
+            now = os.lstat(self.path)
+        except FileNotFoundError:
+            return
+        if created is not None and (now.st_dev, now.st_ino) == (created.st_dev, created.st_ino):
+            self.path.unlink()
+
+
+def check_cap(need: int, cap: int, what: str) -> None:
+    """Refuse (``SwapSpaceError``) files of ``need`` bytes past a store's ``cap`` (0: none), for ``what``."""
+    if cap and need > cap:
+        raise SwapSpaceError(errno.ENOSPC, f"{what} needs this rank's swap files to grow to {need:,} bytes, past "
+                                           f"its share of nvme.max_bytes, {cap:,} bytes ({need - cap:,} more): raise "
+                                           "nvme.max_bytes, or keep more state in RAM (offload.*.tier)")
+
+
+def grow(stripes: list[Stripe], cap: int, what: str) -> None:
+    """Preallocate each stripe past its extents' end (``GROWTH`` steps), the files' bytes kept within
+    ``cap`` (0: none), after an entry ``what`` was placed; refused before any write (see the note)."""
+    check_cap(sum(stripe.span for stripe in stripes), cap, what)
+    for stripe in stripes:
+        end = stripe.allocator.end
+        if end > stripe.preallocated:
+            target = -(-end // GROWTH) * GROWTH
+            if cap:
+                room = (cap - sum(s.span for s in stripes)) // len(stripes) // ALIGN * ALIGN
+                target = min(target, end + room)
+            stripe.reserve(target)
 
 
 def remove_stripes(stripes: list[Stripe]) -> None:
@@ -137,7 +174,7 @@ class directory_lock:
     """Exclusive lock on ``<private dir>/.lock`` while files there are created or swept."""
 
     def __init__(self, directory: Path):
-        self.fd = os.open(directory / ".lock", os.O_RDWR | os.O_CREAT, 0o600)
+        self.fd = open_nofollow(directory / ".lock", os.O_RDWR | os.O_CREAT, 0o600)
 
     def __enter__(self) -> None:
         fcntl.flock(self.fd, fcntl.LOCK_EX)
@@ -155,7 +192,9 @@ def private_dir(path: str) -> Path:
     """
     directory = Path(path) / PRIVATE_DIR
     try:
-        directory.mkdir(mode=0o700, exist_ok=True)
+        directory.mkdir(mode=0o700)
+    except FileExistsError:
+        refuse_link(directory)  # mkdir does not follow a link there, but whatever comes next would
     except FileNotFoundError as exc:
         raise FileNotFoundError(errno.ENOENT, f"swap directory {path} does not exist: mount the disk meant to be "
                                               "there or create the directory, or set nvme.path (offload.*.path) "
@@ -163,7 +202,10 @@ def private_dir(path: str) -> Path:
     except OSError as exc:
         raise OSError(exc.errno, f"cannot create swap directory {directory}: {exc.strerror}; "
                                  "set nvme.path to a writable directory", str(directory)) from exc
-    info = directory.stat()
+    info = directory.lstat()
+    if not stat.S_ISDIR(info.st_mode):
+        raise FileExistsError(errno.EEXIST, f"swap directory {directory} is not a directory; remove it or use "
+                                            "another nvme.path")
     if info.st_uid != os.getuid() or info.st_mode & 0o077:
         raise PermissionError(f"swap directory {directory} is not private (owner uid {info.st_uid}, mode "
                               f"{oct(info.st_mode & 0o777)}); remove it or use another nvme.path")
@@ -176,7 +218,7 @@ def sweep_stale(directory: Path) -> list[str]:
     with directory_lock(directory):
         for path in directory.glob("*.swap"):
             try:
-                fd = os.open(path, os.O_RDONLY)
+                fd = open_nofollow(path, os.O_RDONLY)  # a link here is refused, never locked nor removed
             except FileNotFoundError:
                 continue
             try:

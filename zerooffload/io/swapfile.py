@@ -22,8 +22,9 @@ from typing import Any
 from .aio import AioError, AsyncIO, Handle
 from .errors import EEOF
 from .swap_digests import SwapDamage, SwapHandle, chunk_spans, take_digests
-from .swap_space import (Stripe, SwapSpaceError, check_free_space, extents, install_signal_cleanup, job_id,
-                         live_finalizers, private_dir, remove_stripes, round_up, sweep_stale)
+from .swap_space import (ALIGN, Stripe, SwapSpaceError, check_cap, check_free_space, extents, grow,
+                         install_signal_cleanup, job_id, live_finalizers, private_dir, remove_stripes, round_up,
+                         sweep_stale)
 
 __all__ = ["SwapDamage", "SwapHandle", "SwapSpaceError", "SwapStore", "placed_bytes"]
 
@@ -65,19 +66,22 @@ class SwapStore:
     """Tensors' bytes under keys in this rank's swap files; see [Note: swap store].
 
     ``reserve`` bytes are checked against free space up front and preallocated, so a run that
-    cannot fit fails at start with the numbers instead of with ENOSPC hours later.
+    cannot fit fails at start with the numbers instead of with ENOSPC hours later. ``cap``: the most
+    bytes the files may take (0: no cap; swap_space's note), checked before every write that grows them.
     """
 
     def __init__(self, paths: list[str] | str, aio: AsyncIO, *, rank: int = 0, reserve: int = 0,
-                 checksum: bool = True, direct: bool = True):
+                 checksum: bool = True, direct: bool = True, cap: int = 0):
         self.aio = aio
         self.checksum = checksum
+        self.cap = cap
         dirs = [private_dir(p) for p in ([paths] if isinstance(paths, str) else paths)]
         if not dirs:
             raise ValueError("a swap store needs at least one directory (nvme.path)")
         for directory in dirs:
             sweep_stale(directory)
         check_free_space(dirs, reserve)
+        check_cap(round_up(reserve), cap, f"a reservation of {reserve:,} bytes")
         name = f"{socket.gethostname()}.{job_id()}.rank{rank}.{os.getpid()}.{secrets.token_hex(4)}.swap"
         self.stripes: list[Stripe] = []
         self._entries: dict[str, _Entry] = {}
@@ -92,22 +96,29 @@ class SwapStore:
         try:
             for directory in dirs:
                 self.stripes.append(Stripe(directory, name, direct))
-            if reserve:
-                share = round_up(-(-reserve // len(self.stripes)))
-                for stripe in self.stripes:
+            pages, extra = divmod(round_up(reserve) // ALIGN, len(self.stripes))
+            for index, stripe in enumerate(self.stripes):  # whole pages, as evenly as they go
+                if share := (pages + (index < extra)) * ALIGN:
                     stripe.reserve(share)
         except BaseException:
             self.close()
             raise
 
     # ------------------------------------------------------------------ placement
-    def _place(self, nbytes: int) -> tuple[tuple[int, int, int], ...]:
-        """Split ``nbytes`` into one aligned extent per stripe (fewer when it is small)."""
-        return tuple((index, self.stripes[index].allocate(round_up(length)), length)
-                     for index, length in enumerate(_pieces(nbytes, len(self.stripes))))
+    def _place(self, key: str, nbytes: int) -> tuple[tuple[int, int, int], ...]:
+        """Split ``nbytes`` into one aligned extent per stripe (fewer when it is small), the files grown
+        to hold them (``grow``: refused past the cap, and then nothing is placed)."""
+        pieces = tuple((index, self.stripes[index].allocator.allocate(round_up(length)), length)
+                       for index, length in enumerate(_pieces(nbytes, len(self.stripes))))
+        try:
+            grow(self.stripes, self.cap, f"swap block {key!r} ({nbytes:,} bytes)")
+        except BaseException:
+            self._release(pieces)
+            raise
+        return pieces
 
-    def _release(self, entry: _Entry) -> None:
-        for index, offset, length in entry.pieces:
+    def _release(self, pieces: tuple[tuple[int, int, int], ...]) -> None:
+        for index, offset, length in pieces:
             self.stripes[index].allocator.release(offset, round_up(length))
 
     # ------------------------------------------------------------------ public API
@@ -125,8 +136,8 @@ class SwapStore:
                 pieces = old.pieces  # same size: overwrite in place
             else:
                 if old is not None:
-                    self._release(old)
-                pieces = self._place(view.nbytes)
+                    self._release(old.pieces)
+                pieces = self._place(key, view.nbytes)
             handles = self._submit(self.aio.write, view, pieces)
             digests = None if self._digest_thread is None else self._digest_thread.submit(
                 take_digests, view, chunk_spans(view.nbytes, segment))
@@ -165,11 +176,15 @@ class SwapStore:
                                  str(self.stripes[stripe].path), offset, length)
 
     def _damage(self, key: str, entry: _Entry, error: OSError) -> OSError:
-        """A failed read as the user should see it: a file that ended early is a damaged swap file."""
+        """A failed read as the user should see it: a file that ended early is a damaged swap file,
+        named with the entry's own bytes in that file (its piece there) and where the file ends."""
         if not isinstance(error, AioError) or error.errno != EEOF:
             return error
-        start = error.offset if error.failed_offset is None else error.failed_offset
-        return SwapDamage(key, "the swap file ends before it (truncated)", error.filename, start, entry.nbytes)
+        index, offset, length = next(piece for piece in entry.pieces  # one piece per stripe
+                                     if str(self.stripes[piece[0]].path) == error.filename)
+        end = os.fstat(self.stripes[index].file.fd).st_size  # the read may have stopped past it (at its own start)
+        return SwapDamage(key, f"the swap file ends at byte {end}, before the block's end (truncated)",
+                          error.filename, offset, length)
 
     def free(self, key: str) -> None:
         """Forget ``key`` and give its extents back for reuse."""
@@ -177,7 +192,7 @@ class SwapStore:
             entry = self._entries.pop(key, None)
             if entry is None:
                 raise KeyError(f"swap key {key!r} is not stored")
-            self._release(entry)
+            self._release(entry.pieces)
 
     def rename(self, source: str, target: str) -> None:
         """Make ``source``'s bytes ``target``'s (its old extents given back) and forget ``source``: the
@@ -188,7 +203,7 @@ class SwapStore:
                 raise KeyError(f"swap key {source!r} is not stored")
             old = self._entries.pop(target, None)
             if old is not None:
-                self._release(old)
+                self._release(old.pieces)
             self._entries[target] = entry
 
     def _drop(self, key: str, entry: _Entry) -> None:
@@ -196,7 +211,7 @@ class SwapStore:
         with self._lock:
             if self._entries.get(key) is entry:
                 del self._entries[key]
-                self._release(entry)
+                self._release(entry.pieces)
 
     def _entry(self, key: str) -> _Entry:
         with self._lock:

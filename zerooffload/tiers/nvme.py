@@ -22,19 +22,22 @@ class NvmeTier(Tier):
     """Swap files on NVMe (``nvme.path``, striped over a list): blocks only, never addressable tensors.
 
     Its space is checked and preallocated when it opens (``reserve``), so a disk too small refuses
-    the run at start with the numbers; ``close`` removes the files.
+    the run at start with the numbers; ``close`` removes the files. ``nvme.max_bytes`` caps this
+    machine's swap files: each of its ``local_ranks`` ranks may take an even share, which its store
+    holds as its files grow (a write past it is refused before it is made).
     """
 
     budget_key = "nvme.path free space"
     resident = False
 
-    def __init__(self, config: Config, rank: int, reserve: int):
+    def __init__(self, config: Config, rank: int, reserve: int, local_ranks: int = 1):
         super().__init__("nvme", torch.device("cpu"), None)
         self.io = IOStats()
         self._aio = AsyncIO(config.aio)
         try:
             self.swap = SwapStore(swap_paths(config), self._aio, rank=rank, reserve=reserve,
-                                  checksum=config.nvme.checksum, direct=config.aio.direct)
+                                  checksum=config.nvme.checksum, direct=config.aio.direct,
+                                  cap=config.nvme.max_bytes // local_ranks)
         except BaseException:
             self._aio.close()
             raise
@@ -79,12 +82,13 @@ def swap_free_bytes(config: Config) -> int:
     return min(free, config.nvme.max_bytes) if config.nvme.max_bytes else free
 
 
-def open_swap(tiers: dict[str, Tier], plan: MemoryPlan, config: Config, rank: int) -> IOStats:
+def open_swap(tiers: dict[str, Tier], plan: MemoryPlan, config: Config, rank: int, local_ranks: int = 1) -> IOStats:
     """Add the ``nvme`` tier when ``plan`` puts state there, its swap space reserved for the plan's
-    bytes; returns the I/O counters the run reports (empty without NVMe)."""
+    bytes (``local_ranks``: the ranks on this machine, which share ``nvme.max_bytes``); returns the I/O
+    counters the run reports (empty without NVMe)."""
     if "nvme" not in plan:
         return IOStats()
-    tiers["nvme"] = NvmeTier(config, rank, reserve=swap_bytes(plan))
+    tiers["nvme"] = NvmeTier(config, rank, reserve=swap_bytes(plan), local_ranks=local_ranks)
     return tiers["nvme"].io
 
 
