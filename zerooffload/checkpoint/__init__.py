@@ -1,11 +1,14 @@
 """Checkpoints: ``sharded`` (save, load, reshard, consolidate), ``layout`` (the manifest, and reading
-saved values by parameter name), ``files`` (atomic publication of a tag, checksummed writes) and
-``safetensors_file`` (one safetensors file written tensor by tensor)."""
-from .files import LATEST, PARTIAL, CheckpointError, ChecksummedWriter, remove_tree
+saved values by parameter name), ``files`` (atomic publication of a tag, checksummed writes),
+``pruning`` (which old checkpoints of a series go) and ``safetensors_file`` (one safetensors file
+written tensor by tensor)."""
+from .files import LATEST, PARTIAL, CheckpointError, ChecksummedWriter, read_latest, refuse_links, remove_tree
 from .layout import Manifest, first_verified, read_manifest
+from .pruning import prune, series
 from .safetensors_file import SafetensorsEntry, save_safetensors, write_safetensors
 from .sharded import consolidate, default_tag, load_checkpoint, persistent_buffers, resolve_tag, save_checkpoint
 
 __all__ = ["CheckpointError", "save_checkpoint", "load_checkpoint", "consolidate", "default_tag", "resolve_tag",
            "read_manifest", "first_verified", "Manifest", "persistent_buffers", "ChecksummedWriter", "LATEST",
-           "PARTIAL", "remove_tree", "SafetensorsEntry", "save_safetensors", "write_safetensors"]
+           "PARTIAL", "read_latest", "refuse_links", "remove_tree", "prune", "series", "SafetensorsEntry",
+           "save_safetensors", "write_safetensors"]

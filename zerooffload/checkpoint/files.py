@@ -19,6 +19,14 @@ Every data file's size and CRC-32 are in the manifest; the manifest's SHA-256 is
 count, the client state) is caught too. A checkpoint of this format without the digest file (written
 before it existed) still loads, with a warning. Anything malformed — unreadable, truncated, not
 JSON, missing keys — is a ``CheckpointError`` that names the file.
+
+[Note: links in a checkpoint directory]
+The directory given may be a link (a disk mounted elsewhere); the names a save creates, replaces or
+removes in it — ``latest`` and its temporary, ``<tag>``, ``<tag>.partial``, ``<tag>.replaced``, the
+tags a prune removes — are never followed: a link there is refused before the save writes anything
+(``refuse_links``), and each is checked again where it is renamed or removed (io.files' [Note: no
+links followed]). ``latest`` is not read through a link either. A tag that is a link may still be
+loaded by name (reading follows it, as a user's archived checkpoint linked in would need).
 """
 from __future__ import annotations
 
@@ -27,6 +35,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import shutil
 import zlib
 from pathlib import Path
@@ -36,11 +45,12 @@ import torch
 from ..block_stream import BLOCK_WRITE, CHECKPOINT_WRITES, InFlight
 from ..errors import CheckpointError
 from ..io import AsyncIO, aligned_empty, open_file
+from ..io.files import open_nofollow, refuse_link
 from ..trace import profiled
 
 __all__ = ["CheckpointError", "ChecksummedWriter", "MANIFEST", "LATEST", "begin_partial", "publish", "recover",
            "resolve_tag", "load_manifest_json", "write_manifest", "verify_file", "file_record", "fsync_dir",
-           "out_of_space", "remove_tree"]
+           "out_of_space", "read_latest", "refuse_links", "remove_tree"]
 
 logger = logging.getLogger(__name__)
 
@@ -61,13 +71,15 @@ def fsync_dir(path: Path) -> None:
 
 
 def _write_durably(path: Path, data: bytes) -> None:
-    with open(path, "wb") as f:
+    """``data`` as the whole of ``path``, fsynced; a link at ``path`` is refused, never truncated."""
+    with open(open_nofollow(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666), "wb") as f:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
 
 
 def _write_text_atomically(path: Path, text: str) -> None:
+    refuse_link(path)
     temporary = path.with_name(path.name + ".tmp")
     _write_durably(temporary, (text + "\n").encode())
     os.replace(temporary, path)
@@ -89,7 +101,7 @@ class ChecksummedWriter:
         self.path = path
         self.aio = aio
         self._writes = InFlight(writes_in_flight)  # each with its staging buffer, kept until it finished
-        self.file = open_file(path, "w", direct=aio.config.direct)
+        self.file = open_file(path, "w", direct=aio.config.direct, follow=False)
         self.crc = 0
         self.bytes = 0
         if size:
@@ -216,10 +228,9 @@ def resolve_tag(directory: Path, tag: str | None) -> Path:
     """The published directory of ``tag`` (default: the one ``latest`` names), or of its copy set
     aside by a save killed mid-publication (see [Note: publishing a tag])."""
     if tag is None:
-        latest = directory / LATEST
-        if not latest.exists():
+        tag = read_latest(directory)
+        if tag is None:
             raise CheckpointError(f"{directory}: no '{LATEST}' file, so no complete checkpoint to load; pass a tag")
-        tag = latest.read_text(errors="replace").strip()
     path = directory / tag
     if not path.exists() and (directory / (tag + REPLACED) / MANIFEST).exists():
         logger.warning("%s is missing but %s%s is complete (a save was killed while replacing it): loading that",
@@ -231,11 +242,35 @@ def resolve_tag(directory: Path, tag: str | None) -> Path:
     return path
 
 
+def read_latest(directory: Path) -> str | None:
+    """The tag ``latest`` names, None without one; a link there is refused, not read."""
+    latest = directory / LATEST
+    refuse_link(latest)
+    try:
+        return latest.read_text(errors="replace").strip()
+    except FileNotFoundError:
+        return None
+
+
+def refuse_links(directory: Path, tags: re.Pattern[str] | None = None) -> None:
+    """Refuse (``LinkRefused``) a symbolic link among the names a save or a prune creates, replaces or
+    removes in ``directory``: ``latest`` and its temporary, ``*.partial``, ``*.replaced``, and the tags
+    ``tags`` matches (see [Note: links in a checkpoint directory])."""
+    with os.scandir(directory) as entries:
+        for entry in entries:
+            if entry.is_symlink() and (entry.name in (LATEST, LATEST + ".tmp") or entry.name.endswith(
+                    (PARTIAL, REPLACED)) or (tags is not None and tags.fullmatch(entry.name))):
+                refuse_link(entry.path)
+
+
 def recover(directory: Path) -> None:
     """Undo what killed saves left: a tag set aside but never replaced moves back; leftover
-    ``.partial`` directories and ``.replaced`` copies of tags that were replaced go."""
+    ``.partial`` directories and ``.replaced`` copies of tags that were replaced go. A link among
+    them is refused first (``refuse_links``)."""
+    refuse_links(directory)
     for replaced in directory.glob("*" + REPLACED):
         final = replaced.with_name(replaced.name.removesuffix(REPLACED))
+        refuse_link(final)  # else the copy would be removed below, with the link left as the tag
         if not final.exists():
             logger.warning("%s is missing (a save was killed while replacing it): restoring it from %s", final,
                            replaced.name)
@@ -248,8 +283,10 @@ def recover(directory: Path) -> None:
 
 
 def begin_partial(directory: Path, tag: str) -> Path:
-    """A fresh ``<tag>.partial`` directory to write into (after ``recover``)."""
+    """A fresh ``<tag>.partial`` directory to write into (after ``recover``); refused before anything
+    is written when ``<tag>`` or another name the save will replace is a link."""
     directory.mkdir(parents=True, exist_ok=True)
+    refuse_link(directory / tag)
     recover(directory)
     partial = directory / (tag + PARTIAL)
     partial.mkdir()
@@ -261,6 +298,7 @@ def publish(partial: Path, tag: str) -> Path:
     directory = partial.parent
     final, replaced = directory / tag, directory / (tag + REPLACED)
     fsync_dir(partial)
+    refuse_link(final)  # checked by begin_partial too, but the save took a while
     if final.exists():  # set aside, not deleted, until the new one is in place (the loader finds it there)
         os.replace(final, replaced)
         fsync_dir(directory)
@@ -274,7 +312,9 @@ def publish(partial: Path, tag: str) -> Path:
 
 def remove_tree(path: Path) -> None:
     """Rename ``path`` to ``<path>.partial``, then remove it: a removal cut short leaves a name no
-    loader takes for a checkpoint (and the next save's recovery removes), never one that looks complete."""
+    loader takes for a checkpoint (and the next save's recovery removes), never one that looks complete.
+    A link at ``path`` is refused: neither it nor what it points to is removed."""
+    refuse_link(path)
     doomed = path.with_name(path.name + PARTIAL)
     os.replace(path, doomed)
     shutil.rmtree(doomed)

@@ -12,15 +12,14 @@ that one rank left by raising would end the engine's group). The check reads the
 than the load does; a resume is rare enough to pay that for not dying on one bad tag.
 
 [Note: pruning]
-After each save rank 0 keeps the newest ``--keep-last`` step tags (step order is name order): older
-ones go, never the tag ``latest`` names, never a tag of another name (someone's own save), and never
-the last tag saved before a streak of skipped windows began (``skip_streak``'s note): while windows are
-skipped for inf/NaN values the saves hold no newer model, and pruning them would leave nothing good
-to go back to. Before each save, when the disk has less free space than the newest checkpoint took
-and ``--keep-last`` is 2 or more, the oldest tags go first (the newest that verifies and that spared
-one stay), said in one line: otherwise a full disk would fail every save, since the prune comes only
-after a save that succeeded. A doomed tag is renamed ``<tag>.partial`` first, so a prune cut short
-leaves what the next save's recovery removes, never a tag that looks complete.
+After each save rank 0 prunes by the rule the Trainer's folders share (checkpoint.pruning's [Note: one
+pruning rule]): the newest ``--keep-last`` step tags stay, older ones go, never the tag ``latest``
+names, never a tag of another name (someone's own save), and never the last tag saved before a streak
+of skipped windows began (``skip_streak``'s note): while windows are skipped for inf/NaN values the
+saves hold no newer model, and pruning them would leave nothing good to go back to. Before each save,
+when the disk has less free space than the newest checkpoint took and ``--keep-last`` is 2 or more,
+the oldest tags go first (the newest that verifies and that spared one stay), said in one line:
+otherwise a full disk would fail every save, since the prune comes only after a save that succeeded.
 """
 from __future__ import annotations
 
@@ -29,14 +28,14 @@ import shutil
 import sys
 from pathlib import Path
 
-from ..checkpoint import LATEST, CheckpointError, first_verified, read_manifest, remove_tree
+from ..checkpoint import CheckpointError, first_verified, pruning, read_latest, read_manifest, remove_tree, series
 from ..log import current_rank
 
 __all__ = ["STEP_TAG", "loadable_tag", "make_room", "prune", "resume", "resume_tag", "step_tags"]
 
 
-STEP_TAG = re.compile(r"step\d{8}")
-"""The tags train saves (``checkpoint.default_tag``): the only ones it falls back to or prunes."""
+STEP_TAG = re.compile(r"step(\d{8})")
+"""The tags train saves (``checkpoint.default_tag``), by step: the only ones it falls back to or prunes."""
 
 
 def resume_tag(checkpoints: Path, tag: str | None) -> str:
@@ -95,7 +94,7 @@ def loadable_tag(checkpoints: Path, rank: int) -> str:
     tags = [None, *reversed(step_tags(checkpoints))]
     found, errors = first_verified([(checkpoints, tag) for tag in tags])
     if found == 0:
-        return (checkpoints / LATEST).read_text().strip()
+        return read_latest(checkpoints)
     if found is None:
         raise CheckpointError(f"{errors[0]}; no stepNNNNNNNN tag in {checkpoints} verifies either: start without "
                               "--resume")
@@ -106,26 +105,21 @@ def loadable_tag(checkpoints: Path, rank: int) -> str:
 
 
 def step_tags(checkpoints: Path) -> list[str]:
-    """Train's step tags in ``checkpoints``, oldest first (step order is name order)."""
-    return sorted(p.name for p in checkpoints.iterdir() if STEP_TAG.fullmatch(p.name) and p.is_dir())
+    """Train's step tags in ``checkpoints``, oldest first (a link among them is refused)."""
+    return series(checkpoints, STEP_TAG)
 
 
 def prune(checkpoints: Path, keep: int, spare: str | None = None) -> None:
     """Remove train's step tags older than the newest ``keep`` (0: keep all), sparing the one ``latest``
     names and ``spare`` (the last saved before a skip streak: [Note: pruning])."""
-    if not keep:
-        return
-    latest = (checkpoints / LATEST).read_text().strip()
-    for tag in step_tags(checkpoints)[:-keep]:
-        if tag not in (latest, spare):
-            remove_tree(checkpoints / tag)
+    pruning.prune(checkpoints, STEP_TAG, keep, {read_latest(checkpoints), spare})
 
 
 def make_room(checkpoints: Path, keep: int, spare: str | None = None) -> list[str]:
     """Before a save: when the free space is short of what the newest checkpoint took and ``keep`` ≥ 2,
     remove the oldest step tags, never the newest that verifies nor ``spare``, until the save fits or
     none is left to remove; said in one line. The tags removed (see [Note: pruning])."""
-    tags = step_tags(checkpoints) if keep >= 2 and checkpoints.is_dir() else []
+    tags = step_tags(checkpoints) if keep >= 2 else []
     if not tags:
         return []
     need = _tree_bytes(checkpoints / tags[-1])

@@ -12,6 +12,12 @@
   ``summary.json`` and ``--trace`` are each written to (a probe file, or an open for append)
   and refused in one line if they cannot be: a read-only ``--out`` is found in a second, not after the
   run; an unwritable ``--trace`` before step 1, not at step 3.
+- *No links inside.* ``--out`` and the directories above it may be links (a disk mounted elsewhere),
+  but the names the run creates, locks or removes in it are not followed: ``.lock`` is opened with
+  ``O_NOFOLLOW`` (and must be a plain file with one name: it is truncated), and a link at
+  ``checkpoints``, ``summary.json`` or among the checkpoints' own names (``latest``, step tags,
+  ``.partial``) is refused in one line before the model is built (io.files' [Note: no links followed]):
+  in a shared ``--out`` another user could plant ``.lock -> ~/.bashrc`` for the run to truncate.
 Ranks other than 0 only check their paths (a job's ranks share ``--out``); the lock and the rules about
 old checkpoints are rank 0's, and torchrun stops the other ranks when rank 0 exits with the refusal.
 """
@@ -22,13 +28,16 @@ import contextlib
 import errno
 import fcntl
 import os
+import secrets
 import shutil
 import socket
+import stat
 from pathlib import Path
 from typing import Iterator
 
-from ..checkpoint import LATEST
+from ..checkpoint import LATEST, read_latest, refuse_links
 from ..config import ConfigError
+from ..io.files import open_nofollow, refuse_link
 from .run_checkpoints import STEP_TAG
 
 __all__ = ["RunDirError", "owned_out"]
@@ -50,6 +59,10 @@ def owned_out(args: argparse.Namespace, rank: int) -> Iterator[Path]:
     lock = _lock(out) if rank == 0 else None
     try:
         checkpoints = out / "checkpoints"
+        for path in (checkpoints, out / "summary.json"):
+            refuse_link(path)
+        if checkpoints.is_dir():
+            refuse_links(checkpoints, STEP_TAG)
         if rank == 0 and not args.resume:
             _fresh(out, checkpoints, args.overwrite)
         if args.save_every:  # a resume finds its checkpoints itself, and says so when there are none
@@ -65,8 +78,14 @@ def owned_out(args: argparse.Namespace, rank: int) -> Iterator[Path]:
 
 def _lock(out: Path) -> int:
     """An exclusive flock on ``out/.lock`` with this process's PID and host written in it; refused in
-    one line naming the holder."""
-    fd = os.open(out / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    one line naming the holder; a link there is refused, and so is a file it would truncate that is not
+    a plain file of its own (a hard link, a device)."""
+    fd = open_nofollow(out / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode) or info.st_nlink != 1:
+        os.close(fd)
+        raise RunDirError(errno.EEXIST, f"{out / LOCK} is not a plain file of its own ({info.st_nlink} names, mode "
+                                        f"{stat.filemode(info.st_mode)}): zerooffload truncates it; remove it")
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -86,7 +105,7 @@ def _fresh(out: Path, checkpoints: Path, overwrite: bool) -> None:
     if not found:
         return
     if not overwrite:
-        latest = (checkpoints / LATEST).read_text().strip() if LATEST in found else found[-1]
+        latest = read_latest(checkpoints) or found[-1]
         raise RunDirError(errno.EEXIST, f"--out {out} holds the checkpoints of an earlier run (newest: {latest}); "
                                         "continue it with --resume, or pass --overwrite to remove them and start "
                                         "afresh, or pass another --out")
@@ -99,8 +118,8 @@ def _writable_dir(path: Path, what: str) -> None:
     """Create ``path`` if need be and write a probe file in it; one line naming ``what`` if that fails."""
     try:
         path.mkdir(parents=True, exist_ok=True)
-        probe = path / f".probe.{os.getpid()}"
-        probe.write_bytes(b"")
+        probe = path / f".probe.{os.getpid()}.{secrets.token_hex(4)}"
+        os.close(open_nofollow(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL))  # a new file, never one found there
         probe.unlink()
     except OSError as error:
         raise RunDirError(error.errno, f"{what} {path} cannot be written ({error.strerror}); pass a directory you "

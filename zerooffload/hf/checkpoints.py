@@ -7,7 +7,10 @@ takes, the global batch it keeps, and which old ones ``save_total_limit`` remove
 - ``resume_from_checkpoint=True`` takes the newest ``checkpoint-N`` whose engine checkpoint verifies
   (digest, sizes, CRCs); when that is not the newest, one line says which was passed over and why. A
   folder a save or a prune left half-written never looks complete: the engine publishes its tag
-  last, and a pruned folder is renamed ``checkpoint-N.partial`` before it is removed.
+  last, and a pruned folder is renamed ``checkpoint-N.partial`` before it is removed; every save
+  removes such leftovers (checkpoint.pruning's [Note: one pruning rule], shared with train's
+  ``--keep-last``). A ``checkpoint-N`` that is a symbolic link is refused, never written through
+  nor removed.
 - At another world size the accumulation becomes saved global batch / (world × micro-batch), so every
   optimizer step sees the same samples (Accelerate deals rank r the batches r, r + world, ...) and
   the same loss normalization; a global batch that does not divide is refused with the numbers.
@@ -22,9 +25,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ..checkpoint import CheckpointError, first_verified, read_manifest, remove_tree
+from ..checkpoint import CheckpointError, first_verified, pruning, read_manifest, series
 
-__all__ = ["ENGINE_DIR", "run_shape", "global_batch_for", "newest_loadable", "prune_checkpoints"]
+__all__ = ["ENGINE_DIR", "check_links", "run_shape", "global_batch_for", "newest_loadable", "prune_checkpoints"]
 
 ENGINE_DIR = "zerooffload"
 """The engine's checkpoint inside each checkpoint-N."""
@@ -56,11 +59,8 @@ def global_batch_for(checkpoint: Path, args: Any) -> int:
 
 
 def checkpoint_folders(run_dir: Path) -> list[Path]:
-    """``checkpoint-N`` folders, oldest first by N."""
-    if not run_dir.is_dir():
-        return []
-    found = [(int(m.group(1)), p) for p in run_dir.iterdir() if (m := _CHECKPOINT.fullmatch(p.name)) and p.is_dir()]
-    return [p for _, p in sorted(found)]
+    """``checkpoint-N`` folders, oldest first by N (a link among them is refused)."""
+    return [run_dir / name for name in series(run_dir, _CHECKPOINT)]
 
 
 def newest_loadable(run_dir: Path, rank: int) -> str:
@@ -79,11 +79,14 @@ def newest_loadable(run_dir: Path, rank: int) -> str:
     return str(folders[found])
 
 
-def prune_checkpoints(run_dir: Path, limit: int, spare: set[str | None]) -> None:
-    """After a save: remove checkpoint-N folders older than the newest ``limit``, sparing ``spare``
-    (paths). The one just saved, which verified as it was written, is the newest: always kept."""
-    folders = checkpoint_folders(run_dir)
-    kept = {str(Path(p).resolve()) for p in spare if p}
-    for folder in folders[:-limit]:
-        if str(folder.resolve()) not in kept:
-            remove_tree(folder)
+def prune_checkpoints(run_dir: Path, limit: int | None, spare: set[str | None]) -> None:
+    """After every save: remove ``checkpoint-N.partial`` leftovers and the checkpoint-N folders older
+    than the newest ``limit`` (None or 0: none), sparing ``spare`` (paths of folders in ``run_dir``).
+    The one just saved, which verified as it was written, is the newest: always kept."""
+    pruning.prune(run_dir, _CHECKPOINT, limit or 0, {Path(p).name for p in spare if p})
+
+
+def check_links(run_dir: Path) -> None:
+    """Before a save: a link among the checkpoint-N names (the one about to be written, those a prune
+    would remove, and their leftovers) is refused, never written through nor removed."""
+    series(run_dir, _CHECKPOINT)

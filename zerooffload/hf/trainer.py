@@ -47,7 +47,7 @@ from ..lazy_init import is_lazy
 from ..optim import build_scheduler
 from ..pretrained import load_safetensors
 from .arguments import TrainerConfig, refuse_arguments, resolve
-from .checkpoints import ENGINE_DIR, global_batch_for, newest_loadable, prune_checkpoints, run_shape
+from .checkpoints import ENGINE_DIR, check_links, global_batch_for, newest_loadable, prune_checkpoints, run_shape
 from .lazy_model import hf_initializer, pretrained_weights
 
 __all__ = ["Trainer", "EngineModule"]
@@ -286,16 +286,18 @@ class Trainer(transformers.Trainer):
         self.engine.load_checkpoint(Path(self.state.best_model_checkpoint) / ENGINE_DIR)
 
     def _save_checkpoint(self, model: nn.Module, trial: Any) -> None:
-        """The Trainer's save, then pruning by the engine's rules instead of the Trainer's rotation."""
+        """The Trainer's save (a link at its checkpoint-N refused first), then pruning by the engine's
+        rules instead of the Trainer's rotation (checkpoints' note)."""
+        run_dir = Path(self._get_output_dir(trial))
+        check_links(run_dir)
         limit, self.args.save_total_limit = self.args.save_total_limit, None
         try:
             super()._save_checkpoint(model, trial)
         finally:
             self.args.save_total_limit = limit
-        run_dir = Path(self._get_output_dir(trial))
         if self.engine.window.streak.length == 0:
             self._zo_good = str(run_dir / f"checkpoint-{self.state.global_step}")
-        if self.args.should_save and limit:
+        if self.args.should_save:
             prune_checkpoints(run_dir, limit, spare={self.state.best_model_checkpoint, self._zo_good})
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
