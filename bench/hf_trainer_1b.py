@@ -168,21 +168,23 @@ def record_results(results: list[dict]) -> None:
     """RESULTS.md's rows: each side's seconds a step and peak RSS above its start, and ours against the plain
     Trainer's (the raw results, every step's seconds and loss, in a record of their own)."""
     by_side = {r["side"]: r for r in results}
+    params = next((r["params"] for r in results if r["params"]), None)
+    model = f"{params / 1e9:.2g}B Llama" if params else "Llama"
     for r in results:
         state = r["stopped"] or ("finished" if r["returncode"] == 0 else f"failed ({r['returncode']})")
         detail = f"{r['steps_done']} steps, {state}; peak RSS {r['peak_rss'] / 1e9:.2f} GB"
         if r["mean_step_seconds"]:
-            record("check", title=f"1.1B Llama, {r['side']} Trainer: s/step (mean past the first)",
+            record("check", title=f"{model}, {r['side']} Trainer: s/step (mean past the first)",
                    value=r["mean_step_seconds"], target="—", met=None, detail=detail)
-        record("check", title=f"1.1B Llama, {r['side']} Trainer: peak RSS above start (GB)",
+        record("check", title=f"{model}, {r['side']} Trainer: peak RSS above start (GB)",
                value=r["peak_rss_above_start"] / 1e9, target="—", met=None, detail=detail)
     if {"ours", "plain"} <= set(by_side):
         ours, plain = by_side["ours"], by_side["plain"]
         ratio = ours["peak_rss_above_start"] / plain["peak_rss_above_start"]
-        record("check", title="1.1B Llama: peak RSS above start, ours / plain Trainer", value=ratio, target="≤ 0.5",
+        record("check", title=f"{model}: peak RSS above start, ours / plain Trainer", value=ratio, target="≤ 0.5",
                met=ratio <= 0.5, detail="at most: the plain side was stopped" if plain["stopped"] else "")
         if ours["mean_step_seconds"] and plain["mean_step_seconds"]:
-            record("check", title="1.1B Llama: s/step, ours / plain Trainer", target="—", met=None,
+            record("check", title=f"{model}: s/step, ours / plain Trainer", target="—", met=None,
                    value=ours["mean_step_seconds"] / plain["mean_step_seconds"], detail="")
     record("raw", results=results)
 
