@@ -95,6 +95,7 @@ BENCHES = [
     Bench("checkpoint_io", "checkpoint_io.py", "--rounds 5", "--rounds 1 --layers 2 --width 1024", 240, needs="fio"),
     Bench("zero3_nvme", "zero3_nvme.py", "--pairs 5 --steps 2", "--pairs 1 --steps 1", 900,
           deepspeed="--deepspeed-python"),
+    Bench("zero3_checksum", "zero3_nvme.py", "--only checksum --pairs 5", "--only checksum --pairs 1 --steps 1", 900),
     Bench("io_vs_fio", "io_vs_fio.py", "--rounds 5 --size 256MiB", "--rounds 5 --size 16MiB", 180, needs="fio",
           deepspeed="--ds-python"),
     Bench("clip_rate", "clip_rate.py", "--steps 60", "--steps 3", 300),

@@ -68,3 +68,14 @@ def test_commit_marked_dirty_by_measured_code_only(tmp_path):
     (tmp_path / "native" / "new.c").write_text("int x;\n")  # untracked code is measured too
     assert report.measured_commit(tmp_path) == head + "-dirty"
     assert report.shown_commit(head + "-dirty") == head[:10] + "-dirty"
+
+
+def test_links_into_results_name_rows_that_exist():
+    """README.md and docs/ quote figures by linking their RESULTS.md rows: a link whose row is gone (a
+    benchmark's title, CPU or name changed) fails here, not on a reader's click."""
+    root = BENCH.parent
+    anchors = set(re.findall(r'<a id="([^"]+)"></a>', (BENCH / "RESULTS.md").read_text()))
+    pages = [root / "README.md", *sorted((root / "docs").glob("*.md"))]
+    links = {(page.name, anchor) for page in pages if page.exists()
+             for anchor in re.findall(r"RESULTS\.md#([A-Za-z0-9_-]+)", page.read_text())}
+    assert not [link for link in links if link[1] not in anchors]
