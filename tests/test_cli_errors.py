@@ -66,6 +66,17 @@ def test_a_usage_error_is_answered_before_torch_is_imported():
     assert run.stdout.split() == ["2", "False"], run.stdout + run.stderr
 
 
+def test_output_read_by_a_reader_that_leaves_ends_quietly():
+    """``zerooffload estimate ... | head``: the reader closes the pipe before the command writes, which
+    then stops as a command killed by SIGPIPE does (status 141), printing nothing: no error line."""
+    read, write = os.pipe()
+    os.close(read)
+    child = subprocess.run([sys.executable, "-m", "zerooffload", "estimate", "--params", "7.5e9", "--dp", "64"],
+                           stdout=write, stderr=subprocess.PIPE, text=True, timeout=60, env=_ENV)
+    os.close(write)
+    assert (child.returncode, child.stderr) == (128 + signal.SIGPIPE, "")
+
+
 def test_a_toml_syntax_error_names_the_file_and_line(tmp_path):
     config = tmp_path / "train.toml"
     config.write_text("[zero]\nstage = = 3\n")

@@ -18,6 +18,8 @@ from __future__ import annotations
 import argparse
 import errno
 import os
+import select
+import signal
 import sys
 import traceback
 import warnings
@@ -388,6 +390,24 @@ def _end_process_groups() -> None:
         end_process_groups()
 
 
+def _stdout_closed() -> bool:
+    """Whether stdout is a pipe whose reader has gone (poll reports an error on its write end)."""
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(events & select.POLLERR for _, events in poller.poll(0))
+    except (OSError, ValueError, AttributeError):  # no descriptor (a test's StringIO), no poll
+        return False
+
+
+def _output_closed() -> int:
+    """The reader of the command's output went away (``zerooffload estimate ... | head``): stop quietly,
+    as a command killed by SIGPIPE does, with stdout pointed at /dev/null so that the interpreter's last
+    flush has nowhere to fail."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return 128 + signal.SIGPIPE
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the console script and ``python -m zerooffload``."""
     debug = os.environ.get("ZEROOFFLOAD_DEBUG", "0") not in ("", "0")
@@ -402,6 +422,10 @@ def main(argv: list[str] | None = None) -> int:
         return status
     except KeyboardInterrupt:
         return _fail(INTERRUPTED, "interrupted (Ctrl-C); nothing was saved by this command", debug)
+    except BrokenPipeError as exc:
+        if not _stdout_closed():  # a pipe of the command's own (a --trace FIFO), not its output
+            return _fail(*_user_error(exc), debug)
+        return _output_closed()
     except Exception as exc:
         error = _user_error(exc)
         if error is None:
