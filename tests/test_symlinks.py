@@ -14,7 +14,7 @@ import torch
 import zerooffload as zo
 from cli_helpers import run_in_process
 from reference import make_model
-from zerooffload.checkpoint import remove_tree
+from zerooffload.checkpoint import remove_tree, save_safetensors
 from zerooffload.cli.run_checkpoints import prune
 from zerooffload.hf.checkpoints import check_links, prune_checkpoints
 from zerooffload.io import AsyncIO
@@ -166,6 +166,17 @@ def test_a_save_refuses_a_planted_link_before_it_writes(tmp_path, victims, engin
     assert refused.value.strerror == _refusal(directory / name)
     assert {**_snapshot(victims[0]), **_snapshot(victims[1])} == before
     assert sorted(p.name for p in directory.iterdir()) == [name]
+
+
+def test_a_safetensors_export_refuses_a_link_at_its_temporary(tmp_path, victims, engine):
+    """``save_safetensors`` (the Trainer's model.safetensors, ``checkpoint consolidate``) writes
+    ``<file>.partial`` first: a link there is refused, the victim not truncated."""
+    out = tmp_path / "model.safetensors"
+    (tmp_path / "model.safetensors.partial").symlink_to(victims[0])
+    before = _snapshot(victims[0])
+    with pytest.raises(LinkRefused, match=re.escape(_refusal(tmp_path / "model.safetensors.partial"))):
+        save_safetensors(engine, out)
+    assert _snapshot(victims[0]) == before and not out.exists()
 
 
 def test_latest_is_not_read_through_a_link(tmp_path, victims, engine):

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Callable, NamedTuple
 import torch
 
 from ..comm import failing_together
+from ..io.files import open_nofollow
 
 if TYPE_CHECKING:
     from ..training_state import Trainable
@@ -57,8 +58,8 @@ def write_safetensors(out: str | os.PathLike, entries: list[SafetensorsEntry], m
             entry.produce()
         return out
     header = _header(entries, {"format": "pt", **metadata})
-    temporary = out.with_name(out.name + ".partial")
-    with open(temporary, "wb") as f:
+    temporary = out.with_name(out.name + ".partial")  # a link planted there is refused, never truncated
+    with open(open_nofollow(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666), "wb") as f:
         f.write(len(header).to_bytes(8, "little"))
         f.write(header)
         for entry in entries:
