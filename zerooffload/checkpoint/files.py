@@ -299,13 +299,14 @@ def publish(partial: Path, tag: str) -> Path:
     final, replaced = directory / tag, directory / (tag + REPLACED)
     fsync_dir(partial)
     refuse_link(final)  # checked by begin_partial too, but the save took a while
-    if final.exists():  # set aside, not deleted, until the new one is in place (the loader finds it there)
+    set_aside = final.exists()
+    if set_aside:  # not deleted until the new one is in place (the loader finds it there)
         os.replace(final, replaced)
         fsync_dir(directory)
     os.replace(partial, final)
     fsync_dir(directory)
     _write_text_atomically(directory / LATEST, tag)
-    if replaced.exists():
+    if set_aside:  # only what was set aside here, never a name someone else put there meanwhile
         shutil.rmtree(replaced)
     return final
 
