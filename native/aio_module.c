@@ -15,8 +15,9 @@
  *   Engine.close()      queued requests end with ECANCELED, requests in flight are waited for
  *   uring_probe() -> 0 or the errno why io_uring is unusable; uring_supported() -> bool
  *       (the one io_uring probe: the auto backend and doctor both ask it, zerooffload/io/probe.py)
- *   checksum(addr, nbytes) -> int   the swap store's 64-bit digest of a host range (checksum.h)
- *   checksum_simd() -> str          the level it runs on
+ *   crc32c(addr, nbytes, crc) -> int          the CRC32C of a host range, continuing crc (checksum.h)
+ *   crc32c_combine(crc1, crc2, len2) -> int   the CRC32C of two ranges joined, from theirs
+ *   crc32c_simd() -> str                      the level it runs on; ValueError when ZO_CRC32C_SIMD names none
  *   READ, WRITE (ops), EEOF (errno of a read that met end of file)
  */
 #include "bindings.h"
@@ -254,31 +255,45 @@ static PyObject *uring_supported(PyObject *Py_UNUSED(module), PyObject *Py_UNUSE
     return PyBool_FromLong(rc == 0);
 }
 
-static PyObject *checksum(PyObject *Py_UNUSED(module), PyObject *args)
+static PyObject *crc32c(PyObject *Py_UNUSED(module), PyObject *args)
 {
     unsigned long long addr;
     Py_ssize_t nbytes;
-    if (!PyArg_ParseTuple(args, "Kn", &addr, &nbytes))
+    unsigned int crc;
+    if (!PyArg_ParseTuple(args, "KnI", &addr, &nbytes, &crc))
         return NULL;
     if (nbytes < 0 || (addr == 0 && nbytes > 0)) {
-        PyErr_SetString(PyExc_ValueError, "checksum needs a non-negative length and, for bytes, an address");
+        PyErr_SetString(PyExc_ValueError, "crc32c needs a non-negative length and, for bytes, an address");
         return NULL;
     }
-    uint64_t digest;
     Py_BEGIN_ALLOW_THREADS
-    digest = zo_checksum((const void *)(uintptr_t)addr, (size_t)nbytes);
+    crc = zo_crc32c(crc, (const void *)(uintptr_t)addr, (size_t)nbytes);
     Py_END_ALLOW_THREADS
-    return PyLong_FromUnsignedLongLong(digest);
+    return PyLong_FromUnsignedLong(crc);
 }
 
-static PyObject *checksum_simd(PyObject *Py_UNUSED(module), PyObject *Py_UNUSED(ignored))
+static PyObject *crc32c_combine(PyObject *Py_UNUSED(module), PyObject *args)
 {
-    return PyUnicode_FromString(zo_checksum_simd());
+    unsigned int crc1, crc2;
+    unsigned long long len2;
+    if (!PyArg_ParseTuple(args, "IIK", &crc1, &crc2, &len2))
+        return NULL;
+    return PyLong_FromUnsignedLong(zo_crc32c_combine(crc1, crc2, len2));
+}
+
+static PyObject *crc32c_simd(PyObject *Py_UNUSED(module), PyObject *Py_UNUSED(ignored))
+{
+    const char *level = zo_crc32c_simd();
+    if (!level)
+        return PyErr_Format(PyExc_ValueError, "ZO_CRC32C_SIMD = '%s': expected 'sse42' or 'table' (or unset)",
+                            getenv("ZO_CRC32C_SIMD"));
+    return PyUnicode_FromString(level);
 }
 
 static PyMethodDef module_methods[] = {
-    {"checksum", checksum, METH_VARARGS, "The swap store's digest of nbytes at addr (see native/checksum.h)."},
-    {"checksum_simd", checksum_simd, METH_NOARGS, "The instruction set checksum runs on."},
+    {"crc32c", crc32c, METH_VARARGS, "The CRC32C of nbytes at addr, continuing crc (see native/checksum.h)."},
+    {"crc32c_combine", crc32c_combine, METH_VARARGS, "The CRC32C of two ranges joined: (crc1, crc2, len2)."},
+    {"crc32c_simd", crc32c_simd, METH_NOARGS, "The instruction set crc32c runs on."},
     {"uring_probe", uring_probe, METH_NOARGS, "0, or the errno why io_uring is unusable here."},
     {"uring_supported", uring_supported, METH_NOARGS, "Whether io_uring works here."},
     {NULL, NULL, 0, NULL},

@@ -1,14 +1,17 @@
 /*
- * checksum.c - zo_checksum (checksum.h): the lane sums at one of three levels, then the fold.
+ * checksum.c - zo_crc32c (checksum.h) at two levels, its combine, and the tables both need.
  *
  * Vocabulary
- *   lanes  struct lanes: the 16 A and 16 B sums of checksum.h's definition.
- *   body   the whole 64-byte vectors of the range; the tail (its last n % 64 bytes) is copied
- *          into a zeroed vector and summed as one more, so every level pads the same way.
- * The vector levels keep A and B in registers (two 512-bit, or four 256-bit, lanes of uint32)
- * and add each vector into A, then A into B: after K vectors B[l] = sum (K - k) w[16k + l].
+ *   register  the CRC's running 32-bit state, reflected: bit 31 holds x^0, bit 0 x^31. Inside this
+ *             file it is the raw state (no preset, no final complement); zo_crc32c adds those.
+ *   P         the Castagnoli polynomial; POLY is its reflected form less the x^32 term.
+ *   multiply  the product of two registers mod P (gf_multiply); x^(8n) mod P is what n zero bytes do
+ *             to a register, so a register "shifted" past n bytes is a multiplication by it.
+ *   operator  a fixed multiplication as four 256-entry tables, one per byte of the register (linear
+ *             over GF(2), so the four lookups' XOR is the product): how the sse42 level joins streams.
  */
 #define _GNU_SOURCE
+#include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -21,120 +24,182 @@
 #define ZO_CHECKSUM_X86 0
 #endif
 
-#define LANES 16
-#define VECTOR 64
+#define POLY 0x82F63B78u
+#define ONE 0x80000000u  /* the polynomial 1, reflected */
 
-struct lanes {
-    uint32_t a[LANES], b[LANES];
-};
+typedef uint32_t operator_t[4][256];
 
-static void sum_vector(struct lanes *s, const unsigned char *p)
+static uint32_t slices[8][256];  /* slices[k][b]: byte b followed by k zero bytes, from a zero register */
+static uint32_t x_2k[67];        /* x^(2^k) mod P: a length in bytes up to 2^64 is 2^64 * 8 bits */
+
+static uint32_t gf_multiply(uint32_t a, uint32_t b)
 {
-    for (int l = 0; l < LANES; l++) {
-        const unsigned char *q = p + 4 * l;  /* little-endian on every host */
-        uint32_t w = (uint32_t)q[0] | (uint32_t)q[1] << 8 | (uint32_t)q[2] << 16 | (uint32_t)q[3] << 24;
-        s->a[l] += w;
-        s->b[l] += s->a[l];
+    uint32_t product = 0;
+    for (uint32_t term = ONE; term; term >>= 1) {  /* a's terms from x^0 up, b times x each round */
+        if (a & term)
+            product ^= b;
+        b = (b >> 1) ^ (b & 1 ? POLY : 0);
     }
+    return product;
 }
 
-static void sums_scalar(struct lanes *s, const unsigned char *p, size_t vectors)
+/* x^(8 * bytes) mod P. */
+static uint32_t x_to_bytes(uint64_t bytes)
 {
-    for (size_t k = 0; k < vectors; k++)
-        sum_vector(s, p + k * VECTOR);
+    uint32_t power = ONE;
+    for (int k = 3; bytes; bytes >>= 1, k++)
+        if (bytes & 1)
+            power = gf_multiply(power, x_2k[k]);
+    return power;
 }
+
+static void build_operator(operator_t op, uint64_t bytes)
+{
+    uint32_t power = x_to_bytes(bytes);
+    for (int j = 0; j < 4; j++)
+        for (uint32_t b = 0; b < 256; b++)
+            op[j][b] = gf_multiply(power, b << (8 * j));
+}
+
+static uint32_t apply(const operator_t op, uint32_t reg)
+{
+    return op[0][reg & 0xff] ^ op[1][(reg >> 8) & 0xff] ^ op[2][(reg >> 16) & 0xff] ^ op[3][reg >> 24];
+}
+
+static uint64_t load_le64(const unsigned char *p)
+{
+    uint64_t w = 0;
+    for (int i = 7; i >= 0; i--)  /* the compiler makes this one load on a little-endian host */
+        w = w << 8 | p[i];
+    return w;
+}
+
+/* ---------------------------------------------------------------------------------------------
+ * The table level */
+
+static uint32_t update_table(uint32_t reg, const unsigned char *p, size_t n)
+{
+    for (; n >= 8; p += 8, n -= 8) {
+        uint64_t w = load_le64(p) ^ reg;
+        reg = slices[7][w & 0xff] ^ slices[6][(w >> 8) & 0xff] ^ slices[5][(w >> 16) & 0xff] ^
+              slices[4][(w >> 24) & 0xff] ^ slices[3][(w >> 32) & 0xff] ^ slices[2][(w >> 40) & 0xff] ^
+              slices[1][(w >> 48) & 0xff] ^ slices[0][w >> 56];
+    }
+    for (; n; p++, n--)
+        reg = (reg >> 8) ^ slices[0][(reg ^ *p) & 0xff];
+    return reg;
+}
+
+/* ---------------------------------------------------------------------------------------------
+ * The sse42 level: three streams, each over its own block, joined by an operator per block size */
 
 #if ZO_CHECKSUM_X86
-__attribute__((target("avx512f"))) static void sums_avx512(struct lanes *s, const unsigned char *p,
-                                                             size_t vectors)
+#define LONG 65536  /* 4 MiB chunks from DRAM on a Zen 4 core: 21 GB/s; 13.8 with 8 KiB blocks */
+#define SHORT 256
+
+static operator_t long_op, short_op;
+
+/* Three interleaved streams over `block`-byte blocks while 3 blocks remain: the crc32 instruction takes 3
+ * cycles but issues every cycle, so three independent registers keep it busy. */
+__attribute__((target("sse4.2"))) static uint64_t streams(uint64_t reg, const unsigned char **p, size_t *n,
+                                                            size_t block, const operator_t op)
 {
-    __m512i a = _mm512_loadu_si512(s->a), b = _mm512_loadu_si512(s->b);
-    for (size_t k = 0; k < vectors; k++) {
-        a = _mm512_add_epi32(a, _mm512_loadu_si512(p + k * VECTOR));
-        b = _mm512_add_epi32(b, a);
+    for (; *n >= 3 * block; *p += 3 * block, *n -= 3 * block) {
+        const unsigned char *q = *p, *end = *p + block;
+        uint64_t one = 0, two = 0;
+        for (; q < end; q += 8) {
+            reg = _mm_crc32_u64(reg, load_le64(q));
+            one = _mm_crc32_u64(one, load_le64(q + block));
+            two = _mm_crc32_u64(two, load_le64(q + 2 * block));
+        }
+        reg = apply(op, (uint32_t)reg) ^ (uint32_t)one;
+        reg = apply(op, (uint32_t)reg) ^ (uint32_t)two;
     }
-    _mm512_storeu_si512(s->a, a);
-    _mm512_storeu_si512(s->b, b);
+    return reg;
 }
 
-__attribute__((target("avx2"))) static void sums_avx2(struct lanes *s, const unsigned char *p, size_t vectors)
+__attribute__((target("sse4.2"))) static uint32_t update_sse42(uint32_t crc, const unsigned char *p, size_t n)
 {
-    __m256i a0 = _mm256_loadu_si256((const __m256i *)s->a), a1 = _mm256_loadu_si256((const __m256i *)(s->a + 8));
-    __m256i b0 = _mm256_loadu_si256((const __m256i *)s->b), b1 = _mm256_loadu_si256((const __m256i *)(s->b + 8));
-    for (size_t k = 0; k < vectors; k++) {
-        a0 = _mm256_add_epi32(a0, _mm256_loadu_si256((const __m256i *)(p + k * VECTOR)));
-        a1 = _mm256_add_epi32(a1, _mm256_loadu_si256((const __m256i *)(p + k * VECTOR + 32)));
-        b0 = _mm256_add_epi32(b0, a0);
-        b1 = _mm256_add_epi32(b1, a1);
-    }
-    _mm256_storeu_si256((__m256i *)s->a, a0);
-    _mm256_storeu_si256((__m256i *)(s->a + 8), a1);
-    _mm256_storeu_si256((__m256i *)s->b, b0);
-    _mm256_storeu_si256((__m256i *)(s->b + 8), b1);
+    uint64_t reg = crc;
+    for (; n && ((uintptr_t)p & 7); p++, n--)  /* the streams' loads aligned */
+        reg = _mm_crc32_u8((uint32_t)reg, *p);
+    reg = streams(reg, &p, &n, LONG, long_op);
+    reg = streams(reg, &p, &n, SHORT, short_op);
+    for (; n >= 8; p += 8, n -= 8)
+        reg = _mm_crc32_u64(reg, load_le64(p));
+    for (; n; p++, n--)
+        reg = _mm_crc32_u8((uint32_t)reg, *p);
+    return (uint32_t)reg;
 }
 #endif
 
-typedef void sums_fn(struct lanes *s, const unsigned char *p, size_t vectors);
+/* ---------------------------------------------------------------------------------------------
+ * Tables and level, made once per process */
 
-static const char *level_name = NULL;
-static sums_fn *level_fn = NULL;
+typedef uint32_t update_fn(uint32_t reg, const unsigned char *p, size_t n);
 
-/* The best level the CPU has, lowered by ZO_CHECKSUM_SIMD; decided once (a race only repeats it). */
-static sums_fn *level(void)
+static pthread_once_t once = PTHREAD_ONCE_INIT;
+static update_fn *level_fn;
+static const char *level_name;  /* NULL when ZO_CRC32C_SIMD names no level */
+
+static void build_tables(void)
 {
-    if (level_fn)
-        return level_fn;
-    const char *asked = getenv("ZO_CHECKSUM_SIMD");
-    sums_fn *fn = sums_scalar;
-    const char *name = "scalar";
+    for (uint32_t b = 0; b < 256; b++) {
+        uint32_t reg = b;
+        for (int bit = 0; bit < 8; bit++)
+            reg = (reg >> 1) ^ (reg & 1 ? POLY : 0);
+        slices[0][b] = reg;
+    }
+    for (int k = 1; k < 8; k++)
+        for (int b = 0; b < 256; b++)
+            slices[k][b] = (slices[k - 1][b] >> 8) ^ slices[0][slices[k - 1][b] & 0xff];
+    x_2k[0] = ONE >> 1;  /* x */
+    for (int k = 1; k < 67; k++)
+        x_2k[k] = gf_multiply(x_2k[k - 1], x_2k[k - 1]);
+}
+
+static void choose_level(void)
+{
+    build_tables();
+    const char *asked = getenv("ZO_CRC32C_SIMD");
+    int known = !asked || !*asked || strcmp(asked, "sse42") == 0 || strcmp(asked, "table") == 0;
+    int table = asked && strcmp(asked, "table") == 0;
+    level_fn = update_table;
+    level_name = "table";
 #if ZO_CHECKSUM_X86
-    int scalar = asked && strcmp(asked, "scalar") == 0;
-    int avx2_only = asked && strcmp(asked, "avx2") == 0;
-    if (!scalar && !avx2_only && __builtin_cpu_supports("avx512f")) {
-        fn = sums_avx512;
-        name = "avx512";
-    } else if (!scalar && __builtin_cpu_supports("avx2")) {
-        fn = sums_avx2;
-        name = "avx2";
+    __builtin_cpu_init();
+    if (!table && __builtin_cpu_supports("sse4.2")) {
+        build_operator(long_op, LONG);
+        build_operator(short_op, SHORT);
+        level_fn = update_sse42;
+        level_name = "sse42";
     }
 #else
-    (void)asked;
+    (void)table;
 #endif
-    level_name = name;
-    level_fn = fn;
-    return fn;
+    if (!known)
+        level_name = NULL;
 }
 
-const char *zo_checksum_simd(void)
+static void ready(void)
 {
-    level();
+    pthread_once(&once, choose_level);  /* fails only for an invalid once, which this is not */
+}
+
+const char *zo_crc32c_simd(void)
+{
+    ready();
     return level_name;
 }
 
-/* splitmix64's finalizer: every input bit reaches every output bit. */
-static uint64_t mix(uint64_t h)
+uint32_t zo_crc32c(uint32_t crc, const void *data, size_t n)
 {
-    h ^= h >> 30;
-    h *= 0xbf58476d1ce4e5b9ULL;
-    h ^= h >> 27;
-    h *= 0x94d049bb133111ebULL;
-    return h ^ (h >> 31);
+    ready();
+    return ~level_fn(~crc, data, n);
 }
 
-uint64_t zo_checksum(const void *data, size_t n)
+uint32_t zo_crc32c_combine(uint32_t crc1, uint32_t crc2, uint64_t len2)
 {
-    const unsigned char *p = data;
-    struct lanes s;
-    memset(&s, 0, sizeof(s));
-    size_t body = n / VECTOR;
-    level()(&s, p, body);
-    if (n % VECTOR) {
-        unsigned char tail[VECTOR] = {0};
-        memcpy(tail, p + body * VECTOR, n % VECTOR);
-        sum_vector(&s, tail);
-    }
-    uint64_t h = mix((uint64_t)n ^ 0x9e3779b97f4a7c15ULL);
-    for (int l = 0; l < LANES; l++)
-        h = mix(h ^ (((uint64_t)s.b[l] << 32) | s.a[l]));
-    return h;
+    ready();
+    return gf_multiply(x_to_bytes(len2), crc1) ^ crc2;
 }
