@@ -2,9 +2,13 @@
 corrupt, truncated or missing files refused by name (kills mid-save: test_checkpoint_kills.py)."""
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import subprocess
 import sys
+import zlib
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,6 +18,7 @@ import zerooffload as zo
 from harness import RankPool
 from reference import make_batches, make_model, update_errors
 from zerooffload.checkpoint import CheckpointError
+from zerooffload.io.checksum import crc32c
 
 GLOBAL_BATCH = 4  # split evenly over 1, 2 or 4 ranks, so every layout trains on the same global batch
 STEPS = 4
@@ -107,7 +112,7 @@ def test_compact_states_reshard_from_world_2_to_world_1(tmp_path, rank_pools):
     assert max(errors.values()) < 5e-2, max(errors.items(), key=lambda kv: kv[1])
 
 
-@pytest.mark.parametrize("how, message", [("flip", "CRC-32 .* the file is corrupt"), ("truncate", "truncated"),
+@pytest.mark.parametrize("how, message", [("flip", "CRC32C .* the file is corrupt"), ("truncate", "truncated"),
                                           ("missing", "missing")])
 def test_damaged_files_are_refused_by_name(tmp_path, make_engine, how, message):
     engine = make_engine(make_model(), _config(2))
@@ -125,6 +130,43 @@ def test_damaged_files_are_refused_by_name(tmp_path, make_engine, how, message):
         path.unlink()
     with pytest.raises(CheckpointError, match=rf"{path}: .*{message}"):
         engine.load_checkpoint(tmp_path)
+
+
+def _as_version_1(directory: Path) -> None:
+    """Rewrite a saved tag as version 1 wrote it: each data file's zlib CRC-32 under ``crc32`` (the
+    format is otherwise the same), the manifest's SHA-256 beside it renewed."""
+    manifest = json.loads((directory / "manifest.json").read_text())
+    manifest["version"] = 1
+    for name, record in manifest["files"].items():
+        del record["crc32c"]
+        record["crc32"] = zlib.crc32((directory / name).read_bytes())
+    data = json.dumps(manifest).encode()
+    (directory / "manifest.json").write_bytes(data)
+    (directory / "manifest.sha256").write_text(f"{hashlib.sha256(data).hexdigest()}  manifest.json\n")
+
+
+@pytest.mark.parametrize("flip", [False, True])
+def test_a_version_1_checkpoint_with_crc_32_records_still_loads_and_is_verified(tmp_path, make_engine, flip):
+    """Data files are digested with CRC32C, the swap's digest; checkpoints written before that (zlib's
+    CRC-32 under ``crc32``) load all the same, and their files are still checked."""
+    engine = make_engine(make_model(), _config(2))
+    _train(engine, 0, 1)
+    engine.save_checkpoint(tmp_path)
+    saved = engine.full_state_dict()
+    tag = tmp_path / (tmp_path / "latest").read_text().strip()
+    record = json.loads((tag / "manifest.json").read_text())["files"]["rank00000.bin"]
+    assert record["crc32c"] == crc32c((tag / "rank00000.bin").read_bytes())  # the file's, as read back
+    _as_version_1(tag)
+    if flip:
+        data = bytearray((tag / "rank00000.bin").read_bytes())
+        data[1000] ^= 1
+        (tag / "rank00000.bin").write_bytes(bytes(data))
+        with pytest.raises(CheckpointError, match=r"rank00000.bin: CRC-32 .* the file is corrupt"):
+            engine.load_checkpoint(tmp_path)
+        return
+    _train(engine, 1, 2)
+    engine.load_checkpoint(tmp_path)
+    assert _equal(engine.full_state_dict(), saved)
 
 
 def test_another_model_is_refused_with_the_parameters_named(tmp_path, make_engine):

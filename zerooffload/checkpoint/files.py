@@ -14,7 +14,9 @@ A save writes everything into ``<tag>.partial/`` — rank files, the manifest, t
    removed by the next save into the directory.
 
 [Note: integrity]
-Every data file's size and CRC-32 are in the manifest; the manifest's SHA-256 is in
+Every data file's size and CRC32C are in the manifest (``io.checksum``'s [Note: CRC32C digests]: the
+swap's digest, so one CRC runs through swap files and checkpoints; version 1 checkpoints hold zlib's
+CRC-32 instead, under the key ``crc32``, and still load: ``FILE_DIGESTS``); the manifest's SHA-256 is in
 ``manifest.sha256`` beside it, so a flipped bit that keeps valid JSON (a learning rate, a step
 count, the client state) is caught too. A checkpoint of this format without the digest file (written
 before it existed) still loads, with a warning. Anything malformed — unreadable, truncated, not
@@ -39,12 +41,14 @@ import re
 import shutil
 import zlib
 from pathlib import Path
+from typing import Any, Callable
 
 import torch
 
 from ..block_stream import BLOCK_WRITE, CHECKPOINT_WRITES, InFlight
 from ..errors import CheckpointError
 from ..io import AsyncIO, aligned_empty, open_file
+from ..io.checksum import crc32c
 from ..io.files import open_nofollow, refuse_link
 from ..trace import profiled
 
@@ -56,6 +60,11 @@ logger = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
 DIGEST = "manifest.sha256"
+DIGEST_KEY = "crc32c"
+"""The key of a data file's digest in a manifest's record (version 2 on)."""
+FILE_DIGESTS: dict[str, tuple[str, Callable[[Any, int], int]]] = {"crc32c": ("CRC32C", crc32c),
+                                                                   "crc32": ("CRC-32", zlib.crc32)}
+"""A record's digest by its key, with its name in messages: CRC32C, or zlib's CRC-32 (version 1)."""
 LATEST = "latest"
 PARTIAL = ".partial"
 REPLACED = ".replaced"
@@ -89,7 +98,7 @@ def _write_text_atomically(path: Path, text: str) -> None:
 # ---------------------------------------------------------------------------------------------- data files
 class ChecksummedWriter:
     """A file written front to back with O_DIRECT through the async-I/O engine, ``writes_in_flight``
-    transfers at a time (``block_stream.InFlight``: [Note: block pipelines]), its CRC-32 computed from
+    transfers at a time (``block_stream.InFlight``: [Note: block pipelines]), its CRC32C computed from
     the bytes as they go out.
 
     Each write is copied into its own aligned buffer first, so the caller's tensor (often a stream's
@@ -123,7 +132,7 @@ class ChecksummedWriter:
         staging = aligned_empty(max(nbytes, data.numel()))
         staging[:data.numel()].copy_(data)  # one copy, from wherever it lives
         staging[data.numel():].zero_()
-        self.crc = zlib.crc32(memoryview(staging.numpy()), self.crc)
+        self.crc = crc32c(staging, self.crc)
         with profiled(BLOCK_WRITE):
             handle = self.aio.write(self.file, staging, self.bytes)
         self._writes.add(handle, staging)
@@ -138,34 +147,40 @@ class ChecksummedWriter:
         finally:
             self._writes.abandon()  # interrupted while draining: let the others land before the file closes
             self.file.close()
-        return {"bytes": self.bytes, "crc32": self.crc}
+        return {"bytes": self.bytes, DIGEST_KEY: self.crc}
 
 
 def file_record(path: Path) -> dict:
-    """Size and CRC-32 of a file written by other means (fsynced here)."""
+    """Size and CRC32C of a file written by other means (fsynced here)."""
     with open(path, "rb") as f:
         os.fsync(f.fileno())
-    return {"bytes": path.stat().st_size, "crc32": _crc32(path)}
+    return {"bytes": path.stat().st_size, DIGEST_KEY: _file_digest(path, crc32c)}
 
 
-def _crc32(path: Path) -> int:
-    crc = 0
+def _file_digest(path: Path, digest: Callable[[Any, int], int]) -> int:
+    value = 0
     with open(path, "rb") as f:
         while chunk := f.read(64 << 20):
-            crc = zlib.crc32(chunk, crc)
-    return crc
+            value = digest(chunk, value)
+    return value
 
 
 def verify_file(path: Path, expected: dict) -> None:
+    """``path`` against its manifest record: its size, then its CRC32C (zlib's CRC-32 in a version 1
+    checkpoint's record)."""
     if not path.exists():
         raise CheckpointError(f"{path}: missing (the manifest lists it); the checkpoint is incomplete")
     size = path.stat().st_size
     if size != expected["bytes"]:
         raise CheckpointError(f"{path}: {size} bytes but the manifest says {expected['bytes']}: truncated or "
                               "overwritten")
-    crc = _crc32(path)
-    if crc != expected["crc32"]:
-        raise CheckpointError(f"{path}: CRC-32 {crc:#010x} but the manifest says {expected['crc32']:#010x}: "
+    key = next((key for key in FILE_DIGESTS if key in expected), None)
+    if key is None:
+        raise CheckpointError(f"{path}: the manifest's record of it has no digest ({' or '.join(FILE_DIGESTS)})")
+    name, digest = FILE_DIGESTS[key]
+    value = _file_digest(path, digest)
+    if value != expected[key]:
+        raise CheckpointError(f"{path}: {name} {value:#010x} but the manifest says {expected[key]:#010x}: "
                               "the file is corrupt")
 
 

@@ -24,7 +24,9 @@ __all__ = ["FORMAT", "VERSION", "MOMENT_ITEMSIZE", "Manifest", "read_manifest", 
            "read_int8_piece", "read_saved_buffers"]
 
 FORMAT = "zerooffload-checkpoint"
-VERSION = 1
+VERSION = 2
+"""The manifest's format version. 2: data files digested with CRC32C (1: zlib's CRC-32, still read)."""
+READABLE_VERSIONS = (1, 2)
 
 
 MOMENT_ITEMSIZE = {"fp32": 4, "bf16": 2, "int8": 1}
@@ -95,9 +97,10 @@ def read_manifest(directory: str | os.PathLike, tag: str | None = None, verify: 
     lists checked; anything malformed is a ``CheckpointError`` naming the file."""
     path = resolve_tag(Path(directory), tag)
     data = load_manifest_json(path)
-    if data.get("format") != FORMAT or data.get("version") != VERSION:
+    if data.get("format") != FORMAT or data.get("version") not in READABLE_VERSIONS:
         raise CheckpointError(f"{path / 'manifest.json'}: format {data.get('format')!r} version "
-                              f"{data.get('version')!r}; this zerooffload reads {FORMAT!r} version {VERSION}")
+                              f"{data.get('version')!r}; this zerooffload reads {FORMAT!r} versions "
+                              f"{', '.join(map(str, READABLE_VERSIONS))}")
     wrong = [f"{key} (expected a JSON {kind.__name__})" for key, kind in _MANIFEST_KEYS.items()
              if not isinstance(data.get(key), kind)]
     if wrong:

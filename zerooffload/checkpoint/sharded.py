@@ -16,7 +16,7 @@ names the newest complete tag.
 The manifest records the format version, the config, the world size and stage, every unit's layout
 (parameter names, shapes, offsets, shard size), the optimizer's per-parameter step counts and group
 settings, the LR schedule, loss scaler and counters, the module buffers, the client state, and the
-size and CRC-32 of every file.
+size and CRC32C of every file.
 
 - *Atomic*: every rank writes into ``<tag>.partial/`` and fsyncs; after a barrier rank 0 writes the
   manifest and its digest and publishes the directory (``files``' [Note: publishing a
