@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import fcntl
 import json
 import os
 import re
@@ -13,9 +15,14 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
+from cli_helpers import run_in_process
+from zerooffload import Config
 from zerooffload.checkpoint import read_manifest
+from zerooffload.cli.train_config import DEFAULT_LAYOUT, LAYOUT_KEYS, default_layout
 from zerooffload.models import GPT, PRESETS
+from zerooffload.planning import SEARCHED
 
 
 def _completed(args: list[str], out: Path, timeout: int = 300, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -34,24 +41,85 @@ def _run(args: list[str], tmp_path, timeout: int = 300, model: str = "nano") -> 
 _PROGRESS_LINE = re.compile(r"^step (\d+)/(\d+) loss=\d+\.\d{3} tok_s=[\d,]+ step_s=\d+\.\d{3}", re.MULTILINE)
 
 
-def test_train_smoke_30_steps(tmp_path):
-    """The default run; off a terminal its progress is plain lines: the first step, every tenth, the last.
-    With --trace it writes a trace of steps 2-3 too (trace's note; tests/test_trace.py checks traces whole).
-    A plain run never probes the machine: no probe cache is made, and nothing is predicted."""
-    trace = tmp_path / "trace.json"
-    run = _completed([sys.executable, "-m", "zerooffload", "train", "--steps", "30", "--trace", str(trace)],
-                     tmp_path / "out", env={"XDG_CACHE_HOME": str(tmp_path / "cache")})
-    assert not (tmp_path / "cache" / "zerooffload").exists()  # (matplotlib may keep its own cache there)
+def _probe_cache(root: Path) -> dict[str, str]:
+    """An environment whose probe cache holds made-up rates for this machine's device and for ``root``'s
+    disk: the default run's plan then measures nothing but its one block, and finds the disk of an
+    ``--out`` under ``root`` through the filesystem (probe's note)."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    machine = {"compute_device": device, "copy_gbps": {"within_device": 10.0, "into_fresh_pages": 3.0, "link": 10.0},
+               "matmul_flops": {"fp32": 1e11}, "adam_elements_per_s": {"fp32": 1e9}}
+    disk = {"aio": {}, "write_gbps": 2.0, "read_gbps": 2.0, "source": "tune io", "measured_at": 0}
+    path = root / "cache" / "zerooffload" / "probe.json"
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps({"machine": machine, "io": {os.path.realpath(root): disk}}))
+    return {"XDG_CACHE_HOME": str(root / "cache")}
+
+
+def _kernel_io_at_exit(pid: int, timeout: float = 300) -> dict[str, int]:
+    """``/proc/PID/io`` once ``pid`` has exited and before it is reaped: the kernel's count of the bytes
+    its threads (I/O workers included) read from and wrote to storage, O_DIRECT transfers included."""
+    deadline = time.monotonic() + timeout
+    while Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    return {key: int(value) for key, value in (line.split(": ") for line in Path(f"/proc/{pid}/io").read_text()
+                                                                            .splitlines())}
+
+
+def _key_paths(section, prefix: str = ""):
+    for f in dataclasses.fields(section):
+        value = getattr(section, f.name)
+        yield from _key_paths(value, f"{prefix}{f.name}.") if dataclasses.is_dataclass(value) else [prefix + f.name]
+
+
+def _disk_bytes(folder: Path) -> int:
+    """The blocks the swap files under ``folder`` hold on disk."""
+    return sum(path.stat().st_blocks * 512 for path in folder.glob("zerooffload-swap/*.swap"))
+
+
+def test_train_smoke_30_steps_pages_its_states_to_nvme_and_removes_its_swap_folder(tmp_path, start):
+    """The default run (train_config's [Note: the default layout]): stage 3 with the parameters and the
+    optimizer states in a swap folder of its own in --out, which holds on disk what the engine says it
+    keeps on NVMe while it runs, and is gone at the end. The last lines say the engine's bytes per tier
+    and kind and per step; the kernel's I/O counters of the process hold the NVMe bytes the run says it
+    moved (all of them, and no more than the states' first write and a few small files besides), and
+    its wall clock holds its steps. Off a terminal its progress is plain lines: the first step, every
+    tenth, the last. With --trace it writes a trace of steps 2-3 too (tests/test_trace.py checks traces)."""
+    out, trace = tmp_path / "out", tmp_path / "trace.json"
+    begun = time.monotonic()
+    run = start([sys.executable, "-m", "zerooffload", "train", "--steps", "30", "--trace", str(trace)], out,
+                env=_probe_cache(tmp_path))
+    run.wait_until(lambda: _PROGRESS_LINE.search(run.output()) and list(out.glob("swap-*/zerooffload-swap/*.swap")))
+    (folder,) = out.glob("swap-*")
+    on_disk = _disk_bytes(folder)
+    kernel = _kernel_io_at_exit(run.process.pid)
+    assert run.process.wait() == 0, run.output()[-4000:]
+    wall = time.monotonic() - begun
+    stdout, stderr = (run.out.parent / "stdout").read_text(), (run.out.parent / "stderr").read_text()
+    assert not folder.exists() and not list(out.glob("swap-*"))
+    assert "this machine's probe read from" in stderr and "measuring" not in stderr  # the disk found by filesystem
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 30 and summary["stage"] == 3 and summary["world_size"] == 1
+    assert summary["loss_ratio"] < 0.9 and all(0 < loss < 6 for loss in summary["losses"])  # the loss falls
+    tiers, traffic = summary["tiers"], summary["traffic"]
+    assert not tiers["device"]["at_rest"]["param"] and not tiers["device"]["at_rest"]["optimizer"]
+    nvme = tiers["nvme"]["at_rest"]["optimizer"]
+    assert nvme > 0 and "parameters: on nvme inside their fp32 masters" in stdout
+    assert tiers["nvme"]["peak"] <= on_disk  # what the engine keeps there is on the disk while it runs
+    assert f"swap: removed {folder} (its files held {on_disk / 1e6:.1f} MB of disk at the end)" in stdout
+    row = re.search(r"^nvme +- +- +([\d.]+) +([\d.]+)$", stdout, re.MULTILINE)
+    assert row and row.groups() == (f"{nvme / 1e6:.1f}", f"{tiers['nvme']['peak'] / 1e6:.1f}"), stdout
+    assert f"nvme read {traffic['nvme_read_bytes'] / 1e6:.1f} MB at " in stdout
+    assert traffic["nvme_read_total_bytes"] <= kernel["read_bytes"]
+    small_files = trace.stat().st_size + (1 << 20)  # summary.json, the probe cache, the trace
+    assert traffic["nvme_write_total_bytes"] <= kernel["write_bytes"] <= (
+        traffic["nvme_write_total_bytes"] + tiers["nvme"]["peak"] + small_files), (kernel, traffic)
+    assert traffic["step_seconds"] * traffic["steps"] <= 1.05 * summary["seconds"] < wall
     main = [e for e in json.loads(trace.read_text())["traceEvents"] if e["ph"] == "X" and e["tid"] == 0]
     assert sum(e["name"] == "step" for e in main) >= 2 and any(e["name"].startswith("forward h.") for e in main)
-    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
-    assert summary["steps"] == 30 and summary["stage"] == 2 and summary["world_size"] == 1
-    assert "predicted" not in summary and summary["measured"]["step_seconds"] > 0
-    assert summary["loss_ratio"] < 0.9  # the loss falls even in 30 steps
-    assert all(0 < loss < 6 for loss in summary["losses"])
-    steps = [int(step) for step, _ in _PROGRESS_LINE.findall(run.stderr)]
-    assert steps[0] == 1 and steps[-1] == 30 and {3, 6, 9, 27} <= set(steps), run.stderr[-2000:]
-    assert len(steps) < 20 and "\r" not in run.stderr  # not a line a step (only lines 10 s apart come extra)
+    steps = [int(step) for step, _ in _PROGRESS_LINE.findall(stderr)]
+    assert steps[0] == 1 and steps[-1] == 30 and {3, 6, 9, 27} <= set(steps), stderr[-2000:]
+    assert len(steps) < 20 and "\r" not in stderr  # not a line a step (only lines 10 s apart come extra)
 
 
 @pytest.mark.slow  # CI trains under torchrun at stage 3 in test_sigterm_to_one_rank_under_torchrun_stops_both_...
@@ -110,12 +178,12 @@ _STOP_LINE = re.compile(r"^zerooffload: stopped by (SIG\w+) after step (\d+); (.
 class _Started:
     """A training process whose stdout and stderr go to files, so a test can watch them while it runs."""
 
-    def __init__(self, args: list[str], out: Path):
+    def __init__(self, args: list[str], out: Path, env: dict | None = None):
         out.mkdir(parents=True, exist_ok=True)
         self.out, self._stdout, self._stderr = out, out.parent / "stdout", out.parent / "stderr"
         with open(self._stdout, "w") as stdout, open(self._stderr, "w") as stderr:
             self.process = subprocess.Popen([*args, "--out", str(out)], stdout=stdout, stderr=stderr,
-                                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+                                            env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
 
     def output(self) -> str:
         return self._stdout.read_text() + self._stderr.read_text()
@@ -146,8 +214,8 @@ def start():
     SIGTERM, then SIGKILL, so no 1000-step run outlives its test (torchrun passes SIGTERM on)."""
     started: list[_Started] = []
 
-    def start_one(args: list[str], out: Path) -> _Started:
-        started.append(_Started(args, out))
+    def start_one(args: list[str], out: Path, env: dict | None = None) -> _Started:
+        started.append(_Started(args, out, env))
         return started[-1]
     yield start_one
     for run in started:
@@ -190,6 +258,103 @@ def test_sigint_without_save_every_stops_cleanly_with_130(tmp_path, start):
     assert returncode == 130 and "Traceback" not in output and "KeyboardInterrupt" not in output, output[-4000:]
     assert kept == "nothing saved (no --save-every)" and not (run.out / "checkpoints").exists()
     assert json.loads((run.out / "summary.json").read_text())["steps"] == done
+
+
+def test_the_default_runs_swap_folder_goes_on_sigterm_and_ctrl_c_and_a_killed_runs_with_the_next(tmp_path, start):
+    """Two default runs side by side. One gets SIGTERM while its plan runs (its swap folder made, no
+    training step yet): status 143, one line, the folder gone; as it started it removed the folder of a
+    run that was killed (its .owner unlocked), and left alone a live run's (locked), one without .owner
+    and a link to another directory. The other, with a key that composes with the default layout
+    (bf16 moments), gets Ctrl-C after its first step: status 130, its stop line, its folder gone."""
+    env = _probe_cache(tmp_path)
+    first, second = tmp_path / "a" / "out", tmp_path / "b" / "out"
+    for name in ("swap-dead", "swap-live", "swap-unowned"):
+        (first / name).mkdir(parents=True)
+    for name in ("swap-dead", "swap-live"):
+        (first / name / ".owner").touch()
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / ".owner").touch()
+    (first / "swap-link").symlink_to(victim)
+    live = os.open(first / "swap-live" / ".owner", os.O_RDONLY)
+    fcntl.flock(live, fcntl.LOCK_EX)
+    try:
+        terminated = start([sys.executable, "-m", "zerooffload", "train", "--steps", "1000"], first, env)
+        interrupted = start([sys.executable, "-m", "zerooffload", "train", "--steps", "1000", "optimizer.moments=bf16"],
+                            second, env)
+        planted = {"swap-live", "swap-unowned", "swap-link"}
+        terminated.wait_until(lambda: {p.name for p in first.glob("swap-*")} - planted - {"swap-dead"})
+        (folder,) = {p for p in first.glob("swap-*") if p.name not in planted | {"swap-dead"}}
+        os.kill(terminated.process.pid, signal.SIGTERM)
+        assert terminated.process.wait(timeout=120) == 143, terminated.output()[-4000:]
+    finally:
+        os.close(live)
+    output = terminated.output()
+    assert f"zerooffload: removed {first / 'swap-dead'}, the swap folder of an earlier run that was killed" in output
+    assert output.rstrip().endswith("zerooffload: stopped by SIGTERM outside a training step; its swap folder is "
+                                    "removed") and "Traceback" not in output, output[-4000:]
+    assert not folder.exists() and {p.name for p in first.glob("swap-*")} == planted
+    assert (victim / ".owner").exists() and (first / "swap-live" / ".owner").exists()
+    interrupted.wait_until(lambda: _PROGRESS_LINE.search(interrupted.output()))
+    (folder,) = second.glob("swap-*")
+    returncode, output, done, kept = interrupted.stop_with(signal.SIGINT)
+    assert returncode == 130 and kept == "nothing saved (no --save-every)" and "Traceback" not in output
+    assert "moments bf16" in output and f"swap: removed {folder}" in output and not folder.exists()
+    assert json.loads((second / "summary.json").read_text())["tiers"]["nvme"]["peak"] > 0
+
+
+@pytest.mark.parametrize("config, plan, overrides, default", [
+    (None, None, [], True),
+    (None, None, ["optimizer.lr=1e-3", "optimizer.moments=bf16", "nvme.checksum=false", "aio.queue_depth=8"], True),
+    (None, None, ["offload.param.tier=device"], False),
+    (None, None, ["train.micro_batch_size=4"], False),
+    (None, None, ["nvme.path=/mnt/nvme"], False),
+    (None, None, ["memory.device_budget=1GiB"], False),
+    ("train.toml", None, [], False),
+    (None, "auto", [], False),
+    (None, "plan.toml", [], False)])
+def test_the_default_layout_is_taken_only_where_the_user_laid_nothing_out(config, plan, overrides, default):
+    assert default_layout(config, plan, overrides) is default
+
+
+def test_the_layout_keys_are_config_keys_and_cover_what_plan_searches_but_the_state_formats():
+    keys = set(_key_paths(Config()))
+    assert LAYOUT_KEYS <= keys and set(DEFAULT_LAYOUT) <= LAYOUT_KEYS
+    assert set(SEARCHED) - {"optimizer.master", "optimizer.moments", "aio.blocks_in_flight"} <= LAYOUT_KEYS
+
+
+def test_a_users_layout_key_keeps_the_run_off_nvme(tmp_path, monkeypatch):
+    """offload.param.tier=device: the user lays the run out, so the default layout steps aside whole:
+    the library's stage 2 with every state on the device, no swap folder made."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # no probe: nothing planned or predicted
+    out = tmp_path / "out"
+    run = run_in_process("train", "--steps", "1", "--out", str(out), "offload.param.tier=device")
+    assert run.returncode == 0, run.stderr[-2000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["stage"] == 2 and "nvme" not in summary["tiers"] and not list(out.glob("swap-*"))
+    assert "swap:" not in run.stdout + run.stderr and "nothing moved between tiers" in run.stdout
+
+
+def test_a_user_error_after_the_swap_folder_was_made_removes_it(tmp_path):
+    run = run_in_process("train", "--out", str(tmp_path / "out"), "optimizer.betas=[1.5, 0.9]")
+    assert run.returncode == 2 and "optimizer.betas[0] = 1.5" in run.stderr
+    assert not list((tmp_path / "out").glob("swap-*"))
+
+
+@pytest.mark.slow  # ~4 s: a process for its own mount namespace
+def test_an_out_without_o_direct_is_refused_in_one_line(tmp_path):
+    """ramfs refuses O_DIRECT (tmpfs takes it since Linux 6.6): a default run there says what to pass."""
+    point = tmp_path / "ram"
+    point.mkdir()
+    command = f'mount -t ramfs ramfs "$1" && shift && exec "$@"'
+    run = subprocess.run(["unshare", "-m", "sh", "-c", command, "sh", str(point), sys.executable, "-m", "zerooffload",
+                          "train", "--out", str(point / "out")], capture_output=True, text=True, timeout=300)
+    if "mount:" in run.stderr or "unshare:" in run.stderr:
+        pytest.skip(f"cannot mount a private ramfs here: {run.stderr.strip()}")
+    assert run.returncode == 1 and run.stderr.strip() == (
+        f"zerooffload: --out {point / 'out'} is on a filesystem without O_DIRECT, where a plain train keeps its swap "
+        "folder: pass an --out on a disk (ext4, xfs), or lay the run out yourself (nvme.path=DIR on such a disk, "
+        "or zero.stage=2 to keep every state in memory)"), run.stderr
 
 
 def _worker_pid(launcher_pid: int, rank: int) -> int | None:

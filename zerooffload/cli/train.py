@@ -2,12 +2,16 @@
 
 Without ``--config`` the run uses ``train_defaults`` for the model's size over the library defaults
 (train_config's [Note: defaults by model size]): the nano preset's loss falls visibly within a minute
-on a laptop CPU, and every preset up to 350m trains stably. With ``--config`` the file alone decides (library defaults for what it leaves out). Overrides
-(``key.path=value``) apply last either way. ``scheduler.total_steps = 0`` with a decaying schedule
-means "the run's ``--steps``". Under ``torchrun`` every rank trains its slice and rank 0 reports.
+on a laptop CPU, and every preset up to 350m trains stably. With ``--config`` the file alone decides
+(library defaults for what it leaves out). Overrides (``key.path=value``) apply last either way.
+``scheduler.total_steps = 0`` with a decaying schedule means "the run's ``--steps``". Without a config
+file, a plan or a layout key, the run pages its states to NVMe in a swap folder of its own
+(train_config's [Note: the default layout]). Under ``torchrun`` every rank trains its slice and rank 0
+reports.
 
 The parts: ``train_config`` (the config), ``train_plan`` (``--plan`` and predicted vs measured),
-``run_checkpoints`` (resume and prune), ``stop_signal`` (SIGTERM/SIGINT), ``progress``.
+``swap_folder`` (the default run's swap), ``run_checkpoints`` (resume and prune), ``stop_signal``
+(SIGTERM/SIGINT), ``progress``, ``tier_report`` (the last lines: what lived on each tier, what moved).
 """
 from __future__ import annotations
 
@@ -34,7 +38,9 @@ from .progress import Progress, engine_postfix
 from .run_checkpoints import make_room, prune, resume, resume_tag
 from .run_dir import owned_out
 from .stop_signal import StopOnSignal
-from .train_config import load_train_config, train_defaults
+from .swap_folder import swap_folder
+from .tier_report import TierLog, tier_lines, tier_summary
+from .train_config import default_layout, load_train_config, train_defaults
 from .train_plan import format_prediction, planned_config, planned_layout, predicted_and_measured
 
 __all__ = ["load_train_config", "run_training", "train_defaults"]
@@ -51,9 +57,26 @@ def run_training(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
+    """A run with the user's layout, or the default one in its swap folder (train_config's note)."""
     checkpoints = Path(args.out) / "checkpoints"
     tag = resume_tag(checkpoints, args.tag) if args.resume else None  # nothing to resume from: refused first
-    config, prediction = planned_config(args)  # (with a cached probe this times a block)
+    if not default_layout(args.config, args.plan, args.overrides):
+        return _run_layout(args, *planned_config(args), checkpoints, tag)[0]  # (with a cached probe: a block timed)
+    with swap_folder(Path(args.out)) as folder:
+        config, prediction = planned_config(args, default=True)
+        config = Config.load(config, overrides=[f"nvme.path={json.dumps(str(folder))}"])
+        if current_rank() == 0:
+            print(f"swap: {folder}, a folder of this run's on --out's disk, removed at the end", file=sys.stderr)
+        status, summary = _run_layout(args, config, prediction, checkpoints, tag)
+    if summary is not None and current_rank() == 0:
+        print(f"swap: removed {folder} (its files held {summary['measured']['peak_bytes']['nvme'] / 1e6:.1f} MB of "
+              "disk at the end)")
+    return status
+
+
+def _run_layout(args: argparse.Namespace, config: Config, prediction, checkpoints: Path,
+                tag: str | None) -> tuple[int, dict | None]:
+    """Build the engine for ``config``, train, report; the exit status and the summary (None: nothing trained)."""
     torch.manual_seed(config.train.seed)
     model_config = PRESETS[args.model]
     with init_context(config):  # nothing is allocated before the engine checks that the run fits
@@ -73,20 +96,27 @@ def _run(args: argparse.Namespace) -> int:
             engine.close()
             if engine.comm.rank == 0:
                 print(f"nothing to train: {checkpoints} is at step {first_step} and --steps is {args.steps}")
-            return 0
+            return 0, None
         run = _train(args, engine, config, corpus, (first_step, losses, shape), checkpoints, stop)
         summary = _summary(args, engine, run, model_config)
         summary.update(predicted_and_measured(engine, run.step_seconds, run.phases, run.redone, memory))
+        summary.update(tier_summary(engine, run.tiers, run.step_seconds))
         engine.close()
         if engine.comm.rank == 0:  # before the handlers go back: torchrun may SIGTERM a rank that is finishing
-            _print_summary(summary)
-            if "predicted" in summary:
-                print(format_prediction(summary))
-            (Path(args.out) / "summary.json").write_text(json.dumps(summary, indent=2))
-            for line in (_all_skipped_line(engine, config), run.stopped_by and _stop_line(run)):
-                if line:
-                    print(line, file=sys.stderr)
-    return 0 if run.stopped_by is None else 128 + run.stopped_by
+            _report(args, engine, config, run, summary)
+    return (0 if run.stopped_by is None else 128 + run.stopped_by), summary
+
+
+def _report(args, engine, config: Config, run: "_Run", summary: dict) -> None:
+    """Rank 0's last words: the summary, the plan against the run, the tiers; summary.json; the warnings."""
+    _print_summary(summary)
+    if "predicted" in summary:
+        print(format_prediction(summary))
+    print("\n".join(tier_lines(summary)))
+    (Path(args.out) / "summary.json").write_text(json.dumps(summary, indent=2))
+    for line in (_all_skipped_line(engine, config), run.stopped_by and _stop_line(run)):
+        if line:
+            print(line, file=sys.stderr)
 
 
 @dataclass(slots=True)
@@ -110,6 +140,8 @@ class _Run:
     """``engine.stats.phase_seconds`` of each of this process's steps."""
     redone: list[bool] = field(default_factory=list)
     """Whether each of this process's steps redid tentative updates (``engine.stats.undone_updates``)."""
+    tiers: TierLog = field(default_factory=TierLog)
+    """What each of this process's steps moved, and what the tiers held at its end (tier_report's note)."""
     stopped_by: signal.Signals | None = None
     saved: Path | None = None
     """The last checkpoint this loop wrote: after a signal, the one holding the steps done."""
@@ -147,6 +179,7 @@ def _train(args, engine, config: Config, corpus: ByteCorpus, resumed: tuple[int,
         run.step_seconds.append(elapsed)
         run.phases.append(dict(engine.stats.phase_seconds))
         run.redone.append(engine.stats.undone_updates > 0)
+        run.tiers.add(engine.stats)
         progress.update(run.last_step, {"loss": f"{window_loss:.3f}", "tok_s": f"{run.tokens_per_step / elapsed:,.0f}",
                                         "step_s": f"{elapsed:.3f}", **engine_postfix(engine.stats)})
         run.stopped_by = stop.agreed(engine.comm)
@@ -225,4 +258,3 @@ def _print_summary(s: dict) -> None:
           f"on {s['world_size']} rank(s), ZeRO stage {s['stage']}, {s['precision']}")
     print(f"loss: mean of first {s['window']} steps {s['first_loss_mean']:.3f} -> last {s['window']} "
           f"{s['last_loss_mean']:.3f} (x{s['loss_ratio']:.2f}); {s['tokens_per_second']:,} tokens/s")
-    print("peak engine memory: " + ", ".join(f"{tier} {n / 1e6:.1f} MB" for tier, n in s["peak_bytes"].items()))

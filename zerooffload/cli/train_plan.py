@@ -7,6 +7,7 @@ import json
 import os
 import statistics
 import sys
+import time
 
 from ..config import Config, ConfigError
 from ..models import PRESETS
@@ -15,32 +16,31 @@ from ..telemetry import PHASES, Prediction
 from ..tiers import swap_paths
 from ..zero.placement import TIER_NAMES
 from .measured import RunMemory
-from .train_config import load_train_config
+from .train_config import DEFAULT_LAYOUT, load_train_config
 
 __all__ = ["best_layout", "format_prediction", "on_rank_zero", "pinned", "planned_config", "planned_layout",
            "predicted_and_measured", "predicted_peaks"]
 
 
-def planned_config(args: argparse.Namespace) -> tuple[Config, Prediction | None]:
+def planned_config(args: argparse.Namespace, default: bool = False) -> tuple[Config, Prediction | None]:
     """The run's config and the plan's prediction of its step: ``--plan auto`` searches the layouts the
     user left free (``--config`` and overrides pin the rest), ``--plan FILE`` runs a written plan with the
-    prediction inside it, and a plain run is predicted only when the machine's probe is cached (it never
-    measures the disk; the block it times is said)."""
-    from ..planning import cached_probe, plan, predict_config, probe_machine, read_prediction
+    prediction inside it, ``default`` (a plain run taking train_config's [Note: the default layout])
+    pins ``DEFAULT_LAYOUT`` and plans the rest, and any other plain run is predicted only when the
+    machine's probe is cached (it never measures the disk; the block it times is said)."""
+    from ..planning import cached_probe, predict_config, probe_machine, read_prediction
     from ..planning.model_spec import named_gpt
 
     if args.plan not in (None, "auto") and args.config:
         args.usage_error("--plan FILE is the run's config: leave --config out (or use --plan auto with it)")
+    if default:
+        return _default_config(args)
     plan_file = args.plan not in (None, "auto")
     config = load_train_config(args.plan if plan_file else args.config, args.overrides, PRESETS[args.model].num_params,
                                args.steps, plan_file=plan_file)
     world = int(os.environ.get("WORLD_SIZE", 1))
     if args.plan == "auto":
-        chosen = on_rank_zero(world, lambda: best_layout(plan(
-            named_gpt(args.model, PRESETS[args.model]), config, pinned=pinned(args),
-            world_size=world, progress=lambda text: print(f"plan: {text}", file=sys.stderr))))
-        config = Config.load(config, overrides=chosen[0])
-        return config, chosen[1]
+        return _plan_auto(args, config, pinned(args))
     if args.plan is not None:  # a plan file: the prediction it was chosen by (a fresh one for a file without)
         prediction = read_prediction(args.plan)
         if prediction is not None:
@@ -52,6 +52,44 @@ def planned_config(args: argparse.Namespace) -> tuple[Config, Prediction | None]
     return config, on_rank_zero(world, lambda: predict_config(
         named_gpt(args.model, PRESETS[args.model]), config, cached or probe_machine(config, world_size=world), world,
         progress))
+
+
+def _default_config(args: argparse.Namespace) -> tuple[Config, Prediction]:
+    """``DEFAULT_LAYOUT`` and ``train_defaults``' batch pinned, the rest planned (train_config's note). The
+    plan's swap directory is one on ``--out``'s disk whose rates the probe's cache holds (``--out`` itself
+    when none is: measured then, and kept, as ``--out`` outlives the run), not the swap folder: a folder
+    new each run would have the disk measured again each run (2.2 s and 512 MiB written on the project's
+    machine). Train sets ``nvme.path`` to the folder afterwards."""
+    from ..planning.probe import measured_on_filesystem
+
+    disk = measured_on_filesystem(args.out) or os.path.realpath(args.out)
+    layout = [f"{key}={json.dumps(value)}" for key, value in DEFAULT_LAYOUT.items()]
+    config = load_train_config(None, [*layout, f"nvme.path={json.dumps(disk)}", *args.overrides],
+                               PRESETS[args.model].num_params, args.steps)
+    return _plan_auto(args, config, {*DEFAULT_LAYOUT, "train.micro_batch_size", *pinned(args)})
+
+
+def _plan_auto(args: argparse.Namespace, config: Config, pinned_keys: set[str]) -> tuple[Config, Prediction]:
+    """``config`` with the layout plan ranks best among those keeping ``pinned_keys``, and its prediction;
+    rank 0 plans (``on_rank_zero``) and says how long that took, and whether the machine's probe was
+    read from its cache or measured (then kept there for the next run)."""
+    from ..planning import cached_probe, plan
+    from ..planning.model_spec import named_gpt
+    from ..planning.probe import cache_path
+
+    world = int(os.environ.get("WORLD_SIZE", 1))
+
+    def decide() -> tuple[list[str], Prediction]:
+        started, cached = time.perf_counter(), cached_probe(config, world) is not None
+        chosen = best_layout(plan(named_gpt(args.model, PRESETS[args.model]), config, pinned=pinned_keys,
+                                  world_size=world, progress=lambda text: print(f"plan: {text}", file=sys.stderr)))
+        probe = f"this machine's probe read from {cache_path()}" if cached else \
+            f"this machine measured first, and kept in {cache_path()} for the next runs"
+        print(f"plan: chosen in {time.perf_counter() - started:.1f} s ({probe})", file=sys.stderr)
+        return chosen
+
+    chosen = on_rank_zero(world, decide)
+    return Config.load(config, overrides=chosen[0]), chosen[1]
 
 
 def planned_layout(args: argparse.Namespace, config: Config) -> str:

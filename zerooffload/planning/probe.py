@@ -11,10 +11,12 @@ engine's collectives per world size (ranks of this machine, the job's backend), 
 io``'s search, else one run at the config's settings). Amounts that do change (RAM available, device
 memory free, free disk space) are never cached: the fit checks (``search.refusal``, the engine's own)
 read them when they run. Each rate is measured when first needed and kept; ``refresh`` measures again. A
-plain ``zerooffload train`` only reads the cache (``cached_probe``): it never measures the disk.
+plain ``zerooffload train`` with a layout of the user's only reads the cache (``cached_probe``): it never
+measures the disk; with the default layout it plans (train_config's [Note: the default layout]).
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import statistics
@@ -30,7 +32,7 @@ from ..config import Config
 from ..precision import COMPUTE_DTYPES
 
 __all__ = ["DiskRates", "Probe", "adam_format", "cache_path", "cached_probe", "collective_gbps", "measure_adam_rate",
-           "median_seconds", "probe_machine", "rank_zero_decides", "record_disk"]
+           "measured_on_filesystem", "median_seconds", "probe_machine", "rank_zero_decides", "record_disk"]
 
 DISK_PROBE_BYTES = 256 << 20
 """The file one disk measurement writes and reads back (O_DIRECT): big enough to pass the disk's cache."""
@@ -146,6 +148,22 @@ def record_disk(directory: str, aio: dict, write_gbps: float, read_gbps: float, 
     data.setdefault("io", {})[os.path.realpath(directory)] = {
         "aio": aio, "write_gbps": write_gbps, "read_gbps": read_gbps, "source": source, "measured_at": time.time()}
     _write_cache(data)
+
+
+def measured_on_filesystem(directory: str) -> str | None:
+    """A directory of the cache's on ``directory``'s filesystem (``directory`` itself first), or None: a
+    disk's rates are its filesystem's, so a caller whose swap directory is new each run (train's default
+    layout, whose swap folder is) plans with one measured there instead of measuring the disk again."""
+    disks, real = _read_cache().get("io", {}), os.path.realpath(directory)
+    if real in disks:
+        return real
+    with contextlib.suppress(OSError):
+        device = os.stat(real).st_dev
+        for cached in disks:
+            with contextlib.suppress(OSError):
+                if os.stat(cached).st_dev == device:
+                    return cached
+    return None
 
 
 def cached_probe(config: Config, world_size: int = 1) -> Probe | None:
