@@ -110,6 +110,7 @@ def test_train_smoke_30_steps_pages_its_states_to_nvme_and_removes_its_swap_fold
     row = re.search(r"^nvme +- +- +([\d.]+) +([\d.]+)$", stdout, re.MULTILINE)
     assert row and row.groups() == (f"{nvme / 1e6:.1f}", f"{tiers['nvme']['peak'] / 1e6:.1f}"), stdout
     assert f"nvme read {traffic['nvme_read_bytes'] / 1e6:.1f} MB at " in stdout
+    assert re.search(rf"^nvme written MB +[\d.]+ +{traffic['nvme_write_bytes'] / 1e6:.1f}$", stdout, re.M)  # plan's
     assert traffic["nvme_read_total_bytes"] <= kernel["read_bytes"]
     small_files = trace.stat().st_size + (1 << 20)  # summary.json, the probe cache, the trace
     assert traffic["nvme_write_total_bytes"] <= kernel["write_bytes"] <= (

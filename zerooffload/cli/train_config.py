@@ -8,10 +8,11 @@ pages them: ZeRO stage 3 with the parameters and every optimizer state (fp32 mas
 on NVMe, in a temporary swap folder on ``--out``'s disk that the run removes (train's ``swap_folder``),
 and ``plan`` choosing the rest of the layout (activation checkpointing, the stage-3 window, a compact
 state format only where nothing else fits) for ``train_defaults``' batch, which it keeps: one block
-timed instead of one per micro-batch size (3 s instead of 13 on the project's 2-core machine, for a
-layout the nano preset runs at the same speed). Budgets stay the machine's: no device budget makes a
-plan put nano's states on NVMe, whose host staging buffers (13-15 MB) outweigh the states (10.9 MB
-on the host), so the demonstration pins the tiers instead of faking a small machine.
+timed instead of one per micro-batch size (the nano preset's plan: 4.4 s instead of 14.4 on the
+project's 2-core machine; left free it chose that batch in one micro-batch anyway). Budgets stay the
+machine's: no budget makes a plan put the nano preset's states on NVMe, as its NVMe layouts' host
+staging buffers (13.1-15.5 MB) outweigh its whole optimizer state kept on the host (10.9 MB), so the
+default pins the tiers rather than pretend the machine is small.
 How it composes with what the user says:
 - ``--config FILE``, ``--plan FILE`` or ``--plan auto``: the user's file or plan lays the run out; no
   default layout.

@@ -181,9 +181,22 @@ def format_prediction(s: dict) -> str:
     wall = case["step_seconds"]
     ratio = m["step_seconds"] / wall if wall else float("nan")
     lines.append(f"{'step s (wall)':<24}{wall:>10.3f}{m['step_seconds']:>10.3f}  (x{ratio:.2f})")
+    lines += _moved_rows(case.get("moved_bytes") or {}, s.get("traffic"))
     for tier, bytes_ in predicted_peaks(p, m).items():
         lines.append(f"{tier + ' peak MB':<24}{bytes_ / 1e6:>10.1f}{m['peak_bytes'][tier] / 1e6:>10.1f}")
     return "\n".join(lines + [f"plan: {p['bottleneck']}"] + ([clip_line] if clip_line else []))
+
+
+def _moved_rows(moved: dict, traffic: dict | None) -> list[str]:
+    """The bytes a step moves, planned and measured (the median step: tier_report's note), where either moved."""
+    if not moved or traffic is None:
+        return []
+    rows = (("nvme read MB", moved.get("nvme_read", 0), traffic["nvme_read_bytes"]),
+            ("nvme written MB", moved.get("nvme_write", 0), traffic["nvme_write_bytes"]),
+            ("host<->device MB", moved.get("host_device", 0),
+             traffic["host_to_device_bytes"] + traffic["device_to_host_bytes"]))
+    return [f"{label:<24}{planned / 1e6:>10.1f}{measured / 1e6:>10.1f}" for label, planned, measured in rows
+            if planned or measured]
 
 
 def _predicted_case(p: dict, m: dict) -> tuple[dict, str | None]:
