@@ -50,7 +50,7 @@ def swap_folder(out: Path) -> Iterator[Path]:
     SIGTERM unwinds the block for as long as it lasts."""
     with _SigtermUnwinds():
         _remove_dead(out)
-        folder = Path(tempfile.mkdtemp(prefix=PREFIX, dir=out))
+        folder = Path(tempfile.mkdtemp(prefix=PREFIX, dir=os.path.abspath(out)))  # named whole in the output
         owner = None
         try:
             owner = _own(folder)
