@@ -285,7 +285,7 @@ static PyObject *crc32c_simd(PyObject *Py_UNUSED(module), PyObject *Py_UNUSED(ig
 {
     const char *level = zo_crc32c_simd();
     if (!level)
-        return PyErr_Format(PyExc_ValueError, "ZO_CRC32C_SIMD = '%s': expected 'sse42' or 'table' (or unset)",
+        return PyErr_Format(PyExc_ValueError, "ZO_CRC32C_SIMD = '%s': expected 'avx512', 'sse42' or 'table' (or unset)",
                             getenv("ZO_CRC32C_SIMD"));
     return PyUnicode_FromString(level);
 }
