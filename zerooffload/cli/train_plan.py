@@ -84,7 +84,7 @@ def _plan_auto(args: argparse.Namespace, config: Config, pinned_keys: set[str]) 
         chosen = best_layout(plan(named_gpt(args.model, PRESETS[args.model]), config, pinned=pinned_keys,
                                   world_size=world, progress=lambda text: print(f"plan: {text}", file=sys.stderr)))
         probe = f"this machine's probe read from {cache_path()}" if cached else \
-            f"this machine measured first, and kept in {cache_path()} for the next runs"
+            f"what {cache_path()} lacked of this machine and disk measured first, and kept there for the next runs"
         print(f"plan: chosen in {time.perf_counter() - started:.1f} s ({probe})", file=sys.stderr)
         return chosen
 
