@@ -16,6 +16,7 @@ from cli_helpers import run_in_process
 from reference import make_model
 from zerooffload.checkpoint import remove_tree, save_safetensors
 from zerooffload.cli.run_checkpoints import prune
+from zerooffload.cli.run_dir import write_summary
 from zerooffload.hf.checkpoints import check_links, prune_checkpoints
 from zerooffload.io import AsyncIO
 from zerooffload.io.files import LinkRefused
@@ -61,6 +62,15 @@ def _one_line(run) -> str:
 
 
 # ------------------------------------------------------------------------------------------ --out
+def test_a_summary_link_planted_while_the_run_trains_is_refused_and_its_target_unchanged(tmp_path, victims):
+    """The start checks summary.json, but a link can come later: the write at the end opens it O_NOFOLLOW."""
+    (tmp_path / "summary.json").symlink_to(victims[0])
+    before = _snapshot(victims[0])
+    with pytest.raises(LinkRefused, match="summary.json is a symbolic link"):
+        write_summary(tmp_path, "{}")
+    assert _snapshot(victims[0]) == before
+
+
 @pytest.mark.parametrize("name, target", [(".lock", "file"), ("summary.json", "file"), ("checkpoints", "dir"),
                                           ("checkpoints/latest", "file"), ("checkpoints/latest.tmp", "file"),
                                           ("checkpoints/step00000001", "dir"),

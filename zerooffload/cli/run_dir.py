@@ -40,7 +40,7 @@ from ..config import ConfigError
 from ..io.files import open_nofollow, refuse_link
 from .run_checkpoints import STEP_TAG
 
-__all__ = ["RunDirError", "owned_out"]
+__all__ = ["RunDirError", "owned_out", "write_summary"]
 
 LOCK = ".lock"
 
@@ -74,6 +74,13 @@ def owned_out(args: argparse.Namespace, rank: int) -> Iterator[Path]:
     finally:
         if lock is not None:
             os.close(lock)  # closing the descriptor releases the flock
+
+
+def write_summary(out: Path, text: str) -> None:
+    """``OUT/summary.json``, opened without following a link: one planted there while the run trained
+    (the start checked it) is refused in one line, its target left as it was."""
+    with open(open_nofollow(out / "summary.json", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), "w") as f:
+        f.write(text)
 
 
 def _lock(out: Path) -> int:

@@ -36,7 +36,7 @@ from ..tiers import BudgetError
 from .measured import RunMemory
 from .progress import Progress, engine_postfix
 from .run_checkpoints import make_room, prune, resume, resume_tag
-from .run_dir import owned_out
+from .run_dir import owned_out, write_summary
 from .stop_signal import StopOnSignal
 from .swap_folder import swap_folder
 from .tier_report import TierLog, tier_lines, tier_summary
@@ -113,7 +113,7 @@ def _report(args, engine, config: Config, run: "_Run", summary: dict) -> None:
     if "predicted" in summary:
         print(format_prediction(summary))
     print("\n".join(tier_lines(summary)))
-    (Path(args.out) / "summary.json").write_text(json.dumps(summary, indent=2))
+    write_summary(Path(args.out), json.dumps(summary, indent=2))
     for line in (_all_skipped_line(engine, config), run.stopped_by and _stop_line(run)):
         if line:
             print(line, file=sys.stderr)
