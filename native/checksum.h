@@ -22,11 +22,11 @@
  * Levels (every one gives the same value):
  *   "avx512" VPCLMULQDQ on four 512-bit accumulators, each 128-bit lane carried 256 bytes forward by a
  *            carry-less multiplication by x^2048 mod P (checksum.c says how), the last lane finished by the
- *            crc32 instruction: at the memory's speed from DRAM (32 GB/s on a Zen 4 core, which reads 33);
+ *            crc32 instruction: at the speed a Zen 4 core reads DRAM (27-32 GB/s), 47 GB/s from cache;
  *   "sse42"  the SSE4.2 crc32 instruction on three interleaved streams of 64 KiB blocks (its latency is
  *            three of its issue slots), the streams joined by multiplying by x^(8 * 65536) mod P through
  *            four 256-entry tables (the "zeros operator"); 256-byte blocks for what is left: 8 bytes a
- *            cycle (24-26 GB/s there);
+ *            cycle (23 GB/s from DRAM there, 26 from cache);
  *   "table"  slicing-by-8 tables, for a CPU without SSE4.2 and for every other architecture (2 GB/s).
  * The best the CPU has runs unless the environment variable ZO_CRC32C_SIMD names a lower one.
  * None of these functions fails or blocks; each may run on any thread.

@@ -10,15 +10,16 @@
 - Natively, carry-less multiplications (VPCLMULQDQ) fold the bytes 256 at a time at the memory's speed
   where the CPU has AVX-512, else the SSE4.2 crc32 instruction runs three interleaved streams, else
   tables (``digest_simd`` says which), with the GIL released, so the I/O engine's and a peer's threads run
-  meanwhile. On one Zen 4 EPYC core (``bench/checksum_cost.py``), over 4 MiB chunks from DRAM: avx512 32.2
-  GB/s where the core reads 32.7 (47 from cache), sse42 23.8 (26.0), table 2.0.
+  meanwhile. On one Zen 4 EPYC core (``bench/checksum_cost.py``), over 4 MiB chunks from DRAM: avx512 26.8
+  GB/s where the core reads 26.7 (32.2 and 32.7 on a quieter run; 47 from cache), sse42 22.7 (26.1 from
+  cache), table 2.0.
 - ``crc32c(data, crc)`` continues a running value as ``zlib.crc32`` does; ``crc32c_combine`` joins two
   ranges' values knowing only the second's length (x^(8 len2) mod P): a file digested in parts, on
   several threads or out of order, gets its whole value.
 - Without the native extension the same values come from numpy (``_numpy_crc32c``): the bytes in 64-byte
   lanes, every lane's register advanced four bytes a step through two 65,536-entry tables, the lanes
-  then joined pairwise by multiplications by x^(8 len) mod P. It runs at 0.76 GB/s on that core (5.5 ms
-  a 4 MiB chunk, 1.3 s of a core per GB written or read back), 42x slower than the native level.
+  then joined pairwise by multiplications by x^(8 len) mod P. It runs at 0.77 GB/s on that core (5.4 ms
+  a 4 MiB chunk, 1.3 s of a core per GB written or read back), 35x slower than the native level.
   Verification stays on all the same: a build without the extension is already a slow one (its I/O runs
   on Python threads; ``zerooffload doctor`` says so), and the value must not depend on the build, for
   checkpoints written by one build are read by another.
