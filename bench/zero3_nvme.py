@@ -36,6 +36,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -45,6 +46,7 @@ from pairs import interleaved_pairs, record, report_pairs, rotating_rounds
 RESULT = re.compile(r"RESULT .*step ms min/med/max = (\d+) / (\d+) / (\d+)")
 SWAP = re.compile(r"nvme swap dir bytes: (\d+) MiB")
 MOVED = re.compile(r"nvme bytes in the last step: read (\d+), written (\d+)")
+DIGEST_CPU = re.compile(r"digest threads' CPU: ([\d.]+) ms a step of the process's ([\d.]+)")
 HERE = Path(__file__).resolve().parent
 
 
@@ -68,6 +70,8 @@ def run_ours(args) -> None:
         "nvme": {"path": args.nvme, "checksum": args.checksum == "on"}})
     times = []
     for step in range(3 + args.steps):
+        if step == 3:
+            digest_cpu, process_cpu = _digest_cpu_seconds(), time.process_time()
         start = time.perf_counter()
         loss = torch.nn.functional.mse_loss(engine(x).float(), y.float())
         engine.backward(loss)
@@ -79,6 +83,8 @@ def run_ours(args) -> None:
           f"in the last step; units redone in it {engine.stats.undone_updates}; "
           f"peak RSS {peak_rss_bytes() / 2**20:.0f} MB")
     print(f"nvme bytes in the last step: read {engine.stats.io.read_bytes}, written {engine.stats.io.write_bytes}")
+    print(f"digest threads' CPU: {(_digest_cpu_seconds() - digest_cpu) / args.steps * 1e3:.1f} ms a step of the "
+          f"process's {(time.process_time() - process_cpu) / args.steps * 1e3:.1f}")
     swap = sum(f.stat().st_blocks * 512 for f in Path(args.nvme).rglob("*") if f.is_file())
     print(f"nvme swap dir bytes: {swap / 2**20:.0f} MiB")  # the anchor's line, as it counts them
     engine.close()
@@ -87,10 +93,22 @@ def run_ours(args) -> None:
           f"{max(ms):.0f} (n={len(ms)})")
 
 
+def _digest_cpu_seconds() -> float:
+    """CPU seconds the swap store's digest and verify threads ran (Linux ``/proc``): the CRC's own work,
+    which the step time shows only through the disk's noise (see ``compare_checksum``)."""
+    total = 0.0
+    for thread in threading.enumerate():
+        if thread.name.startswith("zerooffload-swap-"):
+            fields = Path(f"/proc/self/task/{thread.native_id}/stat").read_text().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return total
+
+
 def _side(command: list[str], env: dict, swap: dict[str, list[float]] | None = None, name: str = "",
-          moved: dict[str, tuple[int, int]] | None = None) -> float:
+          moved: dict[str, tuple[int, int]] | None = None, digest: list[tuple[float, float]] | None = None) -> float:
     """Run one side in a fresh process; its median step time in ms (and into ``swap[name]`` the MiB its
-    swap directory held, into ``moved[name]`` the NVMe bytes our side read and wrote in its last step)."""
+    swap directory held, into ``moved[name]`` the NVMe bytes our side read and wrote in its last step, onto
+    ``digest`` our side's digest threads' and whole process's CPU ms a step)."""
     done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=900)
     match = RESULT.search(done.stdout)
     if done.returncode != 0 or match is None:
@@ -99,6 +117,8 @@ def _side(command: list[str], env: dict, swap: dict[str, list[float]] | None = N
         swap.setdefault(name, []).append(float(SWAP.search(done.stdout).group(1)))
     if moved is not None and (bytes_moved := MOVED.search(done.stdout)):
         moved[name] = (int(bytes_moved.group(1)), int(bytes_moved.group(2)))
+    if digest is not None:
+        digest.append(tuple(map(float, DIGEST_CPU.search(done.stdout).groups())))
     return float(match.group(2))
 
 
@@ -206,8 +226,9 @@ def compare_checksum(args) -> None:
     ours = [sys.executable, str(Path(__file__).resolve()), "--side", "ours", "--steps", str(args.steps),
             "--batch", str(args.batch), "--nvme", str(nvme / "ours"), "--grad-clip", str(args.grad_clip)]
     print(f"machine: {os.cpu_count()} CPUs; swap under {nvme}; {args.pairs} pairs of {args.steps} timed steps")
+    digest: list[tuple[float, float]] = []
     try:
-        pairs = interleaved_pairs(args.pairs, ("checksum on", lambda: _side(ours, os.environ.copy())),
+        pairs = interleaved_pairs(args.pairs, ("checksum on", lambda: _side(ours, os.environ.copy(), digest=digest)),
                                   ("checksum off", lambda: _side([*ours, "--checksum", "off"], os.environ.copy())),
                                   unit="ms/step")
     finally:
@@ -215,6 +236,11 @@ def compare_checksum(args) -> None:
     forced = os.environ.get("ZO_CRC32C_SIMD")
     title = "ZeRO-3 NVMe: nvme.checksum on (the default) against off" + (f", CRC32C at {forced}" if forced else "")
     report_pairs(title, ("checksum on", "checksum off"), pairs, 1.02, unit="ms/step")
+    digest_ms, process_ms = (statistics.median(values) for values in zip(*digest))
+    print(f"the CRC threads ran {digest_ms:.1f} ms of CPU a step (median of the runs with it on), "
+          f"{digest_ms / process_ms:.1%} of the process's {process_ms:.0f}")
+    record("check", title=title.replace("against off", "CPU of its CRC threads a step (ms)"), value=digest_ms,
+           target="—", met=None, detail=f"{digest_ms / process_ms:.1%} of the process's CPU a step, {process_ms:.0f} ms")
 
 
 def main() -> None:

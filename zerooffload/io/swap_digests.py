@@ -2,7 +2,7 @@
 
 [Note: swap digests]
 - With ``checksum`` (``nvme.checksum``, on by default) every entry keeps one digest per *segment*
-  (``checksum``'s [Note: swap checksums]): the writer names the segment size, so that each part read
+  (``checksum``'s [Note: CRC32C digests]): the writer names the segment size, so that each part read
   on its own (an optimizer block's master, read alone as a stage-3 shard) is verified alone; an
   entry is one segment otherwise. A read that comes back different, or short (a truncated file), is
   ``SwapDamage``: the swap file, the block, the offset, and what to do.
