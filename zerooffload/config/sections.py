@@ -166,8 +166,9 @@ class NvmeConfig(Section):
     path: Union[str, list[str]] = option(tempfile.gettempdir(),
                                        "an existing swap directory (never created; files go in its zerooffload-swap/), "
                                        "or a list to stripe over")
-    checksum: bool = option(True, "verify every swapped-in block against the digest taken when it was written "
-                                "(off: faster by a few percent, and a damaged swap file is trained on)")
+    checksum: bool = option(True, "verify every swapped-in block against the CRC32C taken when it was written "
+                                "(off: saves about one more read of the bytes a step moves, ~5% of a ZeRO-3 NVMe "
+                                "step on 2 cores, and a damaged swap file is trained on)")
     max_bytes: int = option(0, "cap on the swap files' bytes on this machine (all its ranks, each an even share), "
                                "preallocated space included: refused at start, plan keeps under it, and a write that "
                                "would grow the files past it is refused before it is made; 0: the free space",
