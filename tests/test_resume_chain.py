@@ -43,13 +43,17 @@ def _final_state(out: Path, tmp_path: Path, name: str) -> tuple[dict, bytes]:
 
 
 def _chain_equals_the_straight_run(tmp_path: Path, cycles: int, model: str, fresh_process: bool) -> None:
+    """``cycles`` runs of one step each, every one resuming the last, against one run of ``cycles`` steps.
+    Each gives the schedule's length (``scheduler.total_steps``): else ``--steps`` sets it, and a run
+    told to stop at step k would decay its learning rate by k (train_config's ``load_train_config``)."""
     swap = tmp_path / "swap"
     swap.mkdir()
-    straight = _train(tmp_path / "straight", swap, cycles, "--save-every", str(cycles), model=model,
+    schedule = "scheduler.total_steps=100"  # past the warmup (20 steps), and past every run of the chain
+    straight = _train(tmp_path / "straight", swap, cycles, "--save-every", str(cycles), schedule, model=model,
                       fresh_process=fresh_process)
     chain = tmp_path / "chain"
     for step in range(1, cycles + 1):
-        resumed = _train(chain, swap, step, "--save-every", "1", "--keep-last", "2",
+        resumed = _train(chain, swap, step, "--save-every", "1", "--keep-last", "2", schedule,
                          *(["--resume"] if step > 1 else []), model=model, fresh_process=fresh_process)
         assert resumed["first_step"] == step - 1
     assert resumed["losses"] == straight["losses"]
