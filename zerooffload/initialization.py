@@ -1,6 +1,7 @@
 """Initialization: the front door from a user's model and config to a training engine (``zo.initialize``)."""
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -10,6 +11,7 @@ from .activations import ActivationProfile, measure_activations
 from .comm import failing_together, init_comm
 from .config import Config, dtype_bytes
 from .engine import Engine
+from .tiers.device_memory import cap_allocator, note_context
 from .tiers.host_allocator import release_freed_memory, return_free_heap
 from .lazy_init import initial_values, is_lazy, swap_in_placeholders
 from .param_groups import normalize_param_groups
@@ -51,7 +53,9 @@ def initialize(model: nn.Module, config: Config | dict | str | None = None, para
     if _releases_freed(config):
         release_freed_memory()  # before the first buffer: host_allocator's [Note: RSS that follows the accounting]
     lazy = is_lazy(model)
+    note_context(int(os.environ.get("LOCAL_RANK", "0")))  # before init_comm makes it: device_memory's note
     comm = init_comm()
+    cap_allocator(config.memory.device_budget, comm.device)  # the budget CUDA enforces, set once per engine
     layouts = find_units(model, config.zero.unit_modules, shard_count(config, comm.world_size))
     activations = None
     if example_inputs is not None:

@@ -5,9 +5,9 @@ status; no training or I/O logic lives here (the CLI is a face over the library)
 
 [Note: user errors]
 A mistake the user can fix (a bad flag or config value, a checkpoint that does not verify, a swap
-path that cannot be written, no room for the swap files, a peer rank that failed, Ctrl-C) ends the
-command with one line on stderr, ``zerooffload: <what>: <fix>``, and no traceback: a traceback
-says "bug", and these are not bugs. Exit status 2: the command line or the config is wrong (nothing
+path that cannot be written, no room for the swap files, a peer rank that failed, CUDA memory past
+``memory.device_budget``'s cap, Ctrl-C) ends the command with one line on stderr, ``zerooffload:
+<what>: <fix>``, and no traceback: a traceback says "bug", and these are not bugs. Exit status 2: the command line or the config is wrong (nothing
 ran); 1: it ran and hit a problem in the files or the machine; 130: interrupted. Anything else (the
 engine's RuntimeErrors for API misuse, a bug) keeps Python's traceback. ``--debug`` or
 ``ZEROOFFLOAD_DEBUG=1`` prints the traceback of a user error too, above the same line, with the
@@ -350,6 +350,10 @@ def _user_error(exc: Exception) -> tuple[int, str] | None:
         return RUNTIME_ERROR, f"stopped: {exc}"
     if isinstance(exc, OSError):
         return RUNTIME_ERROR, _os_error_line(exc)
+    if type(exc).__name__ == "OutOfMemoryError":  # CUDA's, past memory.device_budget's cap (imported here: torch)
+        from ..tiers.device_memory import out_of_budget_line
+        line = out_of_budget_line(exc)
+        return None if line is None else (RUNTIME_ERROR, line)
     return None
 
 

@@ -10,8 +10,10 @@
   sympy: ~70 MB of Python objects, the same whatever the model) are imported before the start too:
   a process's imports are not what a layout costs. On a CPU device the device and host
   tiers are one RAM, so this one figure stands against their sum, activations and torch's temporaries
-  included; on CUDA the device's own peak (``max_memory_allocated``) stands against the device tier,
-  and the RSS against the host's.
+  included; on CUDA the device's own peak stands against the device tier, and the RSS against the
+  host's. That peak is what torch's caching allocator reserved (``max_memory_reserved``): the memory
+  the process took from the GPU, which ``memory.device_budget`` caps (device_memory's note), not the
+  smaller sum of live tensors (``max_memory_allocated``) that fragmentation and cached blocks exceed.
 - *Disk*: the blocks the run's swap files hold (``st_blocks``), preallocation included: what the disk
   really gave the run.
 Where ``clear_refs`` cannot be written (a kernel or container without it), the peak is taken over the
@@ -55,7 +57,7 @@ class RunMemory:
         """Bytes per tier as measured: ``device+host`` (one RAM) on a CPU device, else ``device`` and
         ``host``; and ``nvme``, the blocks this process's swap files hold under ``swap_dirs``."""
         ram = self.peak_ram()
-        memory = {"device": torch.cuda.max_memory_allocated(), "host": ram} if torch.cuda.is_available() else {
+        memory = {"device": torch.cuda.max_memory_reserved(), "host": ram} if torch.cuda.is_available() else {
             "device+host": ram}
         return {**memory, "nvme": swap_file_bytes(swap_dirs)}
 

@@ -30,13 +30,17 @@ import torch
 from .. import comm
 from ..config import Config
 from ..precision import COMPUTE_DTYPES
+from ..tiers.device_memory import note_context
 
 __all__ = ["DiskRates", "Probe", "adam_format", "cache_path", "cached_probe", "collective_gbps", "measure_adam_rate",
            "measured_on_filesystem", "median_seconds", "probe_machine", "rank_zero_decides", "record_disk"]
 
 DISK_PROBE_BYTES = 256 << 20
 """The file one disk measurement writes and reads back (O_DIRECT): big enough to pass the disk's cache."""
-_MATMUL_N = 512
+_MATMUL_N = {"cpu": 512, "cuda": 8192}
+"""The probe's square matmul: on a GPU one large enough to reach its GEMM rate (a 512 x 512 one is bound by
+its launch there, a fraction of the rate its blocks' matmuls run at: a GPU's MFU would read against it
+past 100%); on a CPU one that takes milliseconds, not seconds."""
 _ADAM_ELEMENTS = 8 << 20
 _RATE_SECONDS = 0.3
 """How long each machine rate is timed: large steady operations, a few runs each suffice."""
@@ -189,6 +193,8 @@ def probe_machine(config: Config, refresh: bool = False, progress: Any = None, w
 def _probe(config: Config, data: dict, world_size: int, *, measure: bool, progress: Any = None) -> Probe:
     """The probe from ``data`` (the cache's dict), filled in place where ``measure`` allows."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda":  # before the probe touches the GPU: the budget counts the context it measures
+        note_context(int(os.environ.get("LOCAL_RANK", "0")))
     machine = data.setdefault("machine", {})
     if machine.get("compute_device", device) != device:
         machine.clear()  # rates of another device say nothing about this one
@@ -268,9 +274,10 @@ def _first_touch_gbps(nbytes: int = 64 << 20) -> float:
 
 
 def _matmul_flops(device: str, dtype: torch.dtype) -> float:
-    a = torch.randn(_MATMUL_N, _MATMUL_N, device=device).to(dtype)
-    b = torch.randn(_MATMUL_N, _MATMUL_N, device=device).to(dtype)
-    return 2 * _MATMUL_N ** 3 / median_seconds(lambda: a @ b, seconds=_RATE_SECONDS)
+    n = _MATMUL_N[device]
+    a = torch.randn(n, n, device=device).to(dtype)
+    b = torch.randn(n, n, device=device).to(dtype)
+    return 2 * n ** 3 / median_seconds(lambda: a @ b, seconds=_RATE_SECONDS)
 
 
 def _adam_rate(dtype: torch.dtype, master: str = "fp32", moments: str = "fp32") -> float:

@@ -6,6 +6,7 @@
 - ``link``: what crosses between host memory and the device, and the copier of shards onto it;
 - ``streams``: the side streams those copies run on, made in one place;
 - ``ram``: refusals before anything is allocated, against the budgets and the RAM the machine has;
+- ``device_memory``: what a CUDA device's budget covers besides the engine's tensors, and the allocator's cap;
 - ``host_allocator``, ``buffer_arena``: how host memory is mapped, and engine buffers kept for reuse.
 """
 from ..kinds import Kind

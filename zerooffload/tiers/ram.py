@@ -89,6 +89,6 @@ def check_plan(plan: MemoryPlan, tiers: dict[str, Tier], activations: int = 0) -
             parts = ", ".join(f"{kind.value} {n}" for kind, n in kinds.items() if n)
             parts += f", activations {extra}" if extra else ""
             raise BudgetError(
-                f"the {name} tier needs {total} bytes ({parts}) but {tier.budget_key} is "
-                f"{tier.budget} bytes ({total - tier.budget} short): raise {tier.budget_key}, "
+                f"the {name} tier needs {total} bytes ({parts}) but {tier.budget_words} "
+                f"({total - tier.budget} short): raise {tier.budget_key}, "
                 "use a higher zero.stage, or move state to another tier (offload.optimizer.tier, offload.param.tier)")

@@ -22,6 +22,7 @@ from ..kinds import Kind
 from ..trace import RECORDER
 from .blocks import Block
 from .buffer_arena import BufferArena
+from .device_memory import context_bytes, cublas_workspace_bytes
 from .host_allocator import advise_fresh
 
 __all__ = ["BudgetError", "DeviceTier", "HostTier", "MemoryPlan", "Tier", "close_tiers", "make_tiers", "release_idle"]
@@ -46,6 +47,8 @@ class Tier(abc.ABC):
         self.name = name
         self.device = device
         self.budget = budget
+        self.budget_words = "" if budget is None else f"{self.budget_key} is {budget} bytes"
+        """The budget in a refusal's words: the key, and on CUDA what it leaves for the engine (``make_tiers``)."""
         self.usage = {kind: 0 for kind in Kind}
         self.peak = 0
         self.arena = BufferArena() if self.resident and device.type == "cpu" else None
@@ -70,7 +73,7 @@ class Tier(abc.ABC):
         if self.budget is not None and self.used + nbytes > self.budget:
             raise BudgetError(
                 f"{self.name} tier: allocating {nbytes} bytes of {kind.value} would hold {self.used + nbytes} bytes, "
-                f"over {self.budget_key} = {self.budget}; raise it or move state to another tier")
+                f"over its budget ({self.budget_words}); raise {self.budget_key} or move state to another tier")
         self.usage[kind] += nbytes
         self.peak = max(self.peak, self.used + self.idle)
         RECORDER.counter(self.name, self.used)
@@ -160,21 +163,34 @@ class HostTier(Tier):
         return aligned_empty(numel * dtype.itemsize, dtype)
 
 
-def _device_budget(value: int | str, device: torch.device) -> int | None:
-    if value != "auto":
-        return int(value)
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return int(free * 0.9)
-    return None  # a CPU "device" is RAM the OS pages; no budget unless the user sets one
+def _device_budget(value: int | str, device: torch.device) -> tuple[int | None, str]:
+    """The device tier's budget for the engine's tensors and the activations, and its words in a refusal:
+    ``memory.device_budget`` as set, less on CUDA what the process holds besides them (device_memory's
+    [Note: a budget CUDA enforces]); "auto": 90% of a GPU's free memory, no budget on a CPU device."""
+    if value == "auto":
+        if device.type == "cuda":
+            budget = int(torch.cuda.mem_get_info(device)[0] * 0.9)
+            return budget, f"memory.device_budget = \"auto\" gives {budget} bytes (90% of the GPU's free memory)"
+        return None, ""  # a CPU "device" is RAM the OS pages; no budget unless the user sets one
+    budget = int(value)
+    if device.type != "cuda":
+        return budget, f"memory.device_budget is {budget} bytes"
+    context, workspace = context_bytes(device), cublas_workspace_bytes(device)
+    left = budget - context - workspace
+    words = (f"memory.device_budget = {budget} leaves {left} bytes for the engine (less {context} for the CUDA "
+             f"context and {workspace} for cuBLAS's workspaces)")
+    if left <= 0:
+        raise BudgetError(f"{words}: raise memory.device_budget past {context + workspace} bytes")
+    return left, words
 
 
 def make_tiers(memory: MemoryConfig, device: torch.device) -> dict[str, Tier]:
     """The resident tiers of a run, by the names config uses (``offload.*.tier``); the engine adds
     ``nvme`` once it knows how much swap space to reserve."""
     host_budget = None if memory.host_budget == "auto" else int(memory.host_budget)
-    return {"device": DeviceTier("device", device, _device_budget(memory.device_budget, device)),
-            "host": HostTier("host", torch.device("cpu"), host_budget)}
+    device_tier = DeviceTier("device", device, None)
+    device_tier.budget, device_tier.budget_words = _device_budget(memory.device_budget, device)
+    return {"device": device_tier, "host": HostTier("host", torch.device("cpu"), host_budget)}
 
 
 def release_idle(tiers: dict[str, Tier]) -> None:
