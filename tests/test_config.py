@@ -16,7 +16,7 @@ DESIGN_KEYS = {
     "train": {"micro_batch_size", "grad_accum_steps", "precision", "grad_clip", "seed", "activation_checkpointing",
               "skip_nonfinite", "max_skip_streak", "threads", "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis", "min_loss_scale"},
     "optimizer": {"type", "lr", "betas", "eps", "weight_decay", "momentum", "master", "moments",
-                  "update_in_backward"},
+                  "update_in_backward", "updates_in_flight"},
     "scheduler": {"type", "warmup_steps", "total_steps", "min_lr"},
     "zero": {"stage", "unit_modules", "bucket_size", "prefetch_size", "max_live_size", "persist_threshold",
              "overlap_comm"},
@@ -56,6 +56,7 @@ momentum = 0.9
 master = "split"
 moments = "bf16"
 update_in_backward = "off"
+updates_in_flight = 3
 
 [scheduler]
 type = "warmup_cosine"

@@ -215,10 +215,15 @@ def test_only_a_units_own_methods_change_its_fields():
     assert _outside_writes() == []
 
 
+ALL_THREADS = torch.profiler._ExperimentalConfig(profile_all_threads=True)
+"""Updates in backward run on the update worker (update_worker's note): its labels are another thread's."""
+
+
 def test_a_profiled_stage_3_step_shows_its_gathers_and_publications(make_engine):
     engine = make_engine(make_model(), _config(3, offload=HOST))
     (batch,), = make_batches(1, 1, 2)
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
+                                experimental_config=ALL_THREADS) as profile:
         engine.backward(engine(*batch))
         engine.step()
     counts = {name: sum(1 for event in profile.events() if event.name == name)
@@ -237,7 +242,8 @@ def profiled_labels(tmp: str) -> dict[str, int]:
               "nvme": {"path": tmp}}
     (batch,), = make_batches(1, 1, 2)
     with zerooffload.initialize(make_model(), config) as engine:
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
+                                    experimental_config=ALL_THREADS) as profile:
             engine.backward(engine(*batch))
             engine.step()
     names = [event.name for event in profile.events()]

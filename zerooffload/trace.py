@@ -10,7 +10,10 @@ tracks, per rank:
   <unit>`` from the previous unit's last gradient to this one's, ``backward: reduce`` after, then
   ``step`` with ``update <unit>`` inside. Only what the engine runs is covered: the user's loss
   between forward and backward is a gap;
-- ``waits``: time the main thread was blocked on an NVMe transfer (red, ``bytes`` in its args);
+- ``updates``: the update worker's units' updates in backward (``update <unit>``, update_worker's note),
+  beside the backward they run under; its own waits on NVMe transfers are red spans inside them;
+- ``waits``: time the main thread was blocked on an NVMe transfer (red, ``bytes`` in its args), or on the
+  update worker (``wait: updates``);
 - ``nvme read`` / ``nvme write``: each block transfer from submission to the wait that saw it done,
   as async spans with their ``bytes`` (the same bytes ``engine.stats.io`` counts, at submission);
 - ``collectives``: launches of all-reduces, reduce-scatters and all-gathers (the labels torch.profiler
@@ -37,7 +40,7 @@ from torch.utils.hooks import RemovableHandle
 
 __all__ = ["RECORDER", "ArmedTrace", "Recorder", "forward_segments", "profiled", "segment", "span", "write_trace"]
 
-TRACKS = ("main", "waits", "nvme read", "nvme write", "collectives")
+TRACKS = ("main", "updates", "waits", "nvme read", "nvme write", "collectives")
 """Track names in the order they are shown (their ``tid``)."""
 
 
@@ -55,6 +58,8 @@ class Recorder:
         """Transfers begun and not yet seen done: id -> (track, key)."""
         self._stack: list[list] = []
         """The main thread's open segments, innermost last: ``[name, since]``."""
+        self._thread = threading.local()
+        """Per thread: the track its waits go to (``redirect_waits``), where it is not ``waits``."""
 
     def start(self) -> None:
         self.events, self.active, self._stack, self._open = [], True, [], {}
@@ -76,12 +81,18 @@ class Recorder:
         with self._lock:
             self.events.append(event)
 
+    def redirect_waits(self, track: str) -> None:
+        """This thread's waits are spans of ``track`` (still red): a worker's stalls are not the main thread's."""
+        self._thread.waits = track
+
     def complete(self, name: str, track: str, start: float, end: float, **args: Any) -> None:
         """One span of ``track`` from ``start`` to ``end`` (``time.perf_counter`` seconds)."""
         if self.active:
+            wait = track == "waits"
+            track = getattr(self._thread, "waits", track) if wait else track
             event = {"name": name, "ph": "X", "ts": self._us(start), "dur": (end - start) * 1e6,
                      "tid": TRACKS.index(track), "args": args}
-            if track == "waits":
+            if wait:
                 event["cname"] = "terrible"  # red in the viewers: a stall
             self._add(event)
 
@@ -150,8 +161,11 @@ _UNLABELLED = contextlib.nullcontext()
 def profiled(name: str) -> ContextManager:
     """``record_function(name)`` while torch.profiler records, else nothing: entering a label costs
     ~8 µs of dispatch even with no profiler running, and a step enters one per block moved, unit
-    updated and gather, dozens of times."""
-    return record_function(name) if torch.autograd._profiler_enabled() else _UNLABELLED
+    updated and gather, dozens of times. A profile of every thread (``experimental_config=
+    torch.profiler._ExperimentalConfig(profile_all_threads=True)``) is on for no thread in particular,
+    and shows the update worker's labels too (update_worker's note)."""
+    recording = torch.autograd._profiler_enabled() or torch.autograd.profiler._is_profiler_enabled
+    return record_function(name) if recording else _UNLABELLED
 
 
 @contextlib.contextmanager

@@ -59,6 +59,10 @@ class OptimizerConfig(Section):
         "auto", "update units whose gradients leave the device in the backward that closes a window (auto: "
         "unless fp16; with train.grad_clip only units whose optimizer state is on nvme, tentatively: the step "
         "commits the update, or redoes it clipped when the global norm exceeds the clip)")
+    updates_in_flight: int = option(
+        1, "updates in backward handed to the update worker at once, which runs them beside the rest of backward "
+        "(the device works on while the CPU updates); each holds its unit's reduced gradient until it is done, "
+        "so this bounds that memory; 0: each runs in the autograd thread, which waits for it", min=0, max=8)
 
     def check(self) -> None:
         for i, beta in enumerate(self.betas):

@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import abc
+import threading
 
 import torch
 
@@ -51,6 +52,9 @@ class Tier(abc.ABC):
         """The budget in a refusal's words: the key, and on CUDA what it leaves for the engine (``make_tiers``)."""
         self.usage = {kind: 0 for kind in Kind}
         self.peak = 0
+        self._lock = threading.RLock()
+        """Allocations and frees come from the autograd thread and the update worker (update_worker's note)
+        at once: the counts and the arena change under this lock."""
         self.arena = BufferArena() if self.resident and device.type == "cpu" else None
         """Engine buffers kept for reuse in CPU memory (buffer_arena's [Note: buffer arena])."""
         self._huge_pages = self.resident and device.type == "cpu" and not torch.cuda.is_available()
@@ -85,13 +89,15 @@ class Tier(abc.ABC):
     def empty(self, kind: Kind, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """An uninitialized 1-D tensor of ``numel`` elements, counted against this tier as ``kind``
         (an engine buffer may be one the arena kept)."""
-        reused = self.arena.take(numel, dtype) if kind is Kind.BUFFER and self.arena is not None else None
-        self._account(kind, numel * dtype.itemsize)
+        with self._lock:
+            reused = self.arena.take(numel, dtype) if kind is Kind.BUFFER and self.arena is not None else None
+            self._account(kind, numel * dtype.itemsize)
         if reused is not None:
             return reused
         tensor = self._allocate(numel, dtype)
         if kind is Kind.BUFFER and self.arena is not None:
-            self.arena.lend(tensor)
+            with self._lock:
+                self.arena.lend(tensor)
         return tensor
 
     def zeros(self, kind: Kind, numel: int, dtype: torch.dtype) -> torch.Tensor:
@@ -101,15 +107,17 @@ class Tier(abc.ABC):
         """Stop counting ``tensor`` (the caller drops its references; memory returns when they are gone,
         or an engine buffer waits in the arena for its next use)."""
         if tensor is not None:
-            self.usage[kind] -= tensor.numel() * tensor.element_size()
-            RECORDER.counter(self.name, self.used)
-            if kind is Kind.BUFFER and self.arena is not None:
-                self.arena.give_back(tensor)
+            with self._lock:
+                self.usage[kind] -= tensor.numel() * tensor.element_size()
+                RECORDER.counter(self.name, self.used)
+                if kind is Kind.BUFFER and self.arena is not None:
+                    self.arena.give_back(tensor)
 
     def release_idle(self) -> None:
         """Let the buffers the arena keeps go: at the end of a phase, or to make room."""
         if self.arena is not None:
-            self.arena.clear()
+            with self._lock:
+                self.arena.clear()
 
     def release_storage(self, kind: Kind, tensor: torch.Tensor) -> None:
         """Free ``tensor``'s memory now but keep the tensor, and every view of it, for ``restore_storage``.
@@ -136,7 +144,8 @@ class Tier(abc.ABC):
     def restore_storage(self, kind: Kind, tensor: torch.Tensor) -> None:
         """Give a tensor whose storage was released its memory back (contents undefined), counted as ``kind``."""
         nbytes = tensor.numel() * tensor.element_size()
-        self._account(kind, nbytes)
+        with self._lock:
+            self._account(kind, nbytes)
         tensor.untyped_storage().resize_(nbytes)
         if self._huge_pages:
             advise_fresh(tensor)

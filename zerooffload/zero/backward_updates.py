@@ -33,10 +33,27 @@ clip-then-update either way. What it costs: twice the units' optimizer blocks on
 written once (and read back for a redo), and a redo is one more read and write of the redone blocks
 in the step. Blocks in memory are changed in place, which cannot be undone without a second copy in
 RAM, so those units keep their updates in the step under a clip.
+
+[Note: updates off the autograd thread]
+``take`` runs in the autograd thread (in the reducer's hand-off); the update itself (``_update``: the
+block's turn in the stream, the window's gradient, the optimizer, the new weights sent) runs on the update
+worker (update_worker's [Note: the update worker]), at most ``optimizer.updates_in_flight`` units at once,
+so the device computes the next units' backward while the CPU updates. ``take`` does what must happen at
+once: the non-finite check (a skip or a refusal, as above, after the updates in flight are joined), the
+unit marked UPDATED (its norm's tensor filled by the update, read only after the join), and the gradient
+handed over: at world size 1 the unit's own full gradient, lent (``Handoff.HELD``), at larger world sizes a
+copy of the reducer's part (its buffers are reused at once), rounded to the compute dtype where it is the
+window's whole gradient, exactly as the update would round it. The window joins the worker when the
+backward's reductions end; the update reads and writes only its own unit's block, gradient and weights,
+and the worker issues no collective (its all-gathers start at ``Publication.finish``), so the result is
+bitwise the synchronous one. A split master's update reads its weights from home there, never the gathered
+copy, which backward may free under it.
 """
 from __future__ import annotations
 
 import contextlib
+import enum
+from functools import partial
 from typing import Callable, Iterator
 
 import torch
@@ -46,8 +63,25 @@ from .partition import FlatUnit
 from .publication import Publication
 from .sharded_state import ShardedState
 from .update import Updater
+from .update_worker import UpdateWorker
 
-__all__ = ["BackwardUpdates"]
+__all__ = ["BackwardUpdates", "Handoff"]
+
+
+class Handoff(enum.Enum):
+    """What ``BackwardUpdates.take`` did with a reduced shard."""
+
+    NOT_TAKEN = "not taken"
+    """The unit is not updated in backward: the caller keeps the shard for the step."""
+    TAKEN = "taken"
+    """Updated in backward (or its window skipped): the shard is the caller's again once ``take`` returns."""
+    HELD = "held"
+    """Handed to the update worker with the shard lent to it (the unit's own full gradient, world size 1):
+    the update holds it until it ends, then releases it (``FlatUnit.release_flat_grad``)."""
+
+
+def _nothing() -> None:
+    """What a gradient that holds nothing releases."""
 
 
 class BackwardUpdates:
@@ -78,6 +112,8 @@ class BackwardUpdates:
         self.closes_window = False
         """Whether the backward running now (or the last one) closes its accumulation window: every stage
         reduces in it."""
+        self.worker = UpdateWorker(state.config.optimizer.updates_in_flight, state.comm.device)
+        """Where the updates run (see [Note: updates off the autograd thread])."""
 
     @property
     def active(self) -> bool:
@@ -91,32 +127,60 @@ class BackwardUpdates:
             return
         self._prefetch_window_part(0)
         self._states = self.state.visit(write=True, states=self._opt_states)
-        self._publication = self.updater.publication()
+        self._publication = self.updater.publication(off_thread=self.worker.depth > 0)
         if self.tentative:
             for opt_state in self._opt_states:
                 opt_state.block.hold()
             self._held = list(self._opt_states)
 
-    def take(self, unit: FlatUnit, shard: torch.Tensor, flags: torch.Tensor, loss_scale: float) -> bool:
-        """Update ``unit`` from its last reduced ``shard`` if it updates in backward now (True), given
-        ``flags``: each slot's "had a gradient" count over ranks, then the non-finite count."""
+    def take(self, unit: FlatUnit, shard: torch.Tensor, flags: torch.Tensor, loss_scale: float,
+             lent: bool = False) -> Handoff:
+        """Update ``unit`` from its last reduced ``shard`` if it updates in backward now, given ``flags``: each
+        slot's "had a gradient" count over ranks, then the non-finite count. ``lent``: the shard is the unit's
+        own full gradient, which the update may hold past this call (see [Note: updates off the autograd
+        thread])."""
         if self._states is None or not unit.placement.updates_in_backward:
-            return False
+            return Handoff.NOT_TAKEN
+        position = self._positions[unit.index]
+        if flags[-1] > 0 and self.state.config.train.skip_nonfinite:
+            self._refuse_poisoned_update(unit, position)
+            return Handoff.TAKEN
+        sumsq = torch.zeros((), dtype=torch.float64)
+        # a tentative update's norm is the kept gradient's, read as the step reads it: the clip decides alike
+        unit.mark_updated_in_backward(sumsq)
+        grad, release, handoff = self._hand_over(unit, shard, lent)
+        self.worker.submit(unit.name, partial(self._update, unit, position, grad, flags[:-1], 1.0 / loss_scale,
+                                              sumsq), release)
+        return handoff
+
+    def _hand_over(self, unit: FlatUnit, shard: torch.Tensor, lent: bool
+                   ) -> tuple[torch.Tensor, Callable[[], None], Handoff]:
+        """The gradient the update reads, what lets it go once the update ends, and the hand-off: the shard
+        itself in the autograd thread; for the worker, a lent shard, else a copy (see the note)."""
+        if self.worker.depth == 0:
+            return shard, _nothing, Handoff.TAKEN
+        if lent:
+            return shard, partial(unit.release_flat_grad, self.state.compute), Handoff.HELD
+        whole = not self.tentative and (unit.offloaded_grad is None or not unit.offloaded_grad.written)
+        return shard.to(unit.compute_dtype if whole else shard.dtype, copy=True), _nothing, Handoff.TAKEN
+
+    def _update(self, unit: FlatUnit, position: int, shard: torch.Tensor, flags: torch.Tensor, grad_scale: float,
+                sumsq: torch.Tensor) -> None:
+        """``unit``'s update from its last reduced ``shard`` (on the worker): its optimizer block's turn in the
+        stream, the window's gradient, the update, the new weights sent; ``sumsq`` gets the gradient's norm."""
         opt_state = next(self._states)  # loaded ahead while the previous unit updated
         assert opt_state.unit is unit, "reduced shards arrive in the reducer's fixed order"
-        position = self._positions[unit.index]
         self._prefetch_window_part(position + 1)  # the next unit's, during this update
         with self._window_grad(unit, shard) as grad:
-            if flags[-1] > 0 and self.state.config.train.skip_nonfinite:
-                self._refuse_poisoned_update(unit, position)
-                return True
             if self.tentative:
                 self._note_counters(opt_state)
-            sumsq = self.updater.update_unit(opt_state, flags[:-1], grad, 1.0 / loss_scale, self._publication,
+            total = self.updater.update_unit(opt_state, flags, grad, grad_scale, self._publication,
                                              sumsq=not self.tentative)
-        # a tentative update's norm is the kept gradient's, read as the step reads it: the clip decides alike
-        unit.mark_updated_in_backward(unit.offloaded_grad.sumsq if self.tentative else sumsq)
-        return True
+        sumsq.copy_(unit.offloaded_grad.sumsq if self.tentative else total)
+
+    def join(self) -> None:
+        """Every update of this backward DONE (the first failure raises)."""
+        self.worker.join()
 
     def settle(self, keep: bool) -> list[FlatUnit]:
         """The step's verdict on this window's tentative updates (none: nothing to do): kept, their
@@ -146,7 +210,9 @@ class BackwardUpdates:
                 self._counters.append((state, state["step"].clone()))
 
     def finish(self) -> None:
-        """Backward is over: the last optimizer block stored, the new weights home or all-gathered."""
+        """Backward is over: the updates joined, the last optimizer block stored, the new weights home or
+        all-gathered."""
+        self.worker.join()
         if self._states is None:
             return
         states, publication, self._states, self._publication = self._states, self._publication, None, None
@@ -155,7 +221,9 @@ class BackwardUpdates:
         publication.finish()
 
     def abandon(self) -> None:
-        """Backward failed: let the stream wait for its transfers and free its buffers; keep the first error."""
+        """Backward failed: the update running waited for (the rest dropped), the stream left to wait for its
+        transfers and free its buffers; keep the first error."""
+        self.worker.abandon()
         if self._states is None:
             return
         states, publication, self._states, self._publication = self._states, self._publication, None, None
@@ -165,7 +233,9 @@ class BackwardUpdates:
     def _refuse_poisoned_update(self, unit: FlatUnit, position: int) -> None:
         """A non-finite gradient reached an update in backward. Before the first unit's update the
         window is skipped like any other (the stream closed, later shards discarded); after it, weights
-        have changed and the step cannot be undone, so every rank raises (the flag was summed over ranks)."""
+        have changed and the step cannot be undone, so every rank raises (the flag was summed over ranks).
+        The updates in flight are joined first: those before this unit ran, as in the autograd thread."""
+        self.worker.join()
         name = unit.layout.name or "<root>"
         if position > 0 and not self.tentative:  # tentative updates are undone by the step (settle)
             raise RuntimeError(

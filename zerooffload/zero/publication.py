@@ -19,6 +19,11 @@ tail. An all-gather input is the exception: its frozen rest is copied from the w
 loads (``whole_shards``: a checkpoint, pretrained weights) may change frozen values too: its targets
 cover whole shards, a shard home on NVMe read first so that values the load leaves alone stay, and
 the load writes frozen values into the weights (``frozen_part``).
+
+A round run *off the thread* that issues collectives and frees gathered weights (``off_thread``: the
+update worker's, backward_updates' [Note: updates off the autograd thread]) starts no all-gather in
+``send``: they start, in the order sent, in ``finish``, which that thread calls; and a split master's
+target reads the weights from home, never from a gathered copy that thread may free meanwhile.
 """
 from __future__ import annotations
 
@@ -54,15 +59,19 @@ class Publication:
     """One round's new weights: their targets, and the stores and all-gathers that send them on."""
 
     def __init__(self, comm: Comm, device_tier: Tier, host_tier: Tier, link: LinkStats, shards_off_device: bool,
-                 whole_shards: bool = False, depth: int = STREAM_BUFFERS):
+                 whole_shards: bool = False, depth: int = STREAM_BUFFERS, off_thread: bool = False):
         """``shards_off_device``: partitioned units' shards live in host memory or on NVMe;
         ``whole_shards``: a round of loads, which may change frozen values too (see the note);
-        ``depth``: host buffers of the shard stores in flight (``aio.blocks_in_flight``)."""
+        ``depth``: host buffers of the shard stores in flight (``aio.blocks_in_flight``);
+        ``off_thread``: sends run on the update worker (see the note)."""
         self.comm, self.device_tier, self.link = comm, device_tier, link
         self.shards_off_device = shards_off_device
         self.whole_shards = whole_shards
+        self.off_thread = off_thread
         self.writer = BlockWriter(host_tier, depth=depth)
         self._gathers: list[tuple[torch.Tensor, Any]] = []
+        self._due: list[tuple[FlatUnit, torch.Tensor]] = []
+        """All-gathers sent off the thread, to start in ``finish``: (unit, its input)."""
 
     def target(self, unit: FlatUnit) -> torch.Tensor | None:
         """Where this rank's new weights of ``unit`` are to be written (None: nowhere, see the note)."""
@@ -74,7 +83,8 @@ class Publication:
             # read first on NVMe when frozen values share what is written, so that they stay as they are, and
             # for a split master, whose update reads the weights it rewrites
             split = unit.placement.master_split
-            gathered = split and unit.param_state is ParamState.GATHERED and not block.resident
+            gathered = (split and unit.param_state is ParamState.GATHERED and not block.resident
+                        and not self.off_thread)
             target = self.writer.begin(self._home(unit), read=(mixed or split) and not gathered and not block.resident)
             if gathered:  # the whole block: a step's head may hold frozen values past the trainable part
                 target.copy_(unit.flat_param[unit.shard_range][:target.numel()])
@@ -112,7 +122,13 @@ class Publication:
                 self.writer.commit(self._home(unit))
             elif self._gathered(unit):
                 target[trainable:].copy_(unit.flat_param[unit.shard_range][trainable:])  # frozen: the weights'
-                self._gathers.append((target, all_gather(self.comm, unit.flat_param, target, async_op=True)))
+                if self.off_thread:
+                    self._due.append((unit, target))
+                else:
+                    self._gather(unit, target)
+
+    def _gather(self, unit: FlatUnit, source: torch.Tensor) -> None:
+        self._gathers.append((source, all_gather(self.comm, unit.flat_param, source, async_op=True)))
 
     def _home(self, unit: FlatUnit) -> Block:
         """The block this round writes of a partitioned unit: its shard home, or in a step only the
@@ -133,8 +149,12 @@ class Publication:
             self.link.device_to_host_bytes += nbytes
 
     def finish(self) -> None:
-        """Every store home and every all-gather done (their inputs freed)."""
+        """Every store home and every all-gather done (their inputs freed); in the thread that issues
+        collectives: the all-gathers sent off it start here."""
         with profiled("zerooffload::publish"):
+            due, self._due = self._due, []
+            for unit, source in due:
+                self._gather(unit, source)
             self.writer.finish()
             for source, work in self._gathers:
                 work.wait()
@@ -143,6 +163,10 @@ class Publication:
 
     def abandon(self) -> None:
         """After a failure: wait for what is in flight, so no buffer is freed under a transfer; the
-        first error is the one to see, so this one raises nothing."""
+        first error is the one to see, so this one raises nothing. All-gathers not started are not (the
+        peers may not reach theirs): their inputs are freed."""
+        for _, source in self._due:
+            self.device_tier.free(Kind.BUFFER, source)
+        self._due = []
         with contextlib.suppress(Exception):
             self.finish()

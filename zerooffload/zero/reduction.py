@@ -94,14 +94,16 @@ class GradReducer:
     """Launches and completes gradient collectives for a list of units (see [Note: reduction order])."""
 
     def __init__(self, comm: Comm, units: list[FlatUnit], mode: Mode, bucket_bytes: int, tier: Tier,
-                 on_reduced: Callable[[FlatUnit, torch.Tensor, torch.Tensor | None], None] | None = None,
+                 on_reduced: Callable[[FlatUnit, torch.Tensor, torch.Tensor | None, bool], bool | None] | None = None,
                  flagged: Callable[[FlatUnit], bool] = lambda unit: False):
-        """``on_reduced(unit, shard, flags)`` receives each reduced shard (``REDUCE_SCATTER``), in the
+        """``on_reduced(unit, shard, flags, lent)`` receives each reduced shard (``REDUCE_SCATTER``), in the
         fixed order on every rank, with the unit's flags summed over ranks when ``flagged(unit)`` (each
         slot's "had a gradient" count, then the non-finite count: [Note: flags in the payload]), else
-        None; by default the shard is added to the unit's gradient shard."""
+        None; by default the shard is added to the unit's gradient shard. The shard is the reducer's once
+        the call returns, unless it is ``lent`` (the unit's own full gradient, at world size 1) and the call
+        returns True: then the receiver keeps it and releases it (``FlatUnit.release_flat_grad``)."""
         self.comm = comm
-        self.on_reduced = on_reduced or (lambda unit, shard, flags: unit.add_grad_shard(shard, tier))
+        self.on_reduced = on_reduced or (lambda unit, shard, flags, lent: unit.add_grad_shard(shard, tier))
         self.flagged = flagged
         self.order = units
         self.mode = mode
@@ -145,8 +147,9 @@ class GradReducer:
         unit.begin_reduction(self.tier)  # zeros when this rank had none: the peers may have some
         if self.comm.world_size == 1:  # nothing to sum: no staging, no collective
             if self.mode is Mode.REDUCE_SCATTER:
-                self.on_reduced(unit, unit.flat_grad, self._local_flags(unit) if self.flagged(unit) else None)
-                unit.release_flat_grad(self.tier)
+                flags = self._local_flags(unit) if self.flagged(unit) else None
+                if not self.on_reduced(unit, unit.flat_grad, flags, True):
+                    unit.release_flat_grad(self.tier)
             else:
                 unit.reduced_in_place()
             return
@@ -232,7 +235,7 @@ class GradReducer:
                     count = len(unit.layout.slots) + 1
                     flags = bucket.output[flag_offset:flag_offset + count].double().cpu()
                     flag_offset += count
-                self.on_reduced(unit, bucket.output[offset:offset + unit.layout.shard_numel], flags)
+                self.on_reduced(unit, bucket.output[offset:offset + unit.layout.shard_numel], flags, False)
                 offset += unit.layout.shard_numel
                 unit.release_flat_grad(self.tier)
 

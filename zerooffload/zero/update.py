@@ -36,11 +36,12 @@ class Updater:
         self.state = state
         self.param_scheduler = param_scheduler
 
-    def publication(self, whole_shards: bool = False) -> Publication:
+    def publication(self, whole_shards: bool = False, off_thread: bool = False) -> Publication:
+        """A round of new weights (``Publication``; ``off_thread``: sent from the update worker)."""
         state = self.state
         return Publication(state.comm, state.compute, state.staging, state.link,
                            shards_off_device=state.placement.shards_off_device, whole_shards=whole_shards,
-                           depth=state.depth)
+                           depth=state.depth, off_thread=off_thread)
 
     # ------------------------------------------------------------------ the window's norm and flags
     def norm_and_flags(self) -> tuple[float, list[torch.Tensor]]:

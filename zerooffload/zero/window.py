@@ -40,7 +40,7 @@ from ..precision import LossScaler
 from ..skip_streak import SkipStreak
 from ..tiers import LinkStats
 from ..trace import RECORDER
-from .backward_updates import BackwardUpdates
+from .backward_updates import BackwardUpdates, Handoff
 from .partition import FlatUnit
 from .reduction import GradReducer, Mode, reduction_order
 from .sharded_state import ShardedState
@@ -154,18 +154,21 @@ class Window:
         if self._reduces_now and self.config.zero.overlap_comm:
             self.reducer.mark_ready(unit)  # without overlap_comm, flush() reduces after backward
 
-    def _on_reduced(self, unit: FlatUnit, shard: torch.Tensor, flags: torch.Tensor | None) -> None:
-        """The reducer's hand-off of ``unit``'s reduced shard: updated at once, or kept for the step."""
+    def _on_reduced(self, unit: FlatUnit, shard: torch.Tensor, flags: torch.Tensor | None, lent: bool) -> bool:
+        """The reducer's hand-off of ``unit``'s reduced shard: updated in backward, or kept for the step;
+        whether a ``lent`` shard is kept by its update (which then releases it)."""
         if self.reason is not None:
-            return  # the window will not update: its gradients are not kept
+            return False  # the window will not update: its gradients are not kept
         if unit.grad_leaves:  # for the tier or for the update
             self.link.device_to_host_bytes += shard.numel() * unit.compute_dtype.itemsize
-        if not self.updates.take(unit, shard, flags, self.scaler.scale):
+        handoff = self.updates.take(unit, shard, flags, self.scaler.scale, lent)
+        if handoff is Handoff.NOT_TAKEN:
             unit.add_grad_shard(shard, self.state.compute)
             if self.updates.closes_window:
                 unit.grad_sumsq()  # its part of the step's norm, read while the gradient is fresh
         if self.updates.skipped is not None:
             self.skip(self.updates.skipped)
+        return handoff is Handoff.HELD
 
     @property
     def _reduces_now(self) -> bool:
@@ -211,9 +214,12 @@ class Window:
         return self.scaler.scale / (self.accum if scale_wrt_gas else 1)
 
     def finish_reductions(self) -> None:
-        """Autograd is done: reduce what is left (where this backward reduces) and send kept shards home."""
+        """Autograd is done: reduce what is left (where this backward reduces), join the updates in backward
+        (update_worker's note: nothing after this reads a state they may still write) and send kept shards
+        home (a tentative update stores its kept gradient through the same writer)."""
         if self._reduces_now:
             self.reducer.flush()
+            self.updates.join()
             self.state.grad_writer.finish()
 
     def end_backward(self) -> None:
