@@ -80,7 +80,8 @@ class Bench:
     timeout: int
     """Seconds the full run may take; one that overruns is killed and reported failed, the rest still run."""
     needs: str = ""
-    """"fio": skipped when fio is not on PATH (the reference side cannot be dropped)."""
+    """"fio": skipped when fio is not on PATH (the reference side cannot be dropped); "cuda": a full run is
+    skipped without a CUDA device (its quick run checks the logic on a CPU)."""
     deepspeed: str = ""
     """The option naming DeepSpeed's python, for a benchmark with a DeepSpeed side."""
     slow: bool = False
@@ -113,6 +114,9 @@ BENCHES = [
     Bench("plan_check", "plan_check.py", "--rounds 3 --steps 5", "--rounds 1 --steps 2 --cases fits", 2400,
           slow=True),
     Bench("hf_trainer_1b", "hf_trainer_1b.py", "--steps 10", "--steps 2 --layers 2 --plain-steps 2 --seq 256", 5400,
+          slow=True),
+    # the 7b on one GPU under 24 GiB against no offload and FSDP2 (issue 43); quick: its logic on a CPU
+    Bench("gpu_workstation", "gpu_workstation.py", "", "--preset nano --batch 2 --seq 64", 480, needs="cuda",
           slow=True),
 ]
 RUNS = HERE / "results_runs.json"
@@ -194,6 +198,10 @@ def run(bench: Bench, quick: bool, deepspeed: str | None, workdir: Path) -> Run:
         result.status = "skipped"
         result.notes.append("skipped: fio not installed")
         return result
+    if bench.needs == "cuda" and not quick and not cuda_available():
+        result.status = "skipped"
+        result.notes.append("skipped: no CUDA device")
+        return result
     records = workdir / f"{bench.name}.jsonl"
     log = LOGS / f"{bench.name}.txt"
     timeout = QUICK_TIMEOUT if quick else bench.timeout
@@ -257,11 +265,19 @@ def parse_bench_adam(output: str) -> list[dict]:
 # Command line
 
 
+def cuda_available() -> bool:
+    """Whether torch sees a CUDA device (asked in a child: this process stays free of CUDA)."""
+    probe = "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"
+    return subprocess.run([sys.executable, "-c", probe], capture_output=True).returncode == 0
+
+
 def requirements(bench: Bench, deepspeed: str | None) -> str:
     """What ``bench`` needs, each marked when this machine lacks it."""
     needs = []
     if bench.needs == "fio":
         needs.append("fio" + ("" if shutil.which("fio") else " (missing: skipped)"))
+    if bench.needs == "cuda":
+        needs.append("a CUDA device" + ("" if cuda_available() else " (missing: skipped, but for --quick)"))
     if bench.deepspeed:
         needs.append("DeepSpeed" + ("" if deepspeed else " (missing: its side dropped)"))
     return ", ".join(needs) or "-"
