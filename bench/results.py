@@ -111,6 +111,8 @@ BENCHES = [
     Bench("fault_sweep", "fault_sweep.py", "--trials 10", "--trials 1 --kinds sign-pairs,swap-blocks", 3600,
           slow=True),
     Bench("showcase_7b", "showcase_7b.py", "--steps 3", "--steps 1 --cases cap", 7200, slow=True),
+    Bench("learns_7b", "showcase_7b.py", "--steps 6 --cases defaults", "--steps 1 --cases defaults", 7200,
+          slow=True),
     Bench("plan_check", "plan_check.py", "--rounds 3 --steps 5", "--rounds 1 --steps 2 --cases fits", 2400,
           slow=True),
     Bench("hf_trainer_1b", "hf_trainer_1b.py", "--steps 10", "--steps 2 --layers 2 --plain-steps 2 --seq 256", 5400,

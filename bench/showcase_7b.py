@@ -1,6 +1,9 @@
 #!/usr/bin/env python3
 """The 7b showcase: ``zerooffload train --model 7b --plan auto --steps 3`` on this machine, as a user runs it.
 
+With ``--cases defaults --steps 6``: a plain ``zerooffload train --model 7b`` (its default layout and
+training defaults), held to learning: no loss of its first six above 1.1x the first, the sixth not above it.
+
 The ``7b`` preset (d_model 4096, 32 layers, ~6.4B parameters; train's defaults for its size: bf16, a batch
 of 1 x 1024 tokens, AdamW, clipping at 1.0) under a 60 GB cap on the swap files (``nvme.max_bytes``), and
 each further case's overrides beside it. ``plan`` chooses the layout and the optimizer state's format
@@ -30,19 +33,24 @@ from pairs import record
 
 CASES = {"cap": ("60 GB swap cap", ["nvme.max_bytes=60GB"], None),
          "16gb": ("60 GB cap, 5 GiB budgets (a 16 GB workstation)",
-                  ["nvme.max_bytes=60GB", "memory.host_budget=5GiB", "memory.device_budget=5GiB"], 12e9)}
-"""name: (title, overrides, the bound on peak RSS above the start: None for the plan's own prediction)."""
+                  ["nvme.max_bytes=60GB", "memory.host_budget=5GiB", "memory.device_budget=5GiB"], 12e9),
+         "defaults": ("the default layout, 60 GB swap cap", ["nvme.max_bytes=60GB"], None)}
+"""name: (title, overrides, the bound on peak RSS above the start: None for the plan's own prediction).
+Every case but ``defaults`` runs ``--plan auto``; ``defaults`` is a plain ``train`` (its default layout)."""
+LEARNS = 6
+"""Steps from which a run is held to learning (issue 43): no loss above 1.1x the first, the sixth not above it."""
 SWAP_CAP = 60e9
 
 
-def run(overrides: list[str], steps: int, work: Path) -> tuple[dict | None, str, str, float]:
-    """One ``train --plan auto`` of 7b: its summary (None if it failed), the plan's chosen layout, the
-    last line it printed on failure, and the wall seconds."""
+def run(overrides: list[str], steps: int, work: Path, plan: bool) -> tuple[dict | None, str, str, float]:
+    """One ``train`` of 7b (``--plan auto`` with the swap in ``work`` if ``plan``, else the default layout, its
+    swap folder in ``--out``): its summary (None if it failed), the plan's chosen layout, the last line it
+    printed on failure, and the wall seconds."""
     out, swap = work / "out", work / "swap"
     swap.mkdir(parents=True, exist_ok=True)
     start = time.monotonic()
     done = subprocess.run([sys.executable, "-m", "zerooffload", "train", "--model", "7b", "--steps", str(steps),
-                           "--plan", "auto", "--out", str(out), f"nvme.path={swap}", *overrides],
+                           *(["--plan", "auto", f"nvme.path={swap}"] if plan else []), "--out", str(out), *overrides],
                           capture_output=True, text=True, timeout=4 * 3600)
     wall = time.monotonic() - start
     chosen = re.search(r"^plan: (.*) \(of \d+ that fit\)", done.stderr, re.MULTILINE)
@@ -84,6 +92,14 @@ def report(name: str, rss_bound: float | None, summary: dict | None, layout: str
              f"{measured['step_seconds']:.1f} / {predicted['step_seconds']:.1f} s; floors: compute "
              f"{work['compute']:.1f} s, NVMe {work['nvme_read']:.1f} / {work['nvme_write']:.1f} s")):
         record("check", title=f"7b, {name}: {title}", value=value, target=target, met=met, detail=detail)
+    if len(losses) >= LEARNS:
+        worst = max(losses[:LEARNS]) / losses[0]
+        learns = worst <= 1.1 and losses[LEARNS - 1] <= losses[0]
+        print(f"learns: the highest of the first {LEARNS} losses is {worst:.3f}x the first (≤ 1.1), the sixth "
+              f"{losses[LEARNS - 1]:.3f} against the first {losses[0]:.3f}: {'met' if learns else 'NOT met'}")
+        record("check", title=f"7b, {name}: highest of the first {LEARNS} losses / the first", value=worst,
+               target="≤ 1.1, and the sixth ≤ the first", met=learns,
+               detail=" -> ".join(f"{x:.3f}" for x in losses[:LEARNS]))
 
 
 def main() -> None:
@@ -98,7 +114,7 @@ def main() -> None:
         name, overrides, rss_bound = CASES[case]
         work = Path(tempfile.mkdtemp(prefix="zo-7b-", dir=args.dir))
         try:
-            report(name, rss_bound, *run(overrides, args.steps, work))
+            report(name, rss_bound, *run(overrides, args.steps, work, plan=case != "defaults"))
         finally:
             shutil.rmtree(work, ignore_errors=True)
 

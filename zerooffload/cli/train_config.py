@@ -35,9 +35,14 @@ a minute). Adam's first update moves every weight by the full learning rate (its
 the gradient's sign), which a deep, wide model does not survive at its peak rate: on the 350m preset
 (16 x 1024 tokens a step) a first update at 1e-5 already raised the loss from 5.4 to 6.7, at 3e-6 it
 fell to 4.6; yet the nano preset, started at a hundredth of its peak, spiked from 3.3 to 6.2 at the
-end of its warmup, and not from a tenth. So the warmup starts at a tenth of the peak up to 10M
-parameters and at a hundredth from 300M on, log-linearly between (``min_lr``, also where the cosine
-ends), and lasts longer the larger the model: ``warmup_steps`` (20, or one per 3M parameters). The
+end of its warmup, and not from a tenth. Past 1B the first update must be smaller still: the 7b's
+first step at 1.21e-6 (a hundredth of its peak) took the loss of the batch it stepped on from 5.59 to
+13.6 and of the next from 6.04 to 15.3, and plain PyTorch AdamW on the same weights and batch does the
+same (``bench/first_update.py``): a sign update of that size is no engine defect. So the warmup's
+start falls a decade per 30x in parameters: a tenth of the peak up to 10M parameters, a hundredth at
+300M, a thousandth from 9B on, log-linearly between (``min_lr``, also where the cosine ends; the 7b
+starts at 1.52e-7), and lasts longer the larger the model: ``warmup_steps`` (20, or one per 3M
+parameters). The
 initialization is GPT-2's (``models.gpt``: residual projections scaled by 1/sqrt(2 x layers)). From
 ``BF16_FROM`` parameters on (the ``7b`` preset) the defaults are bf16 and a batch of one sequence: fp32
 matmuls run ~6x slower than bf16 on these CPUs, and a step of 16 x 1024 tokens would take an hour.
@@ -92,9 +97,9 @@ def warmup_steps(params: float) -> int:
 
 def warmup_start(params: float) -> float:
     """The share of the peak learning rate the warmup starts from (see the note): 1/10 up to 10M
-    parameters, 1/100 from 300M, log-linear between."""
-    position = min(max(math.log(params / 1e7) / math.log(30), 0.0), 1.0)
-    return 10 ** (-1 - position)
+    parameters, 1/100 at 300M, 1/1000 from 9B on, log-linear between."""
+    decades = min(max(math.log(params / 1e7) / math.log(30), 0.0), 2.0)
+    return 10 ** (-1 - decades)
 
 
 def train_defaults(params: float) -> dict:
