@@ -19,6 +19,9 @@ class Kind(enum.Enum):
     """fp32 master weights (when separate from the parameters) and optimizer moments."""
     GATHERED = "gathered"
     """Stage 3: full parameters of units gathered for compute (bounded by ``zero.max_live_size``)."""
+    SECONDARY = "secondary"
+    """Stage 3 with hpZ: each partitioned unit's secondary shard, a 1/N share of its gathered parameters kept
+    from its first gather in a training pass to the pass's end (``zero.gathers``' [Note: secondary shards])."""
     BUFFER = "buffer"
     """Engine temporaries: gradients of a unit being reduced, reduce-scatter outputs, staging."""
     ACTIVATION = "activation"
