@@ -19,7 +19,8 @@ DESIGN_KEYS = {
                   "update_in_backward", "updates_in_flight"},
     "scheduler": {"type", "warmup_steps", "total_steps", "min_lr"},
     "zero": {"stage", "unit_modules", "bucket_size", "prefetch_size", "max_live_size", "persist_threshold",
-             "overlap_comm"},
+             "overlap_comm", "quantized_weights", "hpz_partition_size", "quantized_gradients",
+             "quantized_gradients_bits"},
     "offload.param": {"tier", "path"},
     "offload.optimizer": {"tier", "path", "fraction"},
     "offload.activations": {"tier"},
@@ -72,6 +73,10 @@ prefetch_size = "16MB"
 max_live_size = "1.5GiB"
 persist_threshold = 1000
 overlap_comm = false
+quantized_weights = true
+hpz_partition_size = 2
+quantized_gradients = true
+quantized_gradients_bits = 4
 
 [offload.param]
 tier = "nvme"
@@ -131,6 +136,8 @@ def test_every_key_is_read_with_its_value(every_key):
     assert c.optimizer.betas == (0.8, 0.95) and c.optimizer.eps == 1e-6
     assert c.zero.bucket_size == 8 * 2**20 and c.zero.prefetch_size == 16 * 10**6
     assert c.zero.max_live_size == 3 * 2**29 and c.memory.device_budget == 20 * 2**30
+    assert (c.zero.quantized_weights, c.zero.hpz_partition_size, c.zero.quantized_gradients,
+            c.zero.quantized_gradients_bits) == (True, 2, True, 4)
     assert c.nvme.paths == ["/mnt/a", "/mnt/b"] and c.aio.block_size == 4 * 2**20
     default = _sections(zo.Config())
     for name, section in _sections(c).items():

@@ -40,7 +40,7 @@ from functools import reduce
 from typing import Any
 
 from .deepspeed_keys import (ALIASES, DEEPSPEED_DEFAULTS, DIRECT, ELEMENTS, NOT_NEEDED, OFFLOAD_DEVICES, OPTIMIZERS,
-                             PREFIX_ALIASES, SCHEDULERS, SIZES, SPECIAL, TARGETS, Z)
+                             PREFIX_ALIASES, SCHEDULERS, SIZES, SPECIAL, TARGETS, Z, ZERO_PP)
 from .values import ConfigError, dtype_bytes, format_size
 
 __all__ = ["DeepSpeedConfigWarning", "is_deepspeed", "from_deepspeed"]
@@ -289,6 +289,18 @@ def _map_offload(m: _Mapping, stage: int) -> None:
             m.put(f"offload.{key.split('.')[1].removeprefix('offload_')}.path", path, key)
 
 
+def _map_zero_pp(m: _Mapping, stage: int) -> None:
+    """ZeRO++'s keys (``ZERO_PP``) at stage 3; below it ignored and reported, as DeepSpeed, whose stage 3 alone
+    reads them, ignores them there (our qgZ would run at stages 1-2: not what that DeepSpeed run trained with)."""
+    for ds_key, our_key in ZERO_PP.items():
+        if ds_key not in m.ds:
+            continue
+        if stage == 3:
+            m.put(our_key, m.ds[ds_key], ds_key)
+        elif m.ds[ds_key] is True or (not isinstance(m.ds[ds_key], bool) and m.ds[ds_key] != 1):
+            m.ignored.append(f"{m.name(ds_key)} = {m.ds[ds_key]!r} (ZeRO++ runs at stage 3 only)")
+
+
 def from_deepspeed(data: dict, *, schema: type, world_size: int | None = None) -> dict:
     """Our config dict from a DeepSpeed one, checked against ``schema`` (``root.Config``, which calls
     this: passed in, so the two modules do not import each other); warns once about every key not
@@ -309,6 +321,7 @@ def from_deepspeed(data: dict, *, schema: type, world_size: int | None = None) -
     _map_scheduler(m)
     stage = m.count(Z + "stage")
     _map_offload(m, m.schema().zero.stage if stage is None else stage)
+    _map_zero_pp(m, m.schema().zero.stage if stage is None else stage)
     if any(m.written[k] != k and m.written[k].startswith(Z + "aio.") for k in m.written):
         m.approximated.append(f"{Z}aio (DeepSpeed reads aio at the top level only; read as aio)")
     config = _validated(m)

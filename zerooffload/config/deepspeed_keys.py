@@ -6,7 +6,7 @@ elements to bytes, by value, or accepted as not needed; DeepSpeed's own defaults
 from __future__ import annotations
 
 __all__ = ["ALIASES", "DEEPSPEED_DEFAULTS", "DIRECT", "ELEMENTS", "NOT_NEEDED", "OFFLOAD_DEVICES", "OPTIMIZERS",
-           "PREFIX_ALIASES", "SCHEDULERS", "SIZES", "SPECIAL", "TARGETS", "Z"]
+           "PREFIX_ALIASES", "SCHEDULERS", "SIZES", "SPECIAL", "TARGETS", "Z", "ZERO_PP"]
 
 Z = "zero_optimization."
 DIRECT = {
@@ -67,14 +67,20 @@ NOT_NEEDED = {
         "buffer_count", "buffer_size", "max_in_cpu", "pin_memory", "pipeline", "pipeline_read", "pipeline_write",
         "fast_init", "super_offload", "cpuadam_cores_perc")),
 }
+ZERO_PP = {
+    Z + "zero_quantized_weights": "zero.quantized_weights",
+    Z + "zero_hpz_partition_size": "zero.hpz_partition_size",
+    Z + "zero_quantized_gradients": "zero.quantized_gradients",
+}
+"""ZeRO++'s keys: mapped directly at stage 3; below it DeepSpeed ignores them (its stage-3 optimizer reads them)."""
 OPTIMIZERS = {"adam": "adam", "adamw": "adamw", "sgd": "sgd"}
 SCHEDULERS = {"warmuplr": "constant", "warmupdecaylr": "warmup_linear", "warmupcosinelr": "warmup_cosine"}
 OFFLOAD_DEVICES = {"none": "device", "cpu": "host", "nvme": "nvme"}
 SPECIAL = {"train_batch_size", "bf16.enabled", "fp16.enabled", "optimizer.type", "optimizer.params.adam_w_mode",
             "optimizer.params.torch_adam", "scheduler.type", "scheduler.params.warmup_type",
             "scheduler.params.cos_min_ratio", "scheduler.params.warmup_min_ratio",
-            *(f"{Z}offload_{s}.{k}" for s in ("param", "optimizer") for k in ("device", "nvme_path"))}
-TARGETS = {**DIRECT, **ELEMENTS, "train_batch_size": "train.micro_batch_size", "bf16.enabled": "train.precision",
+            *(f"{Z}offload_{s}.{k}" for s in ("param", "optimizer") for k in ("device", "nvme_path")), *ZERO_PP}
+TARGETS = {**DIRECT, **ZERO_PP, **ELEMENTS, "train_batch_size": "train.micro_batch_size", "bf16.enabled": "train.precision",
             "fp16.enabled": "train.precision", "optimizer.type": "optimizer.type",
             Z + "offload_param.device": "offload.param.tier",
             Z + "offload_optimizer.device": "offload.optimizer.tier"}

@@ -102,11 +102,33 @@ class ZeroConfig(Section):
                               above=0)
     persist_threshold: int = option(0, "stage 3: units with fewer parameters stay gathered", min=0)
     overlap_comm: bool = option(True, "overlap gradient reduction with backward")
+    quantized_weights: bool = option(
+        False, "stage 3 (qwZ, ZeRO++): each unit's weight all-gathers cross the wire as int8 per block with an fp32 "
+        "scale per block, dequantized into the compute dtype on arrival; the fp32 masters and optimizer states never "
+        "see the quantization (docs/zero-plus-plus.md)")
+    hpz_partition_size: int = option(
+        1, "stage 3 (hpZ, ZeRO++): after a unit's forward gather each rank keeps a 1/N share of it in device memory "
+        "and backward gathers it from those N ranks of its node; 1 = off; N is the ranks per node (torchrun's "
+        "LOCAL_WORLD_SIZE) or a divisor of it; lossless", min=1)
+    quantized_gradients: bool = option(
+        False, "stages 1-3 (qgZ, ZeRO++): each gradient reduce-scatter runs as quantize, all-to-all within the node, "
+        "sum in fp32, quantize, all-to-all across nodes, sum in fp32: each node's data crosses the link once")
+    quantized_gradients_bits: Literal[8, 4] = option(8, "bits per gradient element on the wire with "
+                                                        "zero.quantized_gradients")
 
     def check(self) -> None:
         if self.prefetch_size > self.max_live_size:
             raise ConfigError(f"zero.prefetch_size = {self.prefetch_size}: must be <= zero.max_live_size "
                               f"({self.max_live_size}): prefetched units are live")
+        stage3_only = (("quantized_weights", "true", self.quantized_weights),
+                       ("hpz_partition_size", self.hpz_partition_size, self.hpz_partition_size > 1))
+        for key, value, on in stage3_only:
+            if on and self.stage != 3:
+                raise ConfigError(f"zero.{key} = {value}: it changes stage 3's parameter gathers, and "
+                                  f"zero.stage = {self.stage}; set zero.stage = 3")
+        if self.quantized_gradients and self.stage == 0:
+            raise ConfigError("zero.quantized_gradients = true: it quantizes a reduce-scatter, and zero.stage = 0 "
+                              "all-reduces; set zero.stage to 1, 2 or 3")
 
 
 _TIERS = Literal["device", "host", "nvme"]
