@@ -22,7 +22,6 @@ shards wait changes its own reads and writes only, nothing any collective depend
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Callable
 
@@ -31,6 +30,7 @@ from torch import nn
 
 from .activations import ActivationProfile
 from .block_stream import GRAD_READS, STREAM_BUFFERS, grad_read_depth, stream_depth
+from .comm.topology import local_world_size
 from .config import Config, ConfigError, dtype_bytes
 from .optim.optimizer import moment_names
 from .optim.state import state_bytes
@@ -165,8 +165,9 @@ def _storage_bytes(module: nn.Module) -> int:
 
 
 def local_ranks(world_size: int) -> int:
-    """Ranks sharing this machine's RAM (torchrun's LOCAL_WORLD_SIZE; all of them without it)."""
-    return int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    """Ranks sharing this machine's RAM: a node's (comm.topology reads torchrun's LOCAL_WORLD_SIZE; all of
+    them without it)."""
+    return local_world_size(world_size)
 
 
 def place_activations(plan: MemoryPlan, activations: ActivationProfile | None, config: Config, device: torch.device) -> int:

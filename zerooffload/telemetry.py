@@ -135,6 +135,10 @@ class StepStats:
     """Wall time of the window per phase of ``PHASES`` ([Note: phases])."""
     predicted: Prediction | None = None
     """The plan's prediction for such a step, when the engine was given one (``initialize(prediction=)``)."""
+    intra_node_bytes: int = 0
+    """Bytes this rank's data collectives sent to ranks of its own node in the window."""
+    inter_node_bytes: int = 0
+    """Bytes this rank's data collectives sent to other nodes in the window: its share of the link's traffic."""
 
     @property
     def prefetch_hit_rate(self) -> float | None:
@@ -200,4 +204,5 @@ class WindowMeter:
             control_elements=counters.control_elements, memory=memory, prefetch=dataclasses.replace(self.prefetch),
             io=dataclasses.replace(self.io), link=dataclasses.replace(self.link),
             seconds=now - self.started, undone_updates=undone_updates, phase_seconds=MappingProxyType(phases),
-            predicted=self.predicted)
+            predicted=self.predicted, intra_node_bytes=counters.intra_node_bytes,
+            inter_node_bytes=counters.inter_node_bytes)

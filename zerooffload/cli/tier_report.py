@@ -22,7 +22,8 @@ from dataclasses import dataclass, field
 
 __all__ = ["TierLog", "tier_lines", "tier_summary"]
 
-_FIELDS = ("nvme_read", "nvme_write", "host_to_device", "device_to_host")
+_FIELDS = ("nvme_read", "nvme_write", "host_to_device", "device_to_host", "intra_node", "inter_node")
+"""Bytes a step moved: NVMe, host <-> device, and what this rank's collectives sent within and across nodes."""
 _ALWAYS = ("param", "grad", "optimizer")
 """The kinds shown even where no tier holds them: the model states a reader looks for."""
 
@@ -38,7 +39,8 @@ class TierLog:
         """Log the step ``stats`` (``engine.stats``) describes."""
         self.steps.append({"nvme_read": stats.io.read_bytes, "nvme_write": stats.io.write_bytes,
                            "nvme_wait": stats.io.wait_seconds, "host_to_device": stats.link.host_to_device_bytes,
-                           "device_to_host": stats.link.device_to_host_bytes})
+                           "device_to_host": stats.link.device_to_host_bytes,
+                           "intra_node": stats.intra_node_bytes, "inter_node": stats.inter_node_bytes})
         for tier, kinds in stats.memory.bytes_by_tier.items():
             held = self.at_rest.setdefault(tier, {})
             for kind, nbytes in kinds.items():
