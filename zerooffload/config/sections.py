@@ -37,6 +37,14 @@ class TrainConfig(Section):
     loss_scale_window: int = option(2000, "fp16: steps without overflow before the scale doubles", min=1)
     hysteresis: int = option(2, "fp16: overflows tolerated before the scale halves", min=1)
     min_loss_scale: float = option(1.0, "fp16: the dynamic scale never drops below this", above=0)
+    async_save: bool = option(True, "zerooffload train --save-every saves without stopping the loop: the state is "
+                                    "copied at the step boundary and its files written while training goes on "
+                                    "(engine.save_checkpoint(..., blocking=False)); false: each save returns once "
+                                    "its checkpoint is published")
+    save_staging: int = option("1GiB", "host memory a non-blocking save copies the state into while its writes "
+                                       "land (at most this rank's checkpoint data file; the memory plan counts it); "
+                                       "past it the save waits for its oldest writes before it returns",
+                               size=True, min=4096)
 
 
 @section
