@@ -68,6 +68,7 @@ def _engine_call(method: Any) -> Any:
     def guarded(self: "Engine", *args: Any, **kwargs: Any) -> Any:
         self.ensure_open(method.__name__)
         with failing_together(self.comm):
+            self.saves.check()  # a background save's error surfaces here (async_save's note)
             return method(self, *args, **kwargs)
     return guarded
 
@@ -114,6 +115,7 @@ class Engine:
         if config.train.activation_checkpointing:
             checkpoint_blocks([unit.layout for unit in self.units], self.host_activations)
         self._stats: StepStats | None = None
+        self.saves = checkpoint.Saves(self, checkpoint.load_checkpoint)  # saves (one in the background) and loads
         self._closed = False
         self._trace: ArmedTrace | None = None
         self._meter = WindowMeter(comm.counters, self.param_scheduler.stats, lambda: self.param_scheduler.live_bytes,
@@ -237,17 +239,18 @@ class Engine:
         """
         self.ensure_open("gathered")
         with failing_together(self.comm):  # the user's block raising on one rank must not strand the others
+            self.saves.check()
             with self.state_dicts.gathered(modifier_rank) as module:
                 yield module
 
     @_engine_call
-    def save_checkpoint(self, directory: str | os.PathLike, tag: str | None = None,
-                        client_state: dict | None = None) -> Path:
+    def save_checkpoint(self, directory: str | os.PathLike, tag: str | None = None, client_state: dict | None = None,
+                        *, blocking: bool = True) -> "Path | checkpoint.SaveHandle":
         """Write the whole training state under ``directory/tag`` (default ``step00000042``) and point
-        ``directory/latest`` at it, atomically; collective. ``client_state``: JSON-serializable."""
-        path = checkpoint.save_checkpoint(self, directory, tag, client_state)
-        self.window.last_checkpoint = str(path)
-        return path
+        ``directory/latest`` at it, atomically; collective. ``client_state``: JSON-serializable.
+        ``blocking=False``: returns a handle (``wait()``, ``done()``) while the files are written
+        (checkpoint.async_save's [Note: saving in the background])."""
+        return self.saves.save(directory, tag, client_state, blocking)
 
     @_engine_call
     def load_checkpoint(self, directory: str | os.PathLike, tag: str | None = None, *,
@@ -255,9 +258,7 @@ class Engine:
         """Restore from ``directory/tag`` (default: ``latest``), whatever world size, stage or tiers
         saved it; returns the saved client state. Collective. ``verify=False`` skips the CRC pass over
         the data files (the manifest's digest is still checked): for files just verified."""
-        client_state = checkpoint.load_checkpoint(self, directory, tag, verify=verify)
-        self.window.last_checkpoint = f"{directory} ({tag or 'latest'})"
-        return client_state
+        return self.saves.load(directory, tag, verify)
 
     @_engine_call
     def train(self, mode: bool = True) -> "Engine":
@@ -288,11 +289,12 @@ class Engine:
         if self._closed:
             return
         self._closed = True
-        if self._trace is not None:  # armed and never finished: the recorder stops with the engine
-            RECORDER.stop()
-            self._trace = None
-        for hook in self._hooks:
-            hook.remove()
-        self._hooks = []
-        self.state.grad_reader.close()
-        close_tiers(self.tiers)
+        with self.saves.closing():  # a save in the background is published first; its error raises after this
+            if self._trace is not None:  # armed and never finished: the recorder stops with the engine
+                RECORDER.stop()
+                self._trace = None
+            for hook in self._hooks:
+                hook.remove()
+            self._hooks = []
+            self.state.grad_reader.close()
+            close_tiers(self.tiers)

@@ -40,6 +40,7 @@ import os
 import re
 import shutil
 import zlib
+from collections import deque
 from pathlib import Path
 from typing import Any, Callable
 
@@ -52,8 +53,8 @@ from ..io.checksum import crc32c
 from ..io.files import open_nofollow, refuse_link
 from ..trace import profiled
 
-__all__ = ["CheckpointError", "ChecksummedWriter", "MANIFEST", "LATEST", "begin_partial", "publish", "recover",
-           "resolve_tag", "load_manifest_json", "write_manifest", "verify_file", "file_record", "fsync_dir",
+__all__ = ["CheckpointError", "ChecksummedWriter", "StagingRing", "MANIFEST", "LATEST", "begin_partial", "publish",
+           "recover", "resolve_tag", "load_manifest_json", "write_manifest", "verify_file", "file_record", "fsync_dir",
            "out_of_space", "read_latest", "refuse_links", "remove_tree"]
 
 logger = logging.getLogger(__name__)
@@ -96,6 +97,47 @@ def _write_text_atomically(path: Path, text: str) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- data files
+ALIGN = 4096
+"""O_DIRECT's alignment of buffers, offsets and lengths."""
+
+
+class StagingRing:
+    """Host memory a save's state is copied into before its writes land, used as a ring: pieces are
+    taken in order and given back in the order their writes finish (oldest first)."""
+
+    def __init__(self, capacity: int):
+        self.capacity = -(-capacity // ALIGN) * ALIGN
+        self.buffer = aligned_empty(self.capacity)
+        self.piece = max(ALIGN, min(4 << 20, self.capacity // 4) // ALIGN * ALIGN)
+        """Most bytes one write stages: a quarter of the ring, so writes overlap; large enough for the disk."""
+        self._spans: deque[tuple[int, int]] = deque()
+
+    def take(self, nbytes: int, wait_oldest: Callable[[], object]) -> torch.Tensor:
+        """``nbytes`` (at most ``piece``) of the ring, after ``wait_oldest`` gave back as many pieces as it
+        took to make room."""
+        length = -(-nbytes // ALIGN) * ALIGN
+        start = self._room(length)
+        while start is None:
+            wait_oldest()
+            start = self._room(length)
+        self._spans.append((start, start + length))
+        return self.buffer[start:start + nbytes]
+
+    def release(self) -> None:
+        """The oldest piece's write finished: its bytes are free."""
+        self._spans.popleft()
+
+    def _room(self, length: int) -> int | None:
+        if not self._spans:
+            return 0
+        tail, head = self._spans[0][0], self._spans[-1][1]
+        if self._spans[-1][0] >= tail:  # in use: [tail, head)
+            if head + length <= self.capacity:
+                return head
+            return 0 if length <= tail else None
+        return head if head + length <= tail else None  # in use: [tail, capacity) and [0, head)
+
+
 class ChecksummedWriter:
     """A file written front to back with O_DIRECT through the async-I/O engine, ``writes_in_flight``
     transfers at a time (``block_stream.InFlight``: [Note: block pipelines]), its CRC32C computed from
@@ -106,10 +148,13 @@ class ChecksummedWriter:
     A known ``size`` is preallocated: ext4 serializes writes that extend a file (half speed here).
     """
 
-    def __init__(self, path: Path, aio: AsyncIO, size: int = 0, writes_in_flight: int = CHECKPOINT_WRITES):
+    def __init__(self, path: Path, aio: AsyncIO, size: int = 0, writes_in_flight: int = CHECKPOINT_WRITES,
+                 ring: StagingRing | None = None):
         self.path = path
         self.aio = aio
-        self._writes = InFlight(writes_in_flight)  # each with its staging buffer, kept until it finished
+        self.ring = ring
+        """Where staged bytes go instead of a buffer of their own: a non-blocking save's (async_save's note)."""
+        self._writes = InFlight(1 << 30 if ring else writes_in_flight)  # each with its staging, kept until it finished
         self.file = open_file(path, "w", direct=aio.config.direct, follow=False)
         self.crc = 0
         self.bytes = 0
@@ -126,17 +171,26 @@ class ChecksummedWriter:
 
     def write(self, tensor: torch.Tensor, nbytes: int = 0) -> None:
         """``tensor``'s bytes next in the file; with ``nbytes``, zeros after them up to that many (a segment
-        padded to its size), filled in the staging buffer, not in a padded copy first."""
-        self._writes.make_room()
+        padded to its size), filled in the staging buffer, not in a padded copy first. Into a ``ring``, in
+        pieces of at most ``ring.piece`` bytes, each waiting for room there (the oldest writes to land)."""
         data = tensor.detach().reshape(-1).view(torch.uint8)
-        staging = aligned_empty(max(nbytes, data.numel()))
-        staging[:data.numel()].copy_(data)  # one copy, from wherever it lives
-        staging[data.numel():].zero_()
-        self.crc = crc32c(staging, self.crc)
-        with profiled(BLOCK_WRITE):
-            handle = self.aio.write(self.file, staging, self.bytes)
-        self._writes.add(handle, staging)
-        self.bytes += staging.numel()
+        total = max(nbytes, data.numel())
+        step = self.ring.piece if self.ring else total
+        for start in range(0, total, step or 1):
+            length = min(step, total - start)
+            if self.ring:
+                staging = self.ring.take(length, self._writes.wait_oldest)
+            else:
+                self._writes.make_room()
+                staging = aligned_empty(length)
+            filled = max(0, min(length, data.numel() - start))
+            staging[:filled].copy_(data[start:start + filled])  # one copy, from wherever it lives
+            staging[filled:].zero_()
+            self.crc = crc32c(staging, self.crc)
+            with profiled(BLOCK_WRITE):
+                handle = self.aio.write(self.file, staging, self.bytes)
+            self._writes.add(handle, staging, self.ring.release if self.ring else None)
+            self.bytes += length
 
     def close(self) -> dict:
         """Wait for every write (the first failure raises once all landed), fsync and close; the

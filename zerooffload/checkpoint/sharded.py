@@ -42,32 +42,16 @@ changes only through its own methods. Every collective goes through ``comm``.
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch import nn
 
-from ..block_stream import checkpoint_depth
-from ..comm import all_gather_object, barrier
-from ..io import AsyncIO
 from ..training_state import Trainable
-from .files import (
-    CheckpointError,
-    ChecksummedWriter,
-    begin_partial,
-    file_record,
-    out_of_space,
-    publish,
-    resolve_tag,
-    write_manifest,
-)
+from .files import CheckpointError, resolve_tag
 from .layout import (
-    FORMAT,
-    VERSION,
     Manifest,
     RankFiles,
     Source,
@@ -78,165 +62,16 @@ from .layout import (
     read_int8_piece,
     read_range,
     read_saved_buffers,
-    shard_segments,
 )
 from .safetensors_file import SafetensorsEntry, write_safetensors
+from .saving import default_tag, persistent_buffers, save_checkpoint
 
 if TYPE_CHECKING:
     from ..optim.state import UnitOptimizerState
-    from ..zero.partition import FlatUnit
     from ..zero.unit_layout import Piece
 
 __all__ = ["CheckpointError", "save_checkpoint", "load_checkpoint", "consolidate", "default_tag", "resolve_tag",
            "read_manifest", "Manifest", "persistent_buffers", "Trainable"]
-
-
-def default_tag(step: int) -> str:
-    return f"step{step:08d}"
-
-
-def persistent_buffers(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
-    """The buffers ``module.state_dict()`` holds, by name: non-persistent ones are not saved."""
-    saved = module.state_dict(keep_vars=True)
-    return [(name, buffer) for name, buffer in module.named_buffers() if name in saved]
-
-
-# ---------------------------------------------------------------------------------------------- layout
-def _unit_record(unit: "FlatUnit") -> dict:
-    layout = unit.layout
-    return {"name": layout.name, "shards": layout.shards, "shard_numel": layout.shard_numel,
-            "slots": [{"names": list(s.names), "offset": s.offset, "numel": s.numel, "shape": list(s.shape),
-                       "trainable": s.trainable} for s in layout.slots]}
-
-
-# ---------------------------------------------------------------------------------------------- save
-def save_checkpoint(engine: Trainable, directory: str | os.PathLike, tag: str | None = None,
-                    client_state: dict | None = None) -> Path:
-    """Write ``engine``'s full training state (see the note); collective: every rank calls it."""
-    directory = Path(directory)
-    tag = tag or default_tag(engine.window.global_steps)
-    _check_tag(tag)
-    if not _jsonable(client_state):
-        raise TypeError(f"client_state must be JSON-serializable (it goes into the manifest): {client_state!r:.200}")
-    rank = engine.comm.rank
-    partial = begin_partial(directory, tag) if rank == 0 else directory / f"{tag}.partial"
-    barrier(engine.comm)
-    files = _write_rank_files(engine, partial)
-    everyone = all_gather_object(engine.comm, (files, _optimizer_steps(engine)))
-    if rank == 0:
-        steps: dict[str, float] = {}
-        for _, per_rank in everyone:  # a parameter may have pieces on several ranks, or on one only
-            steps.update(per_rank)
-        manifest = _manifest(engine, tag, {name: f for per_rank, _ in everyone for name, f in per_rank.items()},
-                             steps, client_state)
-        write_manifest(partial, manifest)
-        publish(partial, tag)
-    barrier(engine.comm)
-    return directory / tag
-
-
-def _check_tag(tag: str) -> None:
-    if not tag or "/" in tag or tag.startswith(".") or tag.endswith((".partial", ".replaced", ".tmp")) \
-            or tag == "latest":
-        raise ValueError(f"checkpoint tag {tag!r}: expected a plain directory name, not 'latest', without '/' "
-                         "and not ending in .partial, .replaced or .tmp")
-
-
-def _write_rank_files(engine: Trainable, partial: Path) -> dict[str, dict]:
-    """This rank's files in ``partial``; name -> size and CRC. Out of room: a ``CheckpointError``
-    naming the directory and the bytes, and this rank's files removed (the previous checkpoint stays)."""
-    rank = engine.comm.rank
-    size = sum(sum(_segments(engine, s)) for s in engine.opt_states if rank < s.unit.layout.shards)
-    try:
-        return _write_rank_data(engine, partial, size)
-    except OSError as error:
-        for name in (rank_file(rank, "bin"), rank_file(rank, "pt"), "buffers.bin" if rank == 0 else ""):
-            if name:
-                with contextlib.suppress(OSError):
-                    (partial / name).unlink()
-        clear = out_of_space(error, partial, size)
-        if clear is None:
-            raise
-        raise clear from error
-
-
-def _write_rank_data(engine: Trainable, partial: Path, size: int) -> dict[str, dict]:
-    """This rank's unit shards (units it holds a shard of) and RNG states; rank 0's also the buffers."""
-    rank = engine.comm.rank
-    with AsyncIO(engine.config.aio) as aio:
-        depth = checkpoint_depth(engine.config.aio)
-        writer = ChecksummedWriter(partial / rank_file(rank, "bin"), aio, size, writes_in_flight=depth)
-        try:
-            for state in engine.state_dicts.visit(write=False):
-                if rank < state.unit.layout.shards:
-                    parts = [engine.state_dicts.fp32_shard(state)]
-                    parts += [part for name in state.moment_names for part in state.stored_moment(name)]
-                    for part, nbytes in zip(parts, _segments(engine, state), strict=True):
-                        writer.write(part, nbytes)
-        finally:
-            files = {rank_file(rank, "bin"): writer.close()}
-        if rank == 0:
-            buffers = ChecksummedWriter(partial / "buffers.bin", aio, writes_in_flight=depth)
-            try:
-                for _, buffer in persistent_buffers(engine.module):
-                    buffers.write(buffer)
-            finally:
-                files["buffers.bin"] = buffers.close()
-    rng_path = partial / rank_file(rank, "pt")
-    rng = {"cpu": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        rng["cuda"] = torch.cuda.get_rng_state_all()
-    torch.save(rng, rng_path)
-    files[rng_path.name] = file_record(rng_path)
-    return files
-
-
-def _segments(engine: Trainable, state: "UnitOptimizerState") -> list[int]:
-    """Bytes of each segment of ``state``'s unit shard in a rank file (``layout.shard_segments``)."""
-    return shard_segments(_unit_record(state.unit), len(state.moment_names), engine.config.optimizer.moments)
-
-
-def _optimizer_steps(engine: Trainable) -> dict[str, float]:
-    """The optimizer step count of each parameter this rank holds a piece of, by its first name."""
-    steps = {}
-    for state in engine.opt_states:
-        for piece, tensor in state.pieces:
-            step = engine.optimizer.state[tensor].get("step")
-            steps[state.unit.layout.slots[piece.slot_index].names[0]] = 0.0 if step is None else float(step)
-    return steps
-
-
-def _manifest(engine: Trainable, tag: str, files: dict, steps: dict[str, float], client_state: dict | None) -> dict:
-    optimizer = engine.optimizer
-    return {
-        "format": FORMAT, "version": VERSION, "tag": tag, "world_size": engine.comm.world_size,
-        "stage": engine.config.zero.stage, "precision": engine.config.train.precision, "config": engine.config.to_toml(),
-        "moments": list(engine.opt_states[0].moment_names) if engine.opt_states else [],
-        "moment_format": engine.config.optimizer.moments,
-        "units": [_unit_record(u) for u in engine.units],
-        "steps": steps,
-        "groups": [{k: v for k, v in g.items() if k != "params" and _jsonable(v)} for g in optimizer.param_groups],
-        "scheduler": None if engine.lr_scheduler is None else _scheduler_state(engine.lr_scheduler),
-        "scaler": engine.scaler.state(),
-        "counters": {"global_steps": engine.window.global_steps, "micro_steps": engine.window.micro_steps,
-                     "skipped_steps": engine.window.skipped_steps},
-        "buffers": [{"name": n, "dtype": str(b.dtype).removeprefix("torch."), "shape": list(b.shape)}
-                    for n, b in persistent_buffers(engine.module)],
-        "client_state": client_state,
-        "files": files,
-    }
-
-
-def _scheduler_state(scheduler: Any) -> dict:
-    return {k: v for k, v in scheduler.state_dict().items() if _jsonable(v)}
-
-
-def _jsonable(value: Any) -> bool:
-    try:
-        json.dumps(value)
-    except (TypeError, ValueError):
-        return False
-    return True
 
 
 # ---------------------------------------------------------------------------------------------- load

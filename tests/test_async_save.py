@@ -1,0 +1,137 @@
+"""Checkpoints saved in the background (``save_checkpoint(blocking=False)``, async_save's [Note: saving in
+the background]): the same files as a blocking save, byte for byte; training on while they are written
+resumes bitwise; a real write error (EFBIG) surfaces at the next engine call as one line; a second save
+and ``close()`` wait for the first. Kills at random moments of a run saving so: bench/save_stall.py."""
+from __future__ import annotations
+
+import os
+import resource
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import zerooffload as zo
+from reference import make_batches, make_model
+from zerooffload.checkpoint import CheckpointError, SaveHandle, read_latest
+
+HOST = {"zero": {"stage": 1}, "offload": {"optimizer": {"tier": "host"}}}
+COMPACT_NVME = {"zero": {"stage": 3}, "train": {"precision": "bf16"},
+                "offload": {"param": {"tier": "nvme"}, "optimizer": {"tier": "nvme"}},
+                "optimizer": {"master": "split", "moments": "int8"}}
+BATCHES = make_batches(6, 1, 4)
+
+
+def _config(base: dict, tmp_path: Path, **train) -> dict:
+    nvme = tmp_path / "swap"
+    nvme.mkdir(exist_ok=True)
+    return {**base, "nvme": {"path": str(nvme)}, "optimizer": {"lr": 1e-2, **base.get("optimizer", {})},
+            "train": {**base.get("train", {}), **train}}
+
+
+def _train(engine, first: int, last: int) -> None:
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    micro = 4 // world
+    for (idx, targets), in BATCHES[first:last]:
+        rows = slice(rank * micro, (rank + 1) * micro)
+        engine.backward(engine(idx[rows], targets[rows]))
+        engine.step()
+
+
+def _files(directory: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(directory.iterdir())}
+
+
+def save_both_ways(base: dict, root: str) -> dict | None:
+    """Every rank: two steps, a blocking save into root/blocking and a non-blocking one of the same state
+    into root/background; rank 0 returns both tags' files."""
+    root_path = Path(root)
+    with zo.initialize(make_model(), _config(base, root_path)) as engine:
+        _train(engine, 0, 2)
+        engine.save_checkpoint(root_path / "blocking", tag="t")
+        handle = engine.save_checkpoint(root_path / "background", tag="t", blocking=False)
+        assert isinstance(handle, SaveHandle) and handle.wait() == root_path / "background" / "t" and handle.done()
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return None
+    return {side: _files(root_path / side / "t") for side in ("blocking", "background")}
+
+
+@pytest.mark.parametrize("base", [HOST, COMPACT_NVME], ids=["host-fp32", "nvme-split-int8"])
+def test_a_non_blocking_save_writes_the_blocking_saves_bytes(tmp_path, base):
+    """Rank file, buffers, RNG states, manifest and its digest: identical, byte for byte."""
+    both = save_both_ways(base, str(tmp_path))
+    assert both["blocking"].keys() == both["background"].keys() >= {"manifest.json", "manifest.sha256",
+                                                                     "rank00000.bin"}
+    assert both["blocking"] == both["background"]
+
+
+def test_at_world_2_a_non_blocking_save_writes_the_blocking_saves_bytes(tmp_path, rank_pools):
+    """Two ranks: their files gathered and published on the saves' own group, the same bytes."""
+    both = rank_pools(2).run(save_both_ways, COMPACT_NVME, str(tmp_path))[0]
+    assert {"rank00000.bin", "rank00001.bin"} <= both["background"].keys()
+    assert both["blocking"] == both["background"]
+
+
+@pytest.mark.parametrize("staging", ["1GiB", 8192], ids=["staged-whole", "ring-smaller-than-the-state"])
+def test_training_on_while_a_save_is_written_resumes_bitwise(tmp_path, make_engine, staging):
+    """Steps run while the save is in flight (a ring smaller than the state: the save waits for its oldest
+    writes past it); a fresh engine loading it and taking the same steps ends bitwise where this one does."""
+    config = _config(HOST, tmp_path, save_staging=staging)
+    engine = make_engine(make_model(), config)
+    _train(engine, 0, 2)
+    handle = engine.save_checkpoint(tmp_path / "ckpt", blocking=False, client_state={"next": 2})
+    _train(engine, 2, 4)
+    straight = engine.full_state_dict()
+    engine.close()
+    assert handle.done() and read_latest(tmp_path / "ckpt") == "step00000002"
+    resumed = make_engine(make_model(seed=1), config)
+    assert resumed.load_checkpoint(tmp_path / "ckpt") == {"next": 2}
+    _train(resumed, 2, 4)
+    after = resumed.full_state_dict()
+    assert all(torch.equal(straight[k], after[k]) for k in straight)
+
+
+def test_a_write_error_surfaces_at_the_next_engine_call_as_one_line(tmp_path, make_engine, monkeypatch):
+    """A real EFBIG: the file size limit drops under the rank file once its preallocation succeeded, so
+    its writes fail in the kernel after the call returned. Nothing is published (latest still names the
+    last good tag), the next engine call raises the blocking save's one-line error, and only once."""
+    engine = make_engine(make_model(), _config(HOST, tmp_path))
+    _train(engine, 0, 1)
+    engine.save_checkpoint(tmp_path / "ckpt", tag="good")
+    limit, handler = resource.getrlimit(resource.RLIMIT_FSIZE), signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    preallocate = os.posix_fallocate
+
+    def preallocate_then_limit(fd: int, offset: int, length: int) -> None:
+        preallocate(fd, offset, length)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (64 << 10, limit[1]))
+    monkeypatch.setattr(os, "posix_fallocate", preallocate_then_limit)
+    try:
+        handle = engine.save_checkpoint(tmp_path / "ckpt", tag="bad", blocking=False)
+        monkeypatch.undo()
+        deadline = time.monotonic() + 30
+        while not handle.done() and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, limit)
+        signal.signal(signal.SIGXFSZ, handler)
+    with pytest.raises(CheckpointError) as raised:
+        _train(engine, 1, 2)
+    message = str(raised.value)
+    assert "file size limit (ulimit -f)" in message and "rank00000.bin" in message and "\n" not in message
+    assert read_latest(tmp_path / "ckpt") == "good" and not (tmp_path / "ckpt" / "bad").exists()
+    _train(engine, 1, 2)  # raised once; the engine trains on and saves again
+    assert engine.save_checkpoint(tmp_path / "ckpt", tag="bad", blocking=False).wait().name == "bad"
+
+
+def test_a_second_save_waits_for_the_first_and_close_waits_for_the_last(tmp_path, make_engine):
+    engine = make_engine(make_model(), _config(HOST, tmp_path, save_staging=8192))
+    _train(engine, 0, 1)
+    first = engine.save_checkpoint(tmp_path / "ckpt", tag="a", blocking=False)
+    second = engine.save_checkpoint(tmp_path / "ckpt", tag="b", blocking=False)
+    assert first.done() and (tmp_path / "ckpt" / "a" / "manifest.json").exists()
+    engine.close()
+    assert second.done() and read_latest(tmp_path / "ckpt") == "b"
+    assert zo.checkpoint.read_manifest(tmp_path / "ckpt", "b").data["tag"] == "b"  # verified: complete

@@ -1,0 +1,159 @@
+"""Checkpoints saved while training goes on: the handle of a save in the background, the staging ring
+its state is copied into, and the engine's saves (at most one in flight, its error never lost).
+
+[Note: saving in the background]
+``engine.save_checkpoint(..., blocking=False)`` takes the state at the step boundary it is called at
+and returns a ``SaveHandle`` (``wait()``, ``done()``, ``path``) while the files are written:
+- *The snapshot*, on the calling thread (``saving.begin_save``): ``<tag>.partial`` is made, the
+  manifest's values (optimizer steps, schedule, scaler, counters, buffers, client state) and the RNG
+  states are taken, and every unit's master and moment shards are copied into the *staging ring*
+  (``StagingRing``: host memory of ``train.save_staging`` bytes at most, never more than this rank's
+  data file, allocated at the first such save and kept for the next) and their CRC32C taken, each
+  piece's write to the file started at once (io_uring, O_DIRECT). When the ring is full the copy
+  waits for its oldest writes to land: past the budget, the state is written before the call
+  returns, so no later update can change bytes not yet saved. State on NVMe is read block by block
+  as a blocking save reads it (``ShardedState.visit``) and goes through the same ring.
+- *The rest* runs on a thread of the save's own (``SaveHandle``): the writes waited for and the files
+  fsynced, then every rank's file records (or its error) gathered, rank 0's manifest and its digest
+  written, the tag published and ``latest`` moved (files' [Note: publishing a tag]), and a closing
+  barrier. At world size > 1 those collectives run on a gloo group made for the saves at the first
+  one (``Saves._comm``), never on the engine's group, whose direct-exchange tags come from one sequence
+  on the training thread.
+- *Crash consistency* is the blocking save's: ``latest`` moves only once every rank's files are
+  durable, so a kill at any point leaves the previous tag intact and loadable.
+- *Ordering*: a second save waits for the first; ``load_checkpoint``, ``close()`` and ``zerooffload
+  train``'s end (and its SIGTERM save) wait for it.
+- *Errors*: a failed write (ENOSPC, EFBIG, EIO) leaves nothing published. Its error surfaces at the
+  next engine call (or ``wait()``, if that comes first) as the one line a blocking save would have
+  raised; at world size > 1 every rank learns it through the gather, and the rank that raises ends
+  the engine's group (comm's [Note: failing together]) so no peer waits for it.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from pathlib import Path
+from typing import Callable, Iterator
+
+import torch
+import torch.distributed as dist
+
+from ..comm import Comm
+from ..training_state import Trainable
+from .files import ALIGN, StagingRing
+from .saving import BegunSave, begin_save, rank_file_bytes, save_checkpoint
+
+__all__ = ["SaveHandle", "Saves"]
+
+class SaveHandle:
+    """A checkpoint being finished in the background (see the note): ``done()`` says whether it ended,
+    ``wait()`` waits and returns its path or raises its error."""
+
+    def __init__(self, begun: BegunSave, comm: Comm):
+        self.path: Path = begun.path
+        self._error: BaseException | None = None
+        self.reported = False
+        """Whether its error was raised already (by ``wait``): the engine does not raise it again."""
+        self._thread = threading.Thread(target=self._finish, args=(begun, comm), name="zerooffload-save",
+                                        daemon=True)
+        self._thread.start()
+
+    def _finish(self, begun: BegunSave, comm: Comm) -> None:
+        try:
+            begun.finish(comm)
+        except BaseException as error:  # raised on the caller's thread by wait()
+            self._error = error
+
+    def done(self) -> bool:
+        return not self._thread.is_alive()
+
+    def wait(self, timeout: float | None = None) -> Path:
+        """The published tag's path, once it is; the save's error, if it failed."""
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            raise TimeoutError(f"the save of {self.path} is still being written after {timeout} s")
+        if self._error is not None:
+            self.reported = True
+            raise self._error
+        return self.path
+
+
+class Saves:
+    """An engine's checkpoint saves and loads: at most one save in the background (see the note)."""
+
+    def __init__(self, engine: Trainable, load: Callable[..., dict | None]):
+        self.engine = engine
+        self._load = load
+        """``load(engine, directory, tag, verify=)``: ``checkpoint.load_checkpoint``, which knows every kind."""
+        self.pending: SaveHandle | None = None
+        self._ring: StagingRing | None = None
+        self._save_comm: Comm | None = None
+
+    def save(self, directory: str | os.PathLike, tag: str | None, client_state: dict | None,
+             blocking: bool) -> Path | SaveHandle:
+        self.wait()
+        if blocking:
+            path = save_checkpoint(self.engine, directory, tag, client_state)
+            self.engine.window.last_checkpoint = str(path)
+            return path
+        begun = begin_save(self.engine, directory, tag, client_state, ring=self._staging())
+        self.pending = SaveHandle(begun, self._comm())
+        return self.pending
+
+    def load(self, directory: str | os.PathLike, tag: str | None, verify: bool) -> dict | None:
+        self.wait()
+        client_state = self._load(self.engine, directory, tag, verify=verify)
+        self.engine.window.last_checkpoint = f"{directory} ({tag or 'latest'})"
+        return client_state
+
+    def check(self) -> None:
+        """At every engine call: a save that ended is settled, its error raised (once)."""
+        if self.pending is not None and self.pending.done():
+            self.wait()
+
+    def wait(self) -> None:
+        """Wait for the save in flight, if any; its error raises unless ``wait()`` raised it already."""
+        handle, self.pending = self.pending, None
+        if handle is None:
+            return
+        reported = handle.reported
+        try:
+            path = handle.wait()
+        except BaseException:
+            if reported:  # the caller's own wait() raised it: not lost, not raised twice
+                return
+            raise
+        self.engine.window.last_checkpoint = str(path)
+
+    @contextlib.contextmanager
+    def closing(self) -> Iterator[None]:
+        """For ``close()``: wait for the save in flight, run the block (the release), then raise the
+        save's error, if it failed."""
+        try:
+            self.wait()
+        except BaseException as error:
+            failure: BaseException | None = error
+        else:
+            failure = None
+        yield
+        if failure is not None:
+            raise failure
+
+    def _staging(self) -> StagingRing:
+        """The ring, made at the first non-blocking save: ``train.save_staging`` bytes, no more than this
+        rank's data file takes."""
+        if self._ring is None:
+            budget = self.engine.config.train.save_staging
+            self._ring = StagingRing(min(budget, max(ALIGN, rank_file_bytes(self.engine))))
+        return self._ring
+
+    def _comm(self) -> Comm:
+        """The saves' own group (gloo over the engine's ranks), made at the first non-blocking save, which
+        every rank calls on its training thread; none alone."""
+        if self._save_comm is None:
+            comm = self.engine.comm
+            group = dist.new_group(list(range(comm.world_size)), backend="gloo") if comm.world_size > 1 else None
+            self._save_comm = Comm(group, comm.rank, comm.world_size, torch.device("cpu"))
+        return self._save_comm
+

@@ -1,0 +1,257 @@
+"""Saving a checkpoint (sharded's [Note: checkpoint layout]): the state taken at a step boundary
+(``begin_save``: the tag's ``.partial`` directory, this rank's data files started, the manifest's values
+gathered), then finished (``BegunSave.finish``: the writes waited for and fsynced, every rank's file
+records gathered, the manifest written and the tag published). A blocking save does both at once; a
+non-blocking one finishes in the background (async_save's [Note: saving in the background]).
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from ..block_stream import checkpoint_depth, wait_each
+from ..comm import all_gather_object, barrier
+from ..io import AsyncIO
+from ..training_state import Trainable
+from .files import (
+    CheckpointError,
+    ChecksummedWriter,
+    StagingRing,
+    begin_partial,
+    file_record,
+    out_of_space,
+    publish,
+    write_manifest,
+)
+from .layout import FORMAT, VERSION, rank_file, shard_segments
+
+if TYPE_CHECKING:
+    from ..comm import Comm
+    from ..optim.state import UnitOptimizerState
+    from ..zero.partition import FlatUnit
+
+__all__ = ["BegunSave", "RankWriters", "begin_save", "default_tag", "persistent_buffers", "rank_file_bytes",
+           "save_checkpoint"]
+
+
+def default_tag(step: int) -> str:
+    return f"step{step:08d}"
+
+
+def persistent_buffers(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """The buffers ``module.state_dict()`` holds, by name: non-persistent ones are not saved."""
+    saved = module.state_dict(keep_vars=True)
+    return [(name, buffer) for name, buffer in module.named_buffers() if name in saved]
+
+
+# ---------------------------------------------------------------------------------------------- layout
+def _unit_record(unit: "FlatUnit") -> dict:
+    layout = unit.layout
+    return {"name": layout.name, "shards": layout.shards, "shard_numel": layout.shard_numel,
+            "slots": [{"names": list(s.names), "offset": s.offset, "numel": s.numel, "shape": list(s.shape),
+                       "trainable": s.trainable} for s in layout.slots]}
+
+
+# ---------------------------------------------------------------------------------------------- save
+def save_checkpoint(engine: Trainable, directory: str | os.PathLike, tag: str | None = None,
+                    client_state: dict | None = None) -> Path:
+    """Write ``engine``'s full training state (see the note); collective: every rank calls it."""
+    return begin_save(engine, directory, tag, client_state).finish(engine.comm)
+
+
+class BegunSave:
+    """A save whose state is taken (``begin_save``): its data files written or being written, the rest
+    of its manifest known. ``finish`` completes it: waits for the writes, fsyncs, gathers the files'
+    records and publishes the tag (async_save's [Note: saving in the background])."""
+
+    def __init__(self, partial: Path, tag: str, writers: "RankWriters", manifest: dict | None):
+        self.partial, self.tag, self.writers, self.manifest = partial, tag, writers, manifest
+        self.path = partial.parent / tag
+
+    def finish(self, comm: "Comm") -> Path:
+        """Collective over ``comm`` (the engine's, or a group of the saves' own): every rank's files, or
+        its error; a rank that failed raises its own error, the others one naming it; nothing is
+        published unless every rank's files are durable."""
+        try:
+            files, failure = self.writers.close(), None
+        except (OSError, CheckpointError) as error:
+            files, failure = {}, error
+        everyone = all_gather_object(comm, (files, None if failure is None else str(failure)))
+        if failure is not None:
+            raise failure
+        failed = [(rank, message) for rank, (_, message) in enumerate(everyone) if message is not None]
+        if failed:
+            raise CheckpointError(f"{self.partial}: rank {failed[0][0]} could not write its files ({failed[0][1]}); "
+                                  "nothing was published, the previous checkpoint is unchanged")
+        if comm.rank == 0:
+            self.manifest["files"] = {name: f for per_rank, _ in everyone for name, f in per_rank.items()}
+            write_manifest(self.partial, self.manifest)
+            publish(self.partial, self.tag)
+        barrier(comm)
+        return self.path
+
+
+def begin_save(engine: Trainable, directory: str | os.PathLike, tag: str | None = None,
+               client_state: dict | None = None, ring: StagingRing | None = None) -> BegunSave:
+    """Take ``engine``'s state at this step boundary: check the tag, make ``<tag>.partial``, start
+    this rank's data files' writes (staged in ``ring`` when given, which bounds what is left in flight;
+    else written through a few buffers before this returns) and gather the manifest's values;
+    collective over the engine's group (on the calling thread)."""
+    directory = Path(directory)
+    tag = tag or default_tag(engine.window.global_steps)
+    _check_tag(tag)
+    if not _jsonable(client_state):
+        raise TypeError(f"client_state must be JSON-serializable (it goes into the manifest): {client_state!r:.200}")
+    rank = engine.comm.rank
+    partial = begin_partial(directory, tag) if rank == 0 else directory / f"{tag}.partial"
+    barrier(engine.comm)
+    writers = _write_rank_files(engine, partial, ring)
+    everyone = all_gather_object(engine.comm, _optimizer_steps(engine))
+    manifest = None
+    if rank == 0:
+        steps: dict[str, float] = {}
+        for per_rank in everyone:  # a parameter may have pieces on several ranks, or on one only
+            steps.update(per_rank)
+        manifest = _manifest(engine, tag, steps, client_state)
+    return BegunSave(partial, tag, writers, manifest)
+
+
+def _check_tag(tag: str) -> None:
+    if not tag or "/" in tag or tag.startswith(".") or tag.endswith((".partial", ".replaced", ".tmp")) \
+            or tag == "latest":
+        raise ValueError(f"checkpoint tag {tag!r}: expected a plain directory name, not 'latest', without '/' "
+                         "and not ending in .partial, .replaced or .tmp")
+
+
+class RankWriters:
+    """This rank's data files being written into ``partial``: ``close`` waits for them, fsyncs and gives
+    their records (name -> size and CRC32C). Out of room: a ``CheckpointError`` naming the directory and
+    the bytes, and this rank's files removed (the previous checkpoint stays)."""
+
+    def __init__(self, partial: Path, rank: int, size: int, aio: AsyncIO):
+        self.partial, self.rank, self.size, self.aio = partial, rank, size, aio
+        self.writers: list[ChecksummedWriter] = []
+        self.files: dict[str, dict] = {}
+
+    def close(self) -> dict[str, dict]:
+        try:
+            with self.aio:
+                wait_each((lambda w=writer: self._close(w)) for writer in self.writers)  # each, even after a failure
+            return self.files
+        except OSError as error:
+            self.remove()
+            clear = out_of_space(error, self.partial, self.size)
+            if clear is None:
+                raise
+            raise clear from error
+
+    def _close(self, writer: ChecksummedWriter) -> None:
+        self.files[writer.path.name] = writer.close()
+
+    def abandon(self) -> None:
+        """After a failure while the writes were being started: let them land, remove the files."""
+        with contextlib.suppress(Exception):
+            self.close()
+        self.remove()
+
+    def remove(self) -> None:
+        for name in (rank_file(self.rank, "bin"), rank_file(self.rank, "pt"), "buffers.bin" if self.rank == 0 else ""):
+            if name:
+                with contextlib.suppress(OSError):
+                    (self.partial / name).unlink()
+
+
+def _write_rank_files(engine: Trainable, partial: Path, ring: StagingRing | None) -> RankWriters:
+    """Start this rank's files in ``partial`` (``RankWriters``): its unit shards (units it holds a shard
+    of), then rank 0's buffers; its RNG states written here."""
+    rank = engine.comm.rank
+    size = rank_file_bytes(engine)
+    writers = RankWriters(partial, rank, size, AsyncIO(engine.config.aio))
+    try:
+        depth = checkpoint_depth(engine.config.aio)
+        writer = ChecksummedWriter(partial / rank_file(rank, "bin"), writers.aio, size, writes_in_flight=depth,
+                                   ring=ring)
+        writers.writers.append(writer)
+        for state in engine.state_dicts.visit(write=False):
+            if rank < state.unit.layout.shards:
+                parts = [engine.state_dicts.fp32_shard(state)]
+                parts += [part for name in state.moment_names for part in state.stored_moment(name)]
+                for part, nbytes in zip(parts, _segments(engine, state), strict=True):
+                    writer.write(part, nbytes)
+        if rank == 0:
+            buffers = ChecksummedWriter(partial / "buffers.bin", writers.aio, writes_in_flight=depth)
+            writers.writers.append(buffers)
+            for _, buffer in persistent_buffers(engine.module):
+                buffers.write(buffer)
+        rng_path = partial / rank_file(rank, "pt")
+        rng = {"cpu": torch.get_rng_state()}
+        if torch.cuda.is_available():
+            rng["cuda"] = torch.cuda.get_rng_state_all()
+        torch.save(rng, rng_path)
+        writers.files[rng_path.name] = file_record(rng_path)
+    except BaseException as error:
+        writers.abandon()
+        clear = out_of_space(error, partial, size) if isinstance(error, OSError) else None
+        if clear is None:
+            raise
+        raise clear from error
+    return writers
+
+
+def rank_file_bytes(engine: Trainable) -> int:
+    """Bytes of this rank's data file: its unit shards' segments."""
+    return sum(sum(_segments(engine, s)) for s in engine.opt_states if engine.comm.rank < s.unit.layout.shards)
+
+
+def _segments(engine: Trainable, state: "UnitOptimizerState") -> list[int]:
+    """Bytes of each segment of ``state``'s unit shard in a rank file (``layout.shard_segments``)."""
+    return shard_segments(_unit_record(state.unit), len(state.moment_names), engine.config.optimizer.moments)
+
+
+def _optimizer_steps(engine: Trainable) -> dict[str, float]:
+    """The optimizer step count of each parameter this rank holds a piece of, by its first name."""
+    steps = {}
+    for state in engine.opt_states:
+        for piece, tensor in state.pieces:
+            step = engine.optimizer.state[tensor].get("step")
+            steps[state.unit.layout.slots[piece.slot_index].names[0]] = 0.0 if step is None else float(step)
+    return steps
+
+
+def _manifest(engine: Trainable, tag: str, steps: dict[str, float], client_state: dict | None) -> dict:
+    optimizer = engine.optimizer
+    return {
+        "format": FORMAT, "version": VERSION, "tag": tag, "world_size": engine.comm.world_size,
+        "stage": engine.config.zero.stage, "precision": engine.config.train.precision, "config": engine.config.to_toml(),
+        "moments": list(engine.opt_states[0].moment_names) if engine.opt_states else [],
+        "moment_format": engine.config.optimizer.moments,
+        "units": [_unit_record(u) for u in engine.units],
+        "steps": steps,
+        "groups": [{k: v for k, v in g.items() if k != "params" and _jsonable(v)} for g in optimizer.param_groups],
+        "scheduler": None if engine.lr_scheduler is None else _scheduler_state(engine.lr_scheduler),
+        "scaler": engine.scaler.state(),
+        "counters": {"global_steps": engine.window.global_steps, "micro_steps": engine.window.micro_steps,
+                     "skipped_steps": engine.window.skipped_steps},
+        "buffers": [{"name": n, "dtype": str(b.dtype).removeprefix("torch."), "shape": list(b.shape)}
+                    for n, b in persistent_buffers(engine.module)],
+        "client_state": client_state,
+        "files": {},
+    }
+
+
+def _scheduler_state(scheduler: Any) -> dict:
+    return {k: v for k, v in scheduler.state_dict().items() if _jsonable(v)}
+
+
+def _jsonable(value: Any) -> bool:
+    try:
+        json.dumps(value)
+    except (TypeError, ValueError):
+        return False
+    return True
