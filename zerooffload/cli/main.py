@@ -28,6 +28,7 @@ from typing import Callable, TextIO
 from ..config import Config, ConfigError, DeepSpeedConfigWarning
 from ..errors import CheckpointError, EngineGroupEnded, SkipStreakError
 from ..log import configure_logging, current_rank
+from .checkpoints import add_checkpoint
 from .train_config import DEFAULT_STEPS
 
 __all__ = ["main"]
@@ -217,29 +218,6 @@ def _add_plan(commands) -> None:
     plan.set_defaults(run=_cmd_plan, usage_error=plan.error)
 
 
-def _cmd_consolidate(args: argparse.Namespace) -> int:
-    from ..checkpoint import consolidate
-    from ..precision import COMPUTE_DTYPES
-
-    try:
-        path = consolidate(args.checkpoint, args.out, COMPUTE_DTYPES[args.dtype], args.tag)
-    except CheckpointError as exc:
-        raise CheckpointError(f"{exc}; consolidate another tag with --tag NAME") from exc
-    print(f"wrote {path} ({path.stat().st_size / 1e6:.1f} MB)")
-    return 0
-
-
-def _add_checkpoint(commands) -> None:
-    checkpoint = commands.add_parser("checkpoint", help="work with saved checkpoints")
-    kinds = checkpoint.add_subparsers(dest="checkpoint_command", required=True, metavar="WHAT")
-    merge = kinds.add_parser("consolidate", help="write a checkpoint's model as one safetensors file")
-    merge.add_argument("checkpoint", metavar="CKPT", help="checkpoint directory (holding 'latest' and tags)")
-    merge.add_argument("out", metavar="OUT.safetensors", help="the safetensors file to write")
-    merge.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="parameter dtype (default fp32)")
-    merge.add_argument("--tag", help="tag to read (default: the one 'latest' names)")
-    merge.set_defaults(run=_cmd_consolidate)
-
-
 def _add_train(commands) -> None:
     from ..models import PRESETS
 
@@ -291,7 +269,7 @@ def _parser() -> argparse.ArgumentParser:
                         help="show the traceback of an error too (also: ZEROOFFLOAD_DEBUG=1)")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_train(commands)
-    _add_checkpoint(commands)
+    add_checkpoint(commands)
     doctor = commands.add_parser("doctor", help="check the native backend, io_uring, O_DIRECT, CUDA, free space")
     _add_config_arguments(doctor)
     doctor.set_defaults(run=_cmd_doctor)
