@@ -86,3 +86,104 @@ def test_accumulate_non_finite_and_zero_blocks():
     with pytest.raises(ValueError, match="adds only to fp32"):
         q.decode(wire, torch.empty(numel, dtype=torch.bfloat16), accumulate=True)
     assert q.wire_bytes(2049, 8) == 2052 + 8 and q.wire_bytes(2049, 4) == 1028 + 8
+
+
+def _shard(rank: int, numel: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(100 * seed + rank)
+    return torch.randn(numel, generator=g) * torch.rand(numel, generator=g) * (rank + 1)
+
+
+def collectives_case(numel: int) -> dict:
+    """At 2 nodes x 2 ranks: a quantized all-gather (fp32 and bf16 output), and quantized reduce-scatters
+    at 8 and 4 bits, two in flight waited in reverse order; what each gave and what the counters said."""
+    from zerooffload.comm import init_comm, quantized_all_gather, quantized_reduce_scatter
+
+    comm = init_comm(local_world_size=2)
+    world, rank, out = comm.world_size, comm.rank, {}
+    for dtype in (torch.float32, torch.bfloat16):
+        gathered = torch.empty(world * numel, dtype=dtype)
+        quantized_all_gather(comm, gathered, _shard(rank, numel, 0).to(dtype))
+        out["ag", dtype] = gathered
+    out["ag_counts"] = (comm.counters.intra_node_bytes, comm.counters.inter_node_bytes, comm.counters.data_bytes)
+    comm.counters.reset()
+    pending = []
+    for bits in (8, 4):
+        result = torch.empty(numel)
+        pending.append((bits, result, quantized_reduce_scatter(comm, result, _shard(rank, world * numel, bits),
+                                                               bits=bits, async_op=True)))
+    for bits, result, work in reversed(pending):
+        work.wait()
+        out["rs", bits] = result
+    out["rs_counts"] = (comm.counters.intra_node_bytes, comm.counters.inter_node_bytes, comm.counters.data_elements)
+    return out
+
+
+def _rs_bound(inputs: list[torch.Tensor], rank: int, bits: int, numel: int) -> torch.Tensor:
+    """The note's bound for rank ``rank`` at 2 nodes x 2: each coded term's amax/qmax/2 of its block; a
+    partial's block amax bounded by its exact one plus its own leg-1 error."""
+    qmax, local, nodes = QMAX[bits], rank % 2, 2
+
+    def half_step(values: torch.Tensor) -> torch.Tensor:  # amax/qmax/2 of each block, per element
+        blocks = torch.nn.functional.pad(values.abs(), (0, -numel % q.BLOCK)).view(-1, q.BLOCK).amax(dim=1)
+        return (blocks / qmax / 2).repeat_interleave(q.BLOCK)[:numel]
+
+    bound = torch.zeros(numel)
+    for node in range(nodes):
+        dest_part = [x.view(4, -1)[rank] for x in inputs[2 * node: 2 * node + 2]]
+        # leg 1 at the node's rank of this local rank: the other local rank's part was coded
+        leg1 = half_step(dest_part[1 - local])
+        bound += leg1
+        if node != rank // 2:  # leg 2: that node's partial was coded
+            bound += half_step((dest_part[0] + dest_part[1]).abs() + leg1)
+    return bound * (1 + 1e-5) + sum(x.view(4, -1)[rank].abs() for x in inputs) * 1e-6
+
+
+def test_quantized_collectives_at_two_nodes_of_two(rank_pools):
+    numel = q.BLOCK + 1000  # two blocks a part, the second short
+    results = rank_pools(4).run(collectives_case, numel)
+    row8, row4 = q.wire_bytes(numel, 8), q.wire_bytes(numel, 4)
+    shards = [_shard(r, numel, 0) for r in range(4)]
+    for rank, r in enumerate(results):
+        for dtype in (torch.float32, torch.bfloat16):  # every row, own included, is the code's: equal on all ranks
+            coded = [q.decode(q.encode(s.to(dtype), torch.empty(row8, dtype=torch.uint8)), torch.empty(numel,
+                                                                                                      dtype=dtype))
+                     for s in shards]
+            assert torch.equal(r["ag", dtype], torch.cat(coded)), (rank, dtype)
+        error = (r["ag", torch.float32] - torch.cat(shards)).abs()
+        assert (error <= torch.cat([_rs_half(s) for s in shards]) * (1 + 1e-5)).all() and error.max() > 0
+        # the shard to 1 peer in the node, 2 outside, coded; DESIGN's elements in wire bytes: 4 rows
+        assert r["ag_counts"] == (2 * row8, 2 * 2 * row8, 2 * 4 * row8)
+        for bits in (8, 4):
+            inputs = [_shard(s, 4 * numel, bits) for s in range(4)]
+            exact = sum(x.view(4, -1)[rank] for x in inputs)
+            error = (r["rs", bits] - exact).abs()
+            assert (error <= _rs_bound(inputs, rank, bits, numel)).all(), (rank, bits)
+            assert error.max() > 0
+        # leg 1: 2 coded parts to the node's other rank; leg 2: 1 coded part across; for each of 8 and 4 bits
+        assert r["rs_counts"] == (2 * (row8 + row4), row8 + row4, 2 * 4 * numel)
+
+
+def _rs_half(shard: torch.Tensor) -> torch.Tensor:
+    blocks = torch.nn.functional.pad(shard.abs(), (0, -shard.numel() % q.BLOCK)).view(-1, q.BLOCK).amax(dim=1)
+    return (blocks / 127 / 2).repeat_interleave(q.BLOCK)[:shard.numel()]
+
+
+def one_level_case(local_world_size: int | None, numel: int) -> tuple:
+    from zerooffload.comm import init_comm, quantized_reduce_scatter
+
+    comm = init_comm(local_world_size=local_world_size)
+    result = torch.empty(numel)
+    quantized_reduce_scatter(comm, result, _shard(comm.rank, 4 * numel, 8))
+    return result, comm.counters.intra_node_bytes, comm.counters.inter_node_bytes
+
+
+def test_one_level_at_one_node_and_at_one_rank_a_node(rank_pools):
+    """One node of 4 (leg 1 alone) and 4 nodes of 1 (leg 2 alone): each peer's part coded once, so the
+    error is within the sum of the peers' amax/127/2."""
+    numel, row = 3000, q.wire_bytes(3000, 8)
+    inputs = [_shard(s, 4 * numel, 8).view(4, -1) for s in range(4)]
+    for local, counts in ((None, (3 * row, 0)), (1, (0, 3 * row))):
+        for rank, (result, intra, inter) in enumerate(rank_pools(4).run(one_level_case, local, numel)):
+            exact = sum(x[rank] for x in inputs)
+            bound = sum(_rs_half(inputs[s][rank]) for s in range(4) if s != rank) * (1 + 1e-5) + exact.abs() * 1e-6
+            assert ((result - exact).abs() <= bound).all() and (intra, inter) == counts, (local, rank)

@@ -20,6 +20,7 @@ import contextlib
 import logging
 import os
 import traceback
+from collections import deque
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Iterator
@@ -74,6 +75,9 @@ class Comm:
     counters: CommCounters = field(default_factory=CommCounters)
     sequence: int = 0
     """Collectives run as direct exchanges so far: the next one's message tag."""
+    staged: deque = field(default_factory=deque)
+    """Multi-stage collectives issued and not yet waited, oldest first: a wait completes the older ones
+    first, so every rank posts their later stages in the same order (quantized's [Note: stages])."""
     ended: str | None = None
     """Why the engine's group was ended after a failure ([Note: failing together]); None while alive."""
 
