@@ -12,14 +12,17 @@ that one rank left by raising would end the engine's group). The check reads the
 than the load does; a resume is rare enough to pay that for not dying on one bad tag.
 
 [Note: pruning]
-After each save rank 0 prunes by the rule the Trainer's folders share (checkpoint.pruning's [Note: one
-pruning rule]): the newest ``--keep-last`` step tags stay, older ones go, never the tag ``latest``
-names, never a tag of another name (someone's own save), and never the last tag saved before a streak
-of skipped windows began (``skip_streak``'s note): while windows are skipped for inf/NaN values the
+After each save is published rank 0 prunes by the rule the Trainer's folders share (checkpoint.pruning's
+[Note: one pruning rule]): the newest ``--keep-last`` step tags stay, older ones go, never the tag
+``latest`` names, never a tag of another name (someone's own save), and never the last tag saved before
+a streak of skipped windows began (``skip_streak``'s note): while windows are skipped for inf/NaN values the
 saves hold no newer model, and pruning them would leave nothing good to go back to. Before each save,
 when the disk has less free space than the newest checkpoint took and ``--keep-last`` is 2 or more,
 the oldest tags go first (the newest that verifies and that spared one stay), said in one line:
 otherwise a full disk would fail every save, since the prune comes only after a save that succeeded.
+A save in the background (``train.async_save``) is published, and pruned after, when it is waited for:
+at the next save or the loop's end (a prune removes the series' ``.partial`` directories, and until
+then one of them is that save's).
 """
 from __future__ import annotations
 

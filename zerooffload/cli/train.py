@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from ..checkpoint import SaveHandle
 from ..config import Config
 from ..data import ByteCorpus
 from ..initialization import initialize
@@ -145,6 +146,8 @@ class _Run:
     stopped_by: signal.Signals | None = None
     saved: Path | None = None
     """The last checkpoint this loop wrote: after a signal, the one holding the steps done."""
+    pending: SaveHandle | None = None
+    """The handle of a save still being written in the background (``train.async_save``), if any."""
     good: str | None = None
     """The tag of the last checkpoint saved outside a skip streak: never pruned (run_checkpoints' note)."""
 
@@ -185,9 +188,10 @@ def _train(args, engine, config: Config, corpus: ByteCorpus, resumed: tuple[int,
         run.stopped_by = stop.agreed(engine.comm)
         if args.save_every and (run.stopped_by is not None or run.last_step % args.save_every == 0
                                 or run.last_step == args.steps):
-            _save(engine, checkpoints, run, args.keep_last)
+            _save(engine, checkpoints, run, args.keep_last, background=config.train.async_save)
         if run.stopped_by is not None:
             break
+    _saved(engine, checkpoints, run, args.keep_last)  # the loop's time includes the last save's writes
     progress.close()
     run.seconds = time.perf_counter() - started
     return run
@@ -200,15 +204,28 @@ def _run_shape(args: argparse.Namespace, config: Config, world: int) -> dict[str
     return {"steps": args.steps, "global_batch": train.micro_batch_size * train.grad_accum_steps * world}
 
 
-def _save(engine, checkpoints: Path, run: _Run, keep: int) -> None:
-    """The periodic save, with room made first and old tags pruned after (run_checkpoints' [Note: pruning])."""
+def _save(engine, checkpoints: Path, run: _Run, keep: int, background: bool) -> None:
+    """The periodic save, with room made first and old tags pruned once it is published (run_checkpoints'
+    [Note: pruning]); with ``background`` (``train.async_save``) written while the loop goes on."""
+    _saved(engine, checkpoints, run, keep)
     if engine.comm.rank == 0:
         make_room(checkpoints, keep, spare=run.good)
-    run.saved = engine.save_checkpoint(checkpoints, client_state={"next_step": run.last_step, "losses": run.losses,
-                                                                  **run.shape})
+    saved = engine.save_checkpoint(checkpoints, client_state={"next_step": run.last_step, "losses": run.losses,
+                                                              **run.shape}, blocking=not background)
+    run.pending, run.saved = (saved, saved.path) if background else (None, saved)
     if engine.window.streak.length == 0:
         run.good = run.saved.name
-    if engine.comm.rank == 0:
+    if not background:
+        _saved(engine, checkpoints, run, keep)
+
+
+def _saved(engine, checkpoints: Path, run: _Run, keep: int) -> None:
+    """The last save published (a save in the background waited for: its error raises here), then the
+    prune after it."""
+    if run.pending is not None:
+        pending, run.pending = run.pending, None
+        pending.wait()
+    if run.saved is not None and engine.comm.rank == 0:
         prune(checkpoints, keep, spare=run.good)
 
 
