@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from zerooffload.comm import Comm
 from zerooffload.zero.partition import ParamState
+from zerooffload.zero.placement import UnitPlacement
 from zerooffload.zero.scheduler import ParamScheduler
 from zerooffload.tiers import Block, DeviceTier, HostTier, Kind
 
@@ -28,6 +29,13 @@ class FakeUnit:
     attach; its parameter states move as partition's [Note: unit states] says, or the test fails."""
 
     compute_dtype = torch.float32
+    placement = UnitPlacement(index=0, trainable=True, partitioned=True, param_home="device", optimizer="device",
+                              update_on="device", keep_full_grad=False, keep_grad_shard=True, grad_leaves=False,
+                              grads_kept=False, grad_home="device", updates_in_backward=False,
+                              updates_tentatively=False, master_is_param=True, master_split=False,
+                              params_in_masters=False, published_by_all_gather=False)
+    """A plain stage 3 unit's: gathered over every rank, unquantized, no secondary shard."""
+    secondary = None
 
     def __init__(self, index: int, name: str, numel: int, tier: DeviceTier):
         self.index = index

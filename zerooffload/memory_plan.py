@@ -224,7 +224,8 @@ def memory_bytes(layouts: list[UnitLayout], placement: Placement, *, compute_byt
                 stream_buffers: int = STREAM_BUFFERS, grad_reads: int = GRAD_READS,
                 swap_stripes: int = 1) -> MemoryPlan:
     """Bytes by tier and kind of ``placement`` ([Note: placement]): full parameters on the device but for
-    partitioned units (a shard each on its home, plus at most ``max_live_bytes`` gathered on the device);
+    partitioned units (a shard each on its home, plus at most ``max_live_bytes`` gathered on the device, and
+    under hpZ a 1/``secondary_parts`` share of each as its secondary shard there, held through a pass);
     optimizer blocks on their tiers (no master for units whose master is the weights; twice for tentative
     updates, stored aside); gradients as placed (full over the window, or a shard that stays, or leaves for
     its grad home when kept for the step);
@@ -252,6 +253,9 @@ def memory_bytes(layouts: list[UnitLayout], placement: Placement, *, compute_byt
         elif p.grads_kept:  # a shard that leaves waits on its grad home for the step (offloaded_grads)
             plan[p.grad_home][Kind.GRAD] += stored_bytes(p.grad_home, u.shard_numel * compute_bytes, swap_stripes)
     plan[device][Kind.GATHERED] = min(max_live_bytes, partitioned_full)
+    # hpZ: every partitioned unit's share, from its forward gather to the pass's end
+    plan[device][Kind.SECONDARY] = sum(u.padded_numel // p.secondary_parts for u, p in units
+                                       if p.secondary_parts > 1) * compute_bytes
     buffers = temporaries(layouts, placement, compute_bytes=compute_bytes, moments=moments, moment_dtype=moment_dtype,
                           bucket_bytes=bucket_bytes, world_size=world_size, max_live_bytes=max_live_bytes,
                           prefetch_bytes=prefetch_bytes, stream_buffers=stream_buffers, grad_reads=grad_reads)

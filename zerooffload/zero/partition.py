@@ -63,6 +63,9 @@ class FlatUnit(UnitGradients):
         self.flat_param: torch.Tensor | None = None
         self.param_block: Block | None = None
         self._placeholder: torch.Tensor | None = None
+        self.secondary: torch.Tensor | None = None
+        """hpZ: this rank's share of the gathered weights, kept for the rest of the training pass (gathers'
+        [Note: secondary shards]); None when it has none."""
         self.flat_grad: torch.Tensor | None = None
         self.grad_shard: torch.Tensor | None = None
         self.master: torch.Tensor | None = None
@@ -236,3 +239,19 @@ class FlatUnit(UnitGradients):
         for slot in self.layout.slots:
             slot.param.data = self._placeholder.expand(slot.shape)
         tier.release_storage(Kind.GATHERED, self.flat_param)
+
+    def keep_secondary(self, tier: Tier, part: int, parts: int) -> None:
+        """Keep share ``part`` of ``parts`` of the gathered weights as the secondary shard, on ``tier``
+        (gathers' [Note: secondary shards]); nothing when it has one already."""
+        if self.secondary is not None:
+            return
+        if self._param_state is not ParamState.GATHERED:
+            raise self._refuse("parameters", "keep_secondary", self._param_state, None, (ParamState.GATHERED,))
+        size = self.layout.padded_numel // parts
+        self.secondary = tier.empty(Kind.SECONDARY, size, self.compute_dtype)
+        self.secondary.copy_(self.flat_param[part * size:(part + 1) * size])
+
+    def drop_secondary(self, tier: Tier) -> None:
+        """Let the secondary shard go (the pass ended: the next step changes the weights it copies)."""
+        tier.free(Kind.SECONDARY, self.secondary)
+        self.secondary = None

@@ -24,6 +24,8 @@ what it can do. The rules:
 - fp32 masters are the weights themselves with fp32 weights and optimizer both on the device; a
   partitioned fp32 unit on NVMe with its optimizer block there and no frozen values reads its shard from
   the block's master segment (*params in masters*), which its own digest verifies (``nvme.checksum``);
+- ZeRO++'s choices are per unit too: quantized gathers and secondary shards for partitioned units,
+  quantized gradient reductions for units reduce-scattered;
 - everything that depends on the stage is decided here too (the shard count, all-reduce or
   reduce-scatter, reductions in every backward or once a window, weights published by an all-gather),
   so that the engine, the memory plan and the planner read a placement, never ``zero.stage``.
@@ -93,6 +95,15 @@ class UnitPlacement:
     published_by_all_gather: bool
     """Its updated weights reach every rank by an all-gather after the update: trainable units at stages
     1–2, and those stage 3 keeps whole (fewer than ``zero.persist_threshold`` parameters)."""
+    quantized_gathers: bool = False
+    """qwZ (``zero.quantized_weights``): a partitioned unit's all-gathers send its shard quantized."""
+    secondary_parts: int = 1
+    """hpZ (``zero.hpz_partition_size``): a partitioned unit keeps a 1/this share of its gathered weights on
+    the device through a training pass, which its later gathers in the pass read within the node
+    (gathers' [Note: secondary shards]); 1: none."""
+    gradient_bits: int = 0
+    """qgZ (``zero.quantized_gradients``): bits per element its gradients' reduce-scatter sends (8 or 4);
+    0: fp32 (reduction's [Note: quantized reductions (qgZ)])."""
 
     @property
     def master_format(self) -> str | None:
@@ -228,7 +239,7 @@ def place(layouts: list[UnitLayout], config: Config, fits: Callable[[Placement],
 def _placement(layouts: list[UnitLayout], config: Config, *, grads_wait_in_host: bool) -> Placement:
     """The placement with the kept shards of blocks on NVMe in host memory (``grads_wait_in_host``) or
     beside their blocks."""
-    stage, offload = config.zero.stage, config.offload
+    stage, offload, zero = config.zero.stage, config.offload, config.zero
     moved = units_to_offload(layouts, offload.optimizer.fraction)
     in_backward, tentative = updates_in_backward(config), config.train.grad_clip > 0
     split = config.optimizer.master == "split"  # its weights, rewritten by a tentative update, could not be undone
@@ -253,6 +264,9 @@ def _placement(layouts: list[UnitLayout], config: Config, *, grads_wait_in_host:
             master_split=config.optimizer.master == "split" and layout.trainable,
             params_in_masters=(fp32 and partitioned and param_home in _NOT_ADDRESSABLE and optimizer in
                                _NOT_ADDRESSABLE and layout.trainable_numel == layout.padded_numel),
-            published_by_all_gather=stage >= 1 and layout.trainable and not partitioned))
+            published_by_all_gather=stage >= 1 and layout.trainable and not partitioned,
+            quantized_gathers=partitioned and zero.quantized_weights,
+            secondary_parts=zero.hpz_partition_size if partitioned else 1,
+            gradient_bits=zero.quantized_gradients_bits if zero.quantized_gradients and stage >= 1 else 0))
     return Placement(tuple(units), shards_off_device=offload.param.tier != COMPUTE, reduce_scatters=stage >= 1,
                      reduces_every_backward=stage >= 2)

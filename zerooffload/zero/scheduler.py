@@ -20,6 +20,9 @@
   need no agreement between ranks; an all-gather waits for its shard's read if it is still running.
   A shard in host memory is copied to the device when its all-gather starts (``tiers.DeviceCopier``:
   on CUDA a side stream and an event; the host buffer is let go only once the copy is done).
+- How a gather runs is ``gathers``' business: over every rank, quantized under ``zero.quantized_weights``,
+  or under hpZ, for a unit gathered before in this training pass, within the node from its secondary
+  shards (gathers' [Note: secondary shards]); such a unit needs no read and no copy of its shard.
 """
 from __future__ import annotations
 
@@ -31,11 +34,12 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from ..comm import Comm, all_gather
+from ..comm import Comm
 from ..block_stream import InFlight, wait_each
 from ..config import ConfigError
 from ..tiers import DeviceCopier, Kind, Tier
 from ..trace import profiled
+from .gathers import Gathers
 from .partition import FlatUnit, ParamState
 
 __all__ = ["PrefetchStats", "ParamScheduler", "gathered_bytes", "check_live_bound"]
@@ -100,6 +104,8 @@ class ParamScheduler:
                  max_live_bytes: int, copier: DeviceCopier | None = None):
         """``copier`` brings shards that live off the device (``offload.param.tier`` host or NVMe) to it."""
         self.comm = comm
+        self.gathers = Gathers(comm, units, tier)
+        """How the all-gathers run, as the units' placements say (ZeRO++'s qwZ and hpZ)."""
         self.copier = copier
         self.units = units
         self.tier = tier
@@ -198,6 +204,7 @@ class ParamScheduler:
             self._active[index] = 0
             if _live(unit):
                 self._free(index)
+        self.gathers.drop(self.units)
 
     # ------------------------------------------------------------------ the trace
     def _follow_trace(self, index: int) -> None:
@@ -256,8 +263,8 @@ class ParamScheduler:
         """Start reading a shard that lives on NVMe into a host buffer (nothing for resident shards)."""
         unit = self.units[index]
         block = unit.param_block
-        if block.resident or unit in self._staged:
-            return
+        if block.resident or unit in self._staged or unit.secondary is not None:
+            return  # a unit with a secondary shard is gathered from it: its primary shard is not read
         self._staged.add(block.load(self.host_tier.empty(Kind.BUFFER, block.nbytes, torch.uint8)), item=unit)
 
     def _unstage_oldest(self) -> None:
@@ -287,13 +294,13 @@ class ParamScheduler:
     def _launch(self, index: int) -> None:
         """Start ``units[index]``'s all-gather (its views attach once it is waited for)."""
         unit = self.units[index]
-        source, releases = self._shard_source(index)
+        source, releases = (None, []) if unit.secondary is not None else self._shard_source(index)
         with profiled("zerooffload::gather"):
             buffer = unit.begin_gather(self.tier)
             self.live_bytes += gathered_bytes(unit)
             self.stats.gathers += 1
             self.stats.peak_live_bytes = max(self.stats.peak_live_bytes, self.live_bytes)
-            self._in_flight[index] = (all_gather(self.comm, buffer, source, async_op=True), releases)
+            self._in_flight[index] = (self.gathers.start(unit, buffer, source), releases)
 
     def _wait(self, index: int) -> None:
         if index not in self._in_flight:
@@ -307,6 +314,7 @@ class ParamScheduler:
             for release in releases:
                 release()
             self.units[index].finish_gather()
+            self.gathers.arrived(self.units[index], self._training)
 
     def _free(self, index: int) -> None:
         self._wait(index)
