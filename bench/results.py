@@ -117,6 +117,9 @@ BENCHES = [
           slow=True),
     Bench("hf_trainer_1b", "hf_trainer_1b.py", "--steps 10", "--steps 2 --layers 2 --plain-steps 2 --seq 256", 5400,
           slow=True),
+    # issue 44: 2 nodes x 2 ranks over a veth in two network namespaces (root), hpZ against plain stage 3 at 200 Mbit/s
+    Bench("two_nodes", "two_nodes.py", "--pair 'zero.hpz_partition_size=2' '' --pairs 5 --rate 200mbit "
+          "train.micro_batch_size=1 train.precision=fp32", "--model nano --warmup 1 --steps 1", 3600, slow=True),
     # the 7b on one GPU under 24 GiB against no offload and FSDP2 (issue 43); quick: its logic on a CPU
     Bench("gpu_workstation", "gpu_workstation.py", "", "--preset nano --batch 2 --seq 64", 480, needs="cuda",
           slow=True),
