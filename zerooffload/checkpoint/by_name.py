@@ -85,7 +85,8 @@ def load_by_name(engine: Trainable, source: NamedSource) -> int:
     """Fill ``engine`` from ``source`` (see the note); returns the step count restored."""
     engine.state_dicts.set_optimizer_states(lambda state, frozen: _fill(state, frozen, source), whole=True)
     for name, buffer in named_buffers(engine.module):
-        buffer.copy_(source.buffers[name])
+        if name in source.buffers:  # checked by the source's loader where it must be there
+            buffer.copy_(source.buffers[name])
     steps = _restore_steps(engine, source)
     _restore_groups(engine, source)
     engine.window.restore(steps, steps * engine.config.train.grad_accum_steps, 0)

@@ -20,14 +20,19 @@ takes, the global batch it keeps, and which old ones ``save_total_limit`` remove
 """
 from __future__ import annotations
 
+import math
 import re
 import sys
 from pathlib import Path
 from typing import Any
 
-from ..checkpoint import CheckpointError, first_verified, pruning, read_manifest, series
+import torch
 
-__all__ = ["ENGINE_DIR", "check_links", "run_shape", "global_batch_for", "newest_loadable", "prune_checkpoints"]
+from ..checkpoint import CheckpointError, first_verified, pruning, read_manifest, series
+from ..checkpoint.by_name import PARAM, NamedSource, Request
+
+__all__ = ["ENGINE_DIR", "check_links", "run_shape", "global_batch_for", "newest_loadable", "prune_checkpoints",
+           "folder_kind", "is_trainer_layout", "trainer_layout_source"]
 
 ENGINE_DIR = "zerooffload"
 """The engine's checkpoint inside each checkpoint-N."""
@@ -43,7 +48,10 @@ def run_shape(args: Any) -> dict:
 
 
 def global_batch_for(checkpoint: Path, args: Any) -> int:
-    """The accumulation that gives ``args``' world size and micro-batch the saved global batch."""
+    """The accumulation that gives ``args``' world size and micro-batch the saved global batch (a plain
+    Trainer's checkpoint does not record it: the arguments' own)."""
+    if folder_kind(checkpoint) == "trainer":
+        return args.gradient_accumulation_steps
     saved = read_manifest(checkpoint / ENGINE_DIR, verify=False).data.get("client_state") or {}
     if not saved:
         return args.gradient_accumulation_steps
@@ -66,6 +74,8 @@ def checkpoint_folders(run_dir: Path) -> list[Path]:
 def newest_loadable(run_dir: Path, rank: int) -> str:
     """The newest checkpoint-N whose engine checkpoint verifies ([Note: Trainer checkpoints])."""
     folders = checkpoint_folders(run_dir)[::-1]
+    if folders and is_trainer_layout(folders[0]):  # the plain Trainer's: nothing to verify it with
+        return str(folders[0])
     found, errors = first_verified([(folder / ENGINE_DIR, None) for folder in folders])
     if found is None and errors:
         raise CheckpointError(f"no checkpoint in {run_dir} verifies: {folders[0].name}: {errors[0]}; "
@@ -90,3 +100,70 @@ def check_links(run_dir: Path) -> None:
     """Before a save: a link among the checkpoint-N names (the one about to be written, those a prune
     would remove, and their leftovers) is refused, never written through nor removed."""
     series(run_dir, _CHECKPOINT)
+
+
+# ---------------------------------------------------------------------------------------------- the Trainer's own layout
+MODEL_FILE, OPTIMIZER_FILE = "model.safetensors", "optimizer.pt"
+"""transformers' SAFE_WEIGHTS_NAME and OPTIMIZER_NAME in a checkpoint-N the plain Trainer wrote."""
+
+
+def is_trainer_layout(folder: Path) -> bool:
+    """A checkpoint-N in the plain Trainer's layout (weights and AdamW state_dict), not the engine's."""
+    return not (folder / ENGINE_DIR).is_dir() and (folder / MODEL_FILE).is_file() and (folder / OPTIMIZER_FILE).is_file()
+
+
+def folder_kind(folder: Path) -> str:
+    """``"engine"`` (ours: ``zerooffload/`` inside) or ``"trainer"`` (the plain Trainer's layout); anything
+    else is refused saying what a resume needs."""
+    if is_trainer_layout(folder):
+        return "trainer"
+    if (folder / ENGINE_DIR).is_dir():
+        return "engine"
+    raise CheckpointError(f"{folder}: neither a zerooffload Trainer checkpoint ({ENGINE_DIR}/) nor a plain Trainer's "
+                          f"({MODEL_FILE} and {OPTIMIZER_FILE}): pass a checkpoint-N folder a Trainer saved")
+
+
+def trainer_layout_source(folder: Path, groups: list[list[str]]) -> NamedSource:
+    """``by_name``'s source over a plain Trainer's checkpoint-N: ``model.safetensors`` read by row ranges,
+    ``optimizer.pt`` (torch.optim.AdamW's state_dict, memory-mapped) whose parameter indices are the plain
+    Trainer's groups in order, ``groups`` (names: weight decay, then none; ``Trainer._param_groups``)."""
+    from safetensors import safe_open
+
+    weights = safe_open(str(folder / MODEL_FILE), framework="pt")
+    saved = torch.load(folder / OPTIMIZER_FILE, mmap=True, weights_only=True)
+    names = _indexed_names(folder, saved, groups)
+    state = {names[index]: values for index, values in saved["state"].items()}
+    settings = {names[i]: {k: v for k, v in group.items() if k != "params"}
+                for group in saved["param_groups"] for i in group["params"]}
+    stored = set(weights.keys())
+
+    def read(requests: list[Request]) -> None:
+        for request in requests:
+            if request.kind == PARAM:
+                name = next((n for n in request.names if n in stored), None)
+                if name is None:
+                    raise CheckpointError(f"{folder / MODEL_FILE}: no tensor for {request.names[0]} (nor its tied names)")
+                piece = weights.get_slice(name)
+                row = math.prod(piece.get_shape()[1:])
+                lo, hi = request.start // row, -(-request.stop // row)
+                values = piece[lo:hi].reshape(-1) if piece.get_shape() else weights.get_tensor(name).reshape(-1)
+                request.out.copy_(values[request.start - lo * row:request.stop - lo * row])
+            else:
+                moments = next((state[n] for n in request.names if n in state), None)
+                if moments is not None and request.kind in moments:
+                    request.out.copy_(moments[request.kind].reshape(-1)[request.start:request.stop])
+
+    steps = {name: float(values["step"]) for name, values in state.items() if "step" in values}
+    buffers = {name: weights.get_tensor(name) for name in stored if name not in names.values()}
+    return NamedSource(read, steps, settings, buffers)
+
+
+def _indexed_names(folder: Path, saved: dict, groups: list[list[str]]) -> dict[int, str]:
+    """optimizer.pt's parameter indices -> names, checked: the same groups of the same sizes."""
+    sizes = [len(group["params"]) for group in saved["param_groups"]]
+    if sizes != [len(names) for names in groups]:
+        raise CheckpointError(f"{folder / OPTIMIZER_FILE}: parameter groups of {sizes} parameters, but this model's "
+                              f"Trainer groups (weight decay, none) hold {[len(n) for n in groups]}: saved from another "
+                              "model or another optimizer setup")
+    return {index: name for group, names in zip(saved["param_groups"], groups) for index, name in
+            zip(group["params"], names)}

@@ -40,14 +40,24 @@ import transformers
 from torch import nn
 
 from ..checkpoint import save_safetensors
-from ..config import Config
+from ..checkpoint.by_name import load_by_name
+from ..config import Config, ConfigError
 from ..engine import Engine
 from ..initialization import initialize
 from ..lazy_init import is_lazy
 from ..optim import build_scheduler
 from ..pretrained import load_safetensors
 from .arguments import TrainerConfig, refuse_arguments, resolve
-from .checkpoints import ENGINE_DIR, check_links, global_batch_for, newest_loadable, prune_checkpoints, run_shape
+from .checkpoints import (
+    ENGINE_DIR,
+    check_links,
+    global_batch_for,
+    folder_kind,
+    newest_loadable,
+    prune_checkpoints,
+    run_shape,
+    trainer_layout_source,
+)
 from .lazy_model import hf_initializer, pretrained_weights
 
 __all__ = ["Trainer", "EngineModule"]
@@ -139,14 +149,18 @@ def with_model_units(config: Config, model: nn.Module) -> Config:
 
 
 class Trainer(transformers.Trainer):
-    """``transformers.Trainer`` plus ``zerooffload=``: a zerooffload TOML path or dict, or a DeepSpeed
-    JSON path or dict, whose ``"auto"`` values come from the TrainingArguments (arguments' note).
+    """``transformers.Trainer`` plus ``zerooffload=`` (default: ``args.zerooffload``, which
+    ``TrainingArguments``' ``--deepspeed`` sets): a zerooffload TOML path or dict, or a DeepSpeed JSON path or dict, whose ``"auto"`` values come from the TrainingArguments (arguments' note).
     Everything else is the Trainer's, trained by the engine (this module's note)."""
 
-    def __init__(self, *args: Any, zerooffload: Any, **kwargs: Any):
+    def __init__(self, *args: Any, zerooffload: Any = None, **kwargs: Any):
         arguments = kwargs.get("args", args[1] if len(args) > 1 else None)
         if arguments is not None:
             refuse_arguments(arguments)  # before the Trainer sets up a DeepSpeed or FSDP of its own
+        zerooffload = zerooffload if zerooffload is not None else getattr(arguments, "zerooffload", None)
+        if zerooffload is None:
+            raise ConfigError("no zerooffload config: pass --deepspeed ds_config.json with "
+                              "zerooffload.hf.TrainingArguments, or Trainer(..., zerooffload=\"config.toml\")")
         self._zo_source = zerooffload
         self._zo_engine: Engine | None = None
         self._zo_good: str | None = None
@@ -179,11 +193,24 @@ class Trainer(transformers.Trainer):
 
     def _param_groups(self, model: nn.Module) -> list[dict]:
         """The Trainer's groups: weight decay except on biases and norms (``get_decay_parameter_names``)."""
-        decay = set(self.get_decay_parameter_names(model))
-        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        groups = [{"params": [p for n, p in named if n in decay], "weight_decay": self.args.weight_decay},
-                  {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0}]
+        params = dict(model.named_parameters())
+        groups = [{"params": [params[n] for n in names], "weight_decay": decay}
+                  for names, decay in zip(self._group_names(model), (self.args.weight_decay, 0.0))]
         return [g for g in groups if g["params"]]
+
+    def _group_names(self, model: nn.Module) -> list[list[str]]:
+        """The plain Trainer's two groups by parameter name, in its order (``create_optimizer``)."""
+        decay = set(self.get_decay_parameter_names(model))
+        named = [n for n, p in model.named_parameters() if p.requires_grad]
+        return [[n for n in named if n in decay], [n for n in named if n not in decay]]
+
+    def _load_engine(self, folder: Path) -> None:
+        """The engine's state from ``folder``: its own checkpoint, or the plain Trainer's weights and AdamW
+        state (``checkpoints``' [Note: Trainer checkpoints]); anything else refused saying what it holds."""
+        if folder_kind(folder) == "trainer":
+            load_by_name(self.engine, trainer_layout_source(folder, self._group_names(self.model)))
+        else:
+            self.engine.load_checkpoint(folder / ENGINE_DIR)
 
     def _move_model_to_device(self, model: nn.Module, device: torch.device) -> None:
         """Nothing: the engine places every tensor (a lazy model has nothing to move)."""
@@ -219,7 +246,7 @@ class Trainer(transformers.Trainer):
         self.create_scheduler(num_training_steps=max_steps, optimizer=engine.optimizer)
         self.model_wrapped = module
         if resume_from_checkpoint is not None:
-            engine.load_checkpoint(Path(resume_from_checkpoint) / ENGINE_DIR)
+            self._load_engine(Path(resume_from_checkpoint))
             self._load_optimizer_and_scheduler(resume_from_checkpoint)
         for attr in ("model", "optimizer", "lr_scheduler"):
             setattr(self.callback_handler, attr, getattr(self, attr))
