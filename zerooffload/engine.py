@@ -184,8 +184,7 @@ class Engine:
             self.optimizer.step_with(lambda: self._updater.step_units(verdict.had_grad, verdict.scale))
         else:
             self._updater.republish(verdict.undone)
-        for unit in self.units:
-            unit.clear_grads(self.state.compute)
+        self._updater.clear_grads()  # a unit whose update runs beside the next forward: as it ends
         release_idle(self.tiers)
         self.scaler.update(not verdict.updates)
         self.window.close(verdict)
@@ -197,7 +196,7 @@ class Engine:
                                         lr=self.optimizer.param_groups[0]["lr"], memory=self.memory_report(),
                                         undone_updates=len(verdict.undone), step_started=started)
         self._meter.start()
-        self.window.judge_streak(verdict)  # may raise: after the step's bookkeeping, so the engine stays consistent
+        self.window.end_step(verdict)  # may raise: after the step's bookkeeping, so the engine stays consistent
         return verdict.updates
 
     @_engine_call
@@ -296,5 +295,5 @@ class Engine:
             for hook in self._hooks:
                 hook.remove()
             self._hooks = []
-            self.state.grad_reader.close()
+            self._updater.close()  # the step's updates waited for, the gradient reader closed
             close_tiers(self.tiers)

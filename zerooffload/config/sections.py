@@ -70,7 +70,9 @@ class OptimizerConfig(Section):
     updates_in_flight: int = option(
         1, "updates in backward handed to the update worker at once, which runs them beside the rest of backward "
         "(the device works on while the CPU updates); each holds its unit's reduced gradient until it is done, "
-        "so this bounds that memory; 0: each runs in the autograd thread, which waits for it", min=0, max=8)
+        "so this bounds that memory. Above 0 the updates step() runs on the CPU also go beside the next forward "
+        "(step() returns once the clip is decided; each unit's forward waits for its own update; bitwise the "
+        "same result); 0: every update runs where it is due, and backward and step() wait for it", min=0, max=8)
 
     def check(self) -> None:
         for i, beta in enumerate(self.betas):

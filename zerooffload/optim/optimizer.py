@@ -117,20 +117,27 @@ class ZeroOptimizer(torch.optim.Optimizer):
         finally:
             self._stepping = None
 
+    def hyperparameters(self) -> list[dict]:
+        """The groups' settings as they are now (each group's dict copied, its pieces shared): for updates
+        that run after the LR scheduler has moved on (step_updates' [Note: the step beside the next forward])."""
+        return [dict(group) for group in self.param_groups]
+
     def update(self, grads: dict[torch.Tensor, torch.Tensor], grad_scale: float = 1.0,
-               outs: dict[torch.Tensor, torch.Tensor] | None = None, *, sumsq: bool = False) -> torch.Tensor | None:
+               outs: dict[torch.Tensor, torch.Tensor] | None = None, *, sumsq: bool = False,
+               groups: list[dict] | None = None) -> torch.Tensor | None:
         """The update over the pieces in ``grads`` (piece -> its gradient), without torch's step wrapper:
         the per-unit work of a step. Each piece in ``outs`` also gets its new value written (cast) into
         ``outs[piece]``. ``grad_scale`` multiplies the gradients first: the native pass takes any dtype,
         torch's update fp32 gradients with ``grad_scale`` 1. With ``sumsq`` (the native pass only),
         returns the sum of the squares of the gradients as given (before ``grad_scale``; float64),
-        summed as the pass reads them."""
+        summed as the pass reads them. ``groups``: the native pass's settings (``hyperparameters``), by
+        default the groups as they are."""
         if not self.native:
             if sumsq:
                 raise ValueError("update(sumsq=True) runs the native pass: this optimizer is not native")
             self._torch_step(None, grads, grad_scale, outs or {})
             return None
-        total = self._native_steps(grads, grad_scale, outs or {}, grad_sumsq=sumsq)
+        total = self._native_steps(grads, grad_scale, outs or {}, sumsq, groups or self.param_groups)
         return torch.tensor(total, dtype=torch.float64) if sumsq else None
 
     @torch.no_grad()
@@ -148,11 +155,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
             out.copy_(piece)
         return loss
 
-    def _native_steps(self, grads: dict, grad_scale: float, outs: dict, grad_sumsq: bool) -> float:
-        """Every piece in ``grads`` updated by one native pass (``fused_adam_steps``); returns the sum of
-        their gradients' squares (0 without ``grad_sumsq``)."""
+    def _native_steps(self, grads: dict, grad_scale: float, outs: dict, grad_sumsq: bool, groups: list[dict]
+                      ) -> float:
+        """Every piece in ``grads`` updated by one native pass (``fused_adam_steps``) with ``groups``' settings;
+        returns the sum of their gradients' squares (0 without ``grad_sumsq``)."""
         updates, copies = [], []
-        for group in self.param_groups:
+        for group in groups:
             for piece in group["params"]:
                 grad = grads.get(piece)
                 if grad is None:

@@ -22,12 +22,14 @@ the load writes frozen values into the weights (``frozen_part``).
 
 A round run *off the thread* that issues collectives and frees gathered weights (``off_thread``: the
 update worker's, backward_updates' [Note: updates off the autograd thread]) starts no all-gather in
-``send``: they start, in the order sent, in ``finish``, which that thread calls; and a split master's
+``send``: they start, in the order sent, in ``finish``, which that thread calls (or, for the step's updates
+beside the next forward, up to each unit's own as its forward begins: ``start_gathers``); and a split master's
 target reads the weights from home, never from a gathered copy that thread may free meanwhile.
 """
 from __future__ import annotations
 
 import contextlib
+from collections import deque
 from typing import Any
 
 import torch
@@ -69,9 +71,11 @@ class Publication:
         self.whole_shards = whole_shards
         self.off_thread = off_thread
         self.writer = BlockWriter(host_tier, depth=depth)
-        self._gathers: list[tuple[torch.Tensor, Any]] = []
-        self._due: list[tuple[FlatUnit, torch.Tensor]] = []
-        """All-gathers sent off the thread, to start in ``finish``: (unit, its input)."""
+        self._gathers: list[tuple[FlatUnit, torch.Tensor, Any]] = []
+        """All-gathers started and not yet waited for: (unit, its input, its work)."""
+        self._due: deque[tuple[FlatUnit, torch.Tensor]] = deque()
+        """All-gathers sent off the thread, to start in ``finish`` or ``start_gathers``: (unit, its input); the
+        worker appends while that thread takes from the other end."""
 
     def target(self, unit: FlatUnit) -> torch.Tensor | None:
         """Where this rank's new weights of ``unit`` are to be written (None: nowhere, see the note)."""
@@ -128,7 +132,28 @@ class Publication:
                     self._gather(unit, target)
 
     def _gather(self, unit: FlatUnit, source: torch.Tensor) -> None:
-        self._gathers.append((source, all_gather(self.comm, unit.flat_param, source, async_op=True)))
+        self._gathers.append((unit, source, all_gather(self.comm, unit.flat_param, source, async_op=True)))
+
+    def start_gathers(self, until: FlatUnit) -> None:
+        """In the thread that issues collectives, once ``until``'s send is done: start the all-gathers sent
+        off the thread so far, in the order sent, up to ``until``'s (none when it sent none, so that every
+        rank starts the same ones at the same point)."""
+        if not any(unit is until for unit, _ in list(self._due)):
+            return
+        while True:
+            unit, source = self._due.popleft()
+            self._gather(unit, source)
+            if unit is until:
+                return
+
+    def wait_gather(self, unit: FlatUnit) -> None:
+        """Wait for ``unit``'s all-gather, if one was started and not yet waited for, and free its input."""
+        for entry in self._gathers:
+            if entry[0] is unit:
+                self._gathers.remove(entry)
+                entry[2].wait()
+                self.device_tier.free(Kind.BUFFER, entry[1])
+                return
 
     def _home(self, unit: FlatUnit) -> Block:
         """The block this round writes of a partitioned unit: its shard home, or in a step only the
@@ -152,11 +177,10 @@ class Publication:
         """Every store home and every all-gather done (their inputs freed); in the thread that issues
         collectives: the all-gathers sent off it start here."""
         with profiled("zerooffload::publish"):
-            due, self._due = self._due, []
-            for unit, source in due:
-                self._gather(unit, source)
+            while self._due:
+                self._gather(*self._due.popleft())
             self.writer.finish()
-            for source, work in self._gathers:
+            for _, source, work in self._gathers:
                 work.wait()
                 self.device_tier.free(Kind.BUFFER, source)
             self._gathers = []
@@ -167,6 +191,6 @@ class Publication:
         peers may not reach theirs): their inputs are freed."""
         for _, source in self._due:
             self.device_tier.free(Kind.BUFFER, source)
-        self._due = []
+        self._due.clear()
         with contextlib.suppress(Exception):
             self.finish()

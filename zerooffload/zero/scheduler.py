@@ -124,6 +124,10 @@ class ParamScheduler:
         self._trace_position = 0
         self._training = False
         self.stats = PrefetchStats()
+        self.updates = None
+        """The step's updates that may still run beside this pass (``StepUpdates``, set by the updater): a
+        shard is read only once its unit's update is done (step_updates' [Note: the step beside the next
+        forward]); reads ahead pass over units not yet updated, gathers wait, in the trace's order."""
 
     # ------------------------------------------------------------------ passes
     def begin_pass(self, training: bool) -> None:
@@ -245,7 +249,8 @@ class ParamScheduler:
 
     def _prefetch(self) -> None:
         for index in self._window(scale=2):
-            if not _live(self.units[index]):
+            unit = self.units[index]
+            if not _live(unit) and not (self.updates is not None and self.updates.pending(unit)):
                 self._stage(index)
         for index in self._window():
             unit = self.units[index]
@@ -277,6 +282,8 @@ class ParamScheduler:
 
     def _shard_source(self, index: int) -> tuple[torch.Tensor, list[Callable[[], None]]]:
         """The shard as an all-gather input on the device, and what to release once the gather is done."""
+        if self.updates is not None:
+            self.updates.wait(self.units[index])
         block = self.units[index].param_block
         if not block.resident:
             self._stage(index)

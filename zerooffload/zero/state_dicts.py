@@ -46,6 +46,7 @@ class StateDicts:
         """Unit by unit, in unit order, its parameters' fp32 CPU values by ``id(param)`` (every rank):
         views of the unit's gathered buffer."""
         comm = self.state.comm
+        self.updater.step_updates.join()  # every read of the state joins the step's updates first (their note)
         for opt_state in self.state.visit(write=False):
             unit = opt_state.unit
             shard = self.fp32_shard(opt_state)
@@ -82,6 +83,7 @@ class StateDicts:
 
     def visit(self, *, write: bool, read: bool = True) -> Iterator[UnitOptimizerState]:
         """Each unit's optimizer state loaded, in unit order (``ShardedState.visit``): for checkpoints."""
+        self.updater.step_updates.join()
         return self.state.visit(write=write, read=read)
 
     def fp32_shard(self, opt_state: UnitOptimizerState) -> torch.Tensor:
@@ -127,6 +129,7 @@ class StateDicts:
         """Full parameters readable and writable; on exit ``modifier_rank``'s writes reach the masters
         (only where the compute weights changed, so untouched values keep their full fp32 precision)."""
         units = self.state.units
+        self.updater.step_updates.join()
         self.param_scheduler.gather_all()
         before = [u.flat_param[u.shard_range].clone() for u in units]  # only this rank's masters matter
         try:
@@ -159,6 +162,7 @@ class StateDicts:
         pass over the optimizer blocks: ``fill(state, frozen)`` on each loaded state, ``frozen`` being
         where this rank's values past the trainable part go (compute dtype; None when there are none:
         ``Publication.frozen_part``); ``whole`` when it overwrites the entire block, not read first."""
+        self.updater.step_updates.join()
         self.param_scheduler.free_all()  # shards read ahead hold the old weights
         publication = self.updater.publication(whole_shards=True)
         for opt_state in self.state.visit(write=True, read=not whole):

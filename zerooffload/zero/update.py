@@ -5,25 +5,31 @@ backward does: the optimizer on the pieces whose parameters had a gradient on so
 as torch skips ``grad is None``), writing the new compute weights straight where they are published
 (``publication``): all-gathered at stages 1–2, a partitioned unit's shard home at stage 3. A step
 runs the units whose update moves nothing else in one native pass ([Note: updates run together]),
-bitwise the same: the pass is elementwise.
+bitwise the same: the pass is elementwise; or, where the CPU updates, prepares them to run beside the
+next forward (step_updates' [Note: the step beside the next forward]).
 """
 from __future__ import annotations
 
 import contextlib
 import math
+from functools import partial
 from typing import Iterator
 
 import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from ..comm import control_all_reduce
 from ..optim.cpu_adam import sum_squares
 from ..optim.state import UnitOptimizerState
 from ..tiers import Kind, Tier
 from ..trace import RECORDER, profiled
+from .offloaded_grads import OffloadedGrad
 from .partition import FlatUnit
 from .publication import Publication
 from .scheduler import ParamScheduler
 from .sharded_state import ShardedState
+from .step_updates import StepUpdates
 from .unit_layout import Piece
 
 __all__ = ["Updater", "grad_scale"]
@@ -35,6 +41,9 @@ class Updater:
     def __init__(self, state: ShardedState, param_scheduler: ParamScheduler):
         self.state = state
         self.param_scheduler = param_scheduler
+        self.step_updates = StepUpdates(state.units, state.config.optimizer.updates_in_flight > 0, state.comm.device)
+        """The step's updates running beside the next forward (step_updates' note)."""
+        param_scheduler.updates = self.step_updates
 
     def publication(self, whole_shards: bool = False, off_thread: bool = False) -> Publication:
         """A round of new weights (``Publication``; ``off_thread``: sent from the update worker)."""
@@ -64,6 +73,8 @@ class Updater:
         written."""
         units = self.state.units
         left = [i for i, unit in enumerate(units) if unit.layout.trainable and not unit.updated_in_backward]
+        if self._beside_forward(left):
+            return self._prepare_units(left, had_grad, grad_scale)
         publication = self.publication()
         together = []
         states = self.state.visit(write=True, states=[self.state.opt_states[i] for i in left])
@@ -82,6 +93,66 @@ class Updater:
         publication.finish()
         self.param_scheduler.stage_first_units()
 
+    def _beside_forward(self, left: list[int]) -> bool:
+        """Whether the step's updates of units ``left`` run beside the next forward (step_updates' note)."""
+        units = self.state.units
+        return (self.step_updates.enabled and self.state.optimizer.native and bool(left)
+                and not any(units[i].placement.params_in_masters for i in left))
+
+    def _prepare_units(self, left: list[int], had_grad: list[torch.Tensor], grad_scale: float) -> None:
+        """The step's updates of units ``left`` prepared in forward order (the root unit first), each
+        clearing its unit's gradients as it ends; ``StepUpdates.start`` hands them to the worker."""
+        units = self.state.units
+        order = sorted(left, key=lambda i: bool(units[i].layout.name))  # stable: the blocks stay in their order
+        states = self.state.visit(write=True, states=[self.state.opt_states[i] for i in order])
+        publication = self.publication(off_thread=True)
+        self.step_updates.begin(publication, states)
+        groups = self.state.optimizer.hyperparameters()
+        for position, index in enumerate(order):
+            upcoming = units[order[position + 1]].offloaded_grad if position + 1 < len(order) else None
+            run = partial(self._update_beside, states, units[index], had_grad[index], grad_scale, publication,
+                          groups, upcoming, last=position + 1 == len(order))
+            self.step_updates.prepare(units[index], run, partial(units[index].clear_grads, self.state.compute))
+
+    def _update_beside(self, states: Iterator[UnitOptimizerState], unit: FlatUnit, flags: torch.Tensor,
+                       grad_scale: float, publication: Publication, groups: list[dict], upcoming: OffloadedGrad | None,
+                       *, last: bool) -> None:
+        """One prepared update, on the step's worker: its optimizer block's turn in the stream, the update,
+        the new weights sent and stored home (its gather reads them), the last block stored after the last."""
+        opt_state = next(states)
+        assert opt_state.unit is unit, "the optimizer blocks stream in the order the updates were prepared"
+        if upcoming is not None:
+            upcoming.prefetch()  # its read overlaps this unit's update
+        with _reduced_grad(unit) as grad:
+            self.update_unit(opt_state, flags, grad, grad_scale, publication, groups=groups)
+        publication.writer.finish()
+        if last:
+            for _ in states:  # resumed once more, the stream stores the last block
+                raise AssertionError("a prepared update's optimizer block was left in the stream")
+
+    def forward_hooks(self) -> list[RemovableHandle]:
+        """A forward pre-hook on each trainable unit that is not partitioned: its use waits for its update
+        (partitioned units wait in the scheduler: step_updates' note)."""
+        return [unit.layout.module.register_forward_pre_hook(partial(self._before_forward, unit))
+                for unit in self.state.units if unit.layout.trainable and not unit.partitioned]
+
+    def _before_forward(self, unit: FlatUnit, module: nn.Module, args: tuple) -> None:
+        self.step_updates.wait(unit)
+
+    def clear_grads(self) -> None:
+        """The window is over: every unit's gradients cleared, but those of units whose update still runs
+        beside the next forward, cleared as it ends."""
+        for unit in self.state.units:
+            if not self.step_updates.holds(unit):
+                unit.clear_grads(self.state.compute)
+
+    def close(self) -> None:
+        """The engine closes: the step's updates waited for, the gradient reader closed."""
+        try:
+            self.step_updates.close()
+        finally:
+            self.state.grad_reader.close()
+
     def republish(self, units: list[FlatUnit]) -> None:
         """Publish ``units``' weights from their masters as they are (after tentative updates in
         backward were undone in a window that does not update: backward_updates' note)."""
@@ -93,16 +164,18 @@ class Updater:
         publication.finish()
 
     def update_unit(self, opt_state: UnitOptimizerState, flags: torch.Tensor, grad: torch.Tensor,
-                    grad_scale: float, publication: Publication, *, sumsq: bool = False) -> torch.Tensor | None:
+                    grad_scale: float, publication: Publication, *, sumsq: bool = False,
+                    groups: list[dict] | None = None) -> torch.Tensor | None:
         """One unit's update on the pieces whose parameters had a gradient somewhere (``flags``),
         writing its new weights into their target, then sent on (``publication``'s note). With
         ``sumsq``, returns the squared norm of ``grad`` (float64), summed by the update as it reads it
-        (the pieces that do not step have none: zeros)."""
+        (the pieces that do not step have none: zeros). ``groups``: the settings (``ZeroOptimizer.update``)."""
         target, stepped = self._stepped(opt_state, flags, publication)
         total = torch.zeros((), dtype=torch.float64) if sumsq else None
         if stepped:
             with profiled("zerooffload::optimizer_update"):
-                total = self._step_pieces(stepped, grad, grad_scale, target, self.state.update_tier(opt_state), sumsq)
+                total = self._step_pieces(stepped, grad, grad_scale, target, self.state.update_tier(opt_state), sumsq,
+                                          groups)
         self.send(publication, opt_state, target, [piece for piece, _ in stepped])
         return total
 
@@ -154,19 +227,20 @@ class Updater:
         publication.send(opt_state.unit, target, stepped, updated_on_device=place.updated_on_device)
 
     def _step_pieces(self, stepped: list[tuple[Piece, torch.Tensor]], grad: torch.Tensor, grad_scale: float,
-                     target: torch.Tensor | None, update_tier: Tier, sumsq: bool) -> torch.Tensor | None:
+                     target: torch.Tensor | None, update_tier: Tier, sumsq: bool, groups: list[dict] | None
+                     ) -> torch.Tensor | None:
         """The optimizer on one unit's stepped pieces (``update_unit``). The native pass reads the reduced
         gradient as it lies (any dtype), scales it and sums its squares itself; torch's update gets an
         fp32 copy, scaled, for the unit, and the squares are summed before."""
         optimizer = self.state.optimizer
         outs = _piece_views(stepped, target)
         if self._native_reads(grad, stepped):
-            return optimizer.update(_piece_views(stepped, grad), grad_scale, outs, sumsq=sumsq)
+            return optimizer.update(_piece_views(stepped, grad), grad_scale, outs, sumsq=sumsq, groups=groups)
         total = sum_squares(grad) if sumsq else None
         scaled = update_tier.empty(Kind.BUFFER, grad.numel(), torch.float32)
         try:
             scaled.copy_(grad).mul_(grad_scale)
-            optimizer.update(_piece_views(stepped, scaled), outs=outs)
+            optimizer.update(_piece_views(stepped, scaled), outs=outs, groups=groups)
         finally:
             update_tier.free(Kind.BUFFER, scaled)
         return total

@@ -21,11 +21,14 @@ A DONE, FAILED or DROPPED update has let go of what it held (``release``: its un
   joins when the backward's reductions end (before the kept gradients' writer finishes): the step,
   checkpoints, ``full_state_dict``, the next gathers and ``close`` all come after it;
 - *never lost, never a hang*: a failure is raised, the very exception (its one line as the autograd thread
-  would have raised it), by the next submission or join; ``abandon`` (the backward failed) waits for the
-  update running, drops the rest and raises nothing, so the error being raised stays the one to see;
+  would have raised it), by the next submission, ``wait_for`` or join, and the updates after it are DROPPED
+  until that join; ``abandon`` (the backward failed) waits for the update running, drops the rest and
+  raises nothing, so the error being raised stays the one to see;
 - *no collectives*: ranks must issue collectives in one order, which only the autograd thread decides, so a
   worker's all-gathers wait for ``Publication.finish`` (publication's ``off_thread``).
 The thread lives from a backward's first submission to its join or abandon: none outlives its backward.
+The step's updates run on a worker of their own, the same way (step_updates' [Note: the step beside the next
+forward]): there ``wait_for`` waits for one unit's update, and its thread lives until the next join.
 Its updates are the ``updates`` track of a step trace (trace's note), its waits on transfers red in it; a
 torch.profiler run sees its labels when it profiles every thread (trace's ``profiled``).
 """
@@ -79,6 +82,9 @@ class UpdateWorker:
         """SUBMITTED updates, oldest first; the worker runs the first and removes it when it ends."""
         self._error: BaseException | None = None
         self._abandoned = False
+        self._failed = False
+        """An update FAILED since the last join or abandon: the later ones are DROPPED, even once its
+        exception was raised (by ``submit`` or ``wait_for``)."""
         self._stopping = False
         """The queue drained and the thread is told to end (``_stop``): set and read under ``_cond``."""
         self._thread: threading.Thread | None = None
@@ -92,15 +98,16 @@ class UpdateWorker:
         """Updates SUBMITTED now."""
         return len(self._queue)
 
-    def submit(self, name: str, run: Callable[[], None], release: Callable[[], None]) -> None:
-        """Run ``run`` (the update of unit ``name``), then ``release`` whatever it ended like. Raises an earlier
-        update's failure instead (``release`` is then called here)."""
+    def submit(self, name: str, run: Callable[[], None], release: Callable[[], None]) -> _Update:
+        """Run ``run`` (the update of unit ``name``), then ``release`` whatever it ended like; returns the
+        update (for ``wait_for``). Raises an earlier update's failure instead (``release`` is then called here)."""
         update = _Update(name, run, release)
         if self.depth == 0:
             self._execute(update)
             if update.state is UpdateState.FAILED:
+                self._failed = False  # raised here and now: the next submission runs
                 self._raise_failure()
-            return
+            return update
         try:
             with self._cond:
                 self._wait_while(lambda: len(self._queue) >= self.depth and self._error is None)
@@ -113,10 +120,20 @@ class UpdateWorker:
         if self._thread is None:
             self._thread = threading.Thread(target=self._loop, name="zerooffload-update", daemon=True)
             self._thread.start()
+        return update
+
+    def wait_for(self, update: _Update) -> None:
+        """Wait until ``update`` (and so every one before it) is no longer SUBMITTED and has let go of what it
+        held; raise the first failure, if it did not end DONE."""
+        with self._cond:
+            self._wait_while(lambda: update in self._queue)
+        if update.state is not UpdateState.DONE:
+            self._raise_failure()
 
     def join(self) -> None:
         """Wait until no update is SUBMITTED and the thread ended; raise the first failure, if any."""
         self._stop()
+        self._failed = False
         self._raise_failure()
 
     def abandon(self) -> None:
@@ -124,7 +141,7 @@ class UpdateWorker:
         with self._cond:
             self._abandoned = True
         self._stop()
-        self._error, self._abandoned = None, False
+        self._error, self._abandoned, self._failed = None, False, False
 
     def _stop(self) -> None:
         if self._thread is None:
@@ -173,14 +190,14 @@ class UpdateWorker:
         """Run one update (or drop it after a failure or an abandon), then release what it held."""
         start = time.perf_counter()
         try:
-            if self._error is not None or self._abandoned:
+            if self._failed or self._abandoned:
                 update.state = UpdateState.DROPPED
                 return
             update.run()
             update.state = UpdateState.DONE
         except BaseException as error:  # kept for the next join: never lost
             update.state = UpdateState.FAILED
-            self._error = error
+            self._error, self._failed = error, True
         finally:
             update.release()
             end = time.perf_counter()

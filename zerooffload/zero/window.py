@@ -141,9 +141,11 @@ class Window:
 
     # ------------------------------------------------------------------ gradients as they arrive
     def grad_hooks(self) -> list:
-        """A post-accumulate-grad hook on every trainable parameter: its gradient joins its unit's."""
+        """A post-accumulate-grad hook on every trainable parameter: its gradient joins its unit's; and the
+        forward pre-hooks that wait for the last step's updates (``Updater.forward_hooks``)."""
         return [slot.param.register_post_accumulate_grad_hook(partial(self._on_grad, unit, index))
-                for unit in self.state.units for index, slot in enumerate(unit.layout.slots) if slot.trainable]
+                for unit in self.state.units for index, slot in enumerate(unit.layout.slots) if slot.trainable
+                ] + self.updater.forward_hooks()
 
     def _on_grad(self, unit: FlatUnit, index: int, param: nn.Parameter) -> None:
         complete = unit.accumulate(index, param.grad, self.state.compute)
@@ -179,7 +181,9 @@ class Window:
     def begin_backward(self, loss: torch.Tensor, closes_window: bool | None = None) -> bool:
         """A backward of ``loss`` begins: False when its window is skipped (nothing to run: the micro-batch
         is counted), else the units and the updates in backward are readied. ``closes_window``: whether
-        this micro-batch ends its window; None: when it is the ``train.grad_accum_steps``-th."""
+        this micro-batch ends its window; None: when it is the ``train.grad_accum_steps``-th. The last step's
+        updates are joined first (step_updates' note): this backward's gradients and updates follow them."""
+        self.updater.step_updates.join()
         if self.step_due:
             raise WindowError(
                 f"backward() called again before step(): with train.grad_accum_steps = {self.accum}, backward "
@@ -274,9 +278,11 @@ class Window:
             logger.warning("step %d skipped (%s); %d skipped so far", self.global_steps, verdict.reason,
                            self.skipped_steps)
 
-    def judge_streak(self, verdict: Verdict) -> None:
-        """After the step's bookkeeping: an update ends a skip streak; a skip other than an fp16 overflow
+    def end_step(self, verdict: Verdict) -> None:
+        """After the step's bookkeeping (its stats taken): its updates prepared to run beside the next forward
+        start (step_updates' note); an update ends a skip streak; a skip other than an fp16 overflow
         lengthens it, and may stop the run (``SkipStreakError``)."""
+        self.updater.step_updates.start()
         if verdict.updates:
             self.streak.updated()
         elif not verdict.expected:
