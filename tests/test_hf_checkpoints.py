@@ -1,7 +1,7 @@
 """The Trainer's flag and checkpoints across the two Trainers, on a tiny GPT-2 in this process: a
 command line with ``--deepspeed ds.json`` runs ``zerooffload.hf.Trainer`` unchanged (TrainingArguments
 takes the value out), and a checkpoint-N the plain ``transformers.Trainer`` wrote resumes in ours with
-the plain run's losses (run_clm.py at full size: bench/hf_run_clm.py)."""
+the plain run's losses."""
 from __future__ import annotations
 
 import json
