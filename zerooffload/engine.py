@@ -68,7 +68,7 @@ def _engine_call(method: Any) -> Any:
     def guarded(self: "Engine", *args: Any, **kwargs: Any) -> Any:
         self.ensure_open(method.__name__)
         with failing_together(self.comm):
-            self.saves.check()  # a background save's error surfaces here (async_save's note)
+            self.saves.check(method.__name__)  # a background save's error surfaces here (async_save's note)
             return method(self, *args, **kwargs)
     return guarded
 
@@ -238,7 +238,7 @@ class Engine:
         """
         self.ensure_open("gathered")
         with failing_together(self.comm):  # the user's block raising on one rank must not strand the others
-            self.saves.check()
+            self.saves.check("gathered")
             with self.state_dicts.gathered(modifier_rank) as module:
                 yield module
 

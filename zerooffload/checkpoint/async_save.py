@@ -4,21 +4,26 @@ its state is copied into, and the engine's saves (at most one in flight, its err
 [Note: saving in the background]
 ``engine.save_checkpoint(..., blocking=False)`` takes the state at the step boundary it is called at
 and returns a ``SaveHandle`` (``wait()``, ``done()``, ``path``) while the files are written:
-- *The snapshot*, on the calling thread (``saving.begin_save``): ``<tag>.partial`` is made, the
-  manifest's values (optimizer steps, schedule, scaler, counters, buffers, client state) and the RNG
-  states are taken, and every unit's master and moment shards are copied into the *staging ring*
-  (``StagingRing``: host memory of ``train.save_staging`` bytes at most, never more than this rank's
-  data file, allocated at the first such save and kept for the next) and their CRC32C taken, each
-  piece's write to the file started at once (io_uring, O_DIRECT). When the ring is full the copy
-  waits for its oldest writes to land: past the budget, the state is written before the call
-  returns, so no later update can change bytes not yet saved. State on NVMe is read block by block
-  as a blocking save reads it (``ShardedState.visit``) and goes through the same ring.
-- *The rest* runs on a thread of the save's own (``SaveHandle``): the writes waited for and the files
-  fsynced, then every rank's file records (or its error) gathered, rank 0's manifest and its digest
-  written, the tag published and ``latest`` moved (files' [Note: publishing a tag]), and a closing
-  barrier. At world size > 1 those collectives run on a gloo group made for the saves at the first
-  one (``Saves._comm``), never on the engine's group, whose direct-exchange tags come from one sequence
-  on the training thread.
+- *On the calling thread* (``saving.begin_save``): ``<tag>.partial`` is made and its files opened
+  (preallocated), the manifest's values (optimizer steps, schedule, scaler, counters, client state),
+  the RNG states and the module's buffers are taken, and the parts of this rank's data file are named:
+  the master and moment shards of every unit. State held in memory (every optimizer block resident:
+  host or device) is left where it is for now; state on NVMe is read block by block as a blocking save
+  reads it (``ShardedState.visit``) and copied into the *staging ring* (``StagingRing``) as each block
+  is loaded, its writes started at once.
+- *On the saves' thread* (one per engine, ``_run_tasks``): resident state is copied into the ring
+  piece by piece, each piece's O_DIRECT write started as it is copied; when the ring is full the copy
+  waits for its oldest writes to land. Then ``staged`` is set: until then the engine's next call that
+  may change the state (``backward``, ``step``, ``load_checkpoint``, ``gathered``: ``Saves.check``)
+  waits for it, so past the ring's room the next update waits for the writes; forward does not wait.
+  Each piece's CRC32C is taken when its write ends (in file order: they end oldest first). Then the
+  writes are waited for and the files fsynced, every rank's file records (or its error) gathered, rank
+  0 writes the manifest and its digest and publishes the tag (files' [Note: publishing a tag]), and a
+  barrier closes it. At world size > 1 those collectives run on a gloo group made for the saves at
+  the first one (``Saves._comm``), never on the engine's group, whose direct-exchange tags come from
+  one sequence on the training thread.
+- *The ring* is host memory of ``train.save_staging`` bytes at most, never more than this rank's data
+  file, allocated at the first save in the background and kept for the next.
 - *Crash consistency* is the blocking save's: ``latest`` moves only once every rank's files are
   durable, so a kill at any point leaves the previous tag intact and loadable.
 - *Ordering*: a second save waits for the first; ``load_checkpoint``, ``close()`` and ``zerooffload
@@ -32,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import queue
 import threading
 from pathlib import Path
 from typing import Callable, Iterator
@@ -50,28 +56,30 @@ class SaveHandle:
     """A checkpoint being finished in the background (see the note): ``done()`` says whether it ended,
     ``wait()`` waits and returns its path or raises its error."""
 
-    def __init__(self, begun: BegunSave, comm: Comm):
+    def __init__(self, begun: BegunSave, comm: Comm, worker: "queue.SimpleQueue"):
         self.path: Path = begun.path
+        self.staged = begun.writers.staged
+        """Set once the save reads nothing of the live state any more (``Saves.check``)."""
+        self._finished = threading.Event()
         self._error: BaseException | None = None
         self.reported = False
         """Whether its error was raised already (by ``wait``): the engine does not raise it again."""
-        self._thread = threading.Thread(target=self._finish, args=(begun, comm), name="zerooffload-save",
-                                        daemon=True)
-        self._thread.start()
+        worker.put(lambda: self._finish(begun, comm))
 
     def _finish(self, begun: BegunSave, comm: Comm) -> None:
         try:
             begun.finish(comm)
         except BaseException as error:  # raised on the caller's thread by wait()
             self._error = error
+        finally:
+            self._finished.set()
 
     def done(self) -> bool:
-        return not self._thread.is_alive()
+        return self._finished.is_set()
 
     def wait(self, timeout: float | None = None) -> Path:
         """The published tag's path, once it is; the save's error, if it failed."""
-        self._thread.join(timeout)
-        if self._thread.is_alive():
+        if not self._finished.wait(timeout):
             raise TimeoutError(f"the save of {self.path} is still being written after {timeout} s")
         if self._error is not None:
             self.reported = True
@@ -89,6 +97,8 @@ class Saves:
         self.pending: SaveHandle | None = None
         self._ring: StagingRing | None = None
         self._save_comm: Comm | None = None
+        self._worker: queue.SimpleQueue | None = None
+        """Tasks of the saves' thread (``_run_tasks``), started at the first save in the background."""
 
     def save(self, directory: str | os.PathLike, tag: str | None, client_state: dict | None,
              blocking: bool) -> Path | SaveHandle:
@@ -98,7 +108,10 @@ class Saves:
             self.engine.window.last_checkpoint = str(path)
             return path
         begun = begin_save(self.engine, directory, tag, client_state, ring=self._staging())
-        self.pending = SaveHandle(begun, self._comm())
+        if self._worker is None:  # one thread for every save: starting one costs the caller a GIL switch
+            self._worker = queue.SimpleQueue()
+            threading.Thread(target=_run_tasks, args=(self._worker,), name="zerooffload-save", daemon=True).start()
+        self.pending = SaveHandle(begun, self._comm(), self._worker)
         return self.pending
 
     def load(self, directory: str | os.PathLike, tag: str | None, verify: bool) -> dict | None:
@@ -107,8 +120,11 @@ class Saves:
         self.engine.window.last_checkpoint = f"{directory} ({tag or 'latest'})"
         return client_state
 
-    def check(self) -> None:
-        """At every engine call: a save that ended is settled, its error raised (once)."""
+    def check(self, call: str) -> None:
+        """At every engine call: one that may change the state waits until a save in the background has
+        copied it (``SaveHandle.staged``); a save that ended is settled, its error raised (once)."""
+        if self.pending is not None and call in _CHANGES_STATE:
+            self.pending.staged.wait()
         if self.pending is not None and self.pending.done():
             self.wait()
 
@@ -157,3 +173,12 @@ class Saves:
             self._save_comm = Comm(group, comm.rank, comm.world_size, torch.device("cpu"))
         return self._save_comm
 
+
+_CHANGES_STATE = frozenset({"backward", "step", "load_checkpoint", "gathered"})
+"""Engine calls that may change what a save reads (masters, moments, weights): forward does not."""
+
+
+def _run_tasks(tasks: queue.SimpleQueue) -> None:
+    """The saves' thread: each task in turn (a task records its own failure), as long as the process lives."""
+    while True:
+        tasks.get()()

@@ -108,8 +108,8 @@ class StagingRing:
     def __init__(self, capacity: int):
         self.capacity = -(-capacity // ALIGN) * ALIGN
         self.buffer = aligned_empty(self.capacity)
-        self.piece = max(ALIGN, min(4 << 20, self.capacity // 4) // ALIGN * ALIGN)
-        """Most bytes one write stages: a quarter of the ring, so writes overlap; large enough for the disk."""
+        self.piece = max(ALIGN, min(16 << 20, self.capacity // 4) // ALIGN * ALIGN)
+        """Most bytes one write stages: a quarter of the ring at most, so writes overlap; few submissions."""
         self._spans: deque[tuple[int, int]] = deque()
 
     def take(self, nbytes: int, wait_oldest: Callable[[], object]) -> torch.Tensor:
@@ -186,11 +186,20 @@ class ChecksummedWriter:
             filled = max(0, min(length, data.numel() - start))
             staging[:filled].copy_(data[start:start + filled])  # one copy, from wherever it lives
             staging[filled:].zero_()
-            self.crc = crc32c(staging, self.crc)
+            if not self.ring:
+                self.crc = crc32c(staging, self.crc)
             with profiled(BLOCK_WRITE):
                 handle = self.aio.write(self.file, staging, self.bytes)
-            self._writes.add(handle, staging, self.ring.release if self.ring else None)
+            self._writes.add(handle, staging, (lambda piece=staging: self._landed(piece)) if self.ring else None)
             self.bytes += length
+
+    def _landed(self, piece: torch.Tensor) -> None:
+        """A ring piece's write ended: its CRC taken (pieces end oldest first, so in file order, and off the
+        thread that staged them when a save's own thread waits for them) and its room given back."""
+        try:
+            self.crc = crc32c(piece, self.crc)
+        finally:
+            self.ring.release()
 
     def close(self) -> dict:
         """Wait for every write (the first failure raises once all landed), fsync and close; the

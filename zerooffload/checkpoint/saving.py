@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -130,19 +131,34 @@ def _check_tag(tag: str) -> None:
 
 
 class RankWriters:
-    """This rank's data files being written into ``partial``: ``close`` waits for them, fsyncs and gives
-    their records (name -> size and CRC32C). Out of room: a ``CheckpointError`` naming the directory and
-    the bytes, and this rank's files removed (the previous checkpoint stays)."""
+    """This rank's data files being written into ``partial``. ``close`` stages the parts left for it
+    (``deferred``: views of resident state, which stays as it is until ``staged`` is set), writes the RNG
+    states, waits for every write, fsyncs and gives the records (name -> size and CRC32C). Out of room: a
+    ``CheckpointError`` naming the directory and the bytes, and this rank's files removed (the previous
+    checkpoint stays)."""
 
     def __init__(self, partial: Path, rank: int, size: int, aio: AsyncIO):
         self.partial, self.rank, self.size, self.aio = partial, rank, size, aio
         self.writers: list[ChecksummedWriter] = []
         self.files: dict[str, dict] = {}
+        self.deferred: list[tuple[torch.Tensor, int]] = []
+        """(part, bytes) for the rank file, copied into its ring by ``close`` (async_save's note)."""
+        self.staged = threading.Event()
+        """Set once nothing of the live state is read any more: the state may change."""
+        self.rng = {"cpu": torch.get_rng_state()}
+        if torch.cuda.is_available():
+            self.rng["cuda"] = torch.cuda.get_rng_state_all()
 
     def close(self) -> dict[str, dict]:
         try:
             with self.aio:
-                wait_each((lambda w=writer: self._close(w)) for writer in self.writers)  # each, even after a failure
+                try:
+                    self._stage()
+                    rng_path = self.partial / rank_file(self.rank, "pt")
+                    torch.save(self.rng, rng_path)
+                    self.files[rng_path.name] = file_record(rng_path)
+                finally:
+                    wait_each((lambda w=writer: self._close(w)) for writer in self.writers)  # every one
             return self.files
         except OSError as error:
             self.remove()
@@ -151,11 +167,20 @@ class RankWriters:
                 raise
             raise clear from error
 
+    def _stage(self) -> None:
+        try:
+            for part, nbytes in self.deferred:
+                self.writers[0].write(part, nbytes)
+        finally:
+            self.deferred = []
+            self.staged.set()
+
     def _close(self, writer: ChecksummedWriter) -> None:
         self.files[writer.path.name] = writer.close()
 
     def abandon(self) -> None:
         """After a failure while the writes were being started: let them land, remove the files."""
+        self.deferred = []
         with contextlib.suppress(Exception):
             self.close()
         self.remove()
@@ -169,10 +194,13 @@ class RankWriters:
 
 def _write_rank_files(engine: Trainable, partial: Path, ring: StagingRing | None) -> RankWriters:
     """Start this rank's files in ``partial`` (``RankWriters``): its unit shards (units it holds a shard
-    of), then rank 0's buffers; its RNG states written here."""
+    of), then rank 0's buffers. Into a ``ring`` with every optimizer block resident, the shards are left
+    for ``close`` to copy (the engine's next call that may change them waits for it: ``Saves.check``);
+    else copied here, each block while it is loaded."""
     rank = engine.comm.rank
     size = rank_file_bytes(engine)
     writers = RankWriters(partial, rank, size, AsyncIO(engine.config.aio))
+    later = ring is not None and all(state.block.resident for state in engine.opt_states)
     try:
         depth = checkpoint_depth(engine.config.aio)
         writer = ChecksummedWriter(partial / rank_file(rank, "bin"), writers.aio, size, writes_in_flight=depth,
@@ -183,18 +211,15 @@ def _write_rank_files(engine: Trainable, partial: Path, ring: StagingRing | None
                 parts = [engine.state_dicts.fp32_shard(state)]
                 parts += [part for name in state.moment_names for part in state.stored_moment(name)]
                 for part, nbytes in zip(parts, _segments(engine, state), strict=True):
-                    writer.write(part, nbytes)
+                    if later:
+                        writers.deferred.append((part, nbytes))
+                    else:
+                        writer.write(part, nbytes)
         if rank == 0:
             buffers = ChecksummedWriter(partial / "buffers.bin", writers.aio, writes_in_flight=depth)
             writers.writers.append(buffers)
             for _, buffer in persistent_buffers(engine.module):
                 buffers.write(buffer)
-        rng_path = partial / rank_file(rank, "pt")
-        rng = {"cpu": torch.get_rng_state()}
-        if torch.cuda.is_available():
-            rng["cuda"] = torch.cuda.get_rng_state_all()
-        torch.save(rng, rng_path)
-        writers.files[rng_path.name] = file_record(rng_path)
     except BaseException as error:
         writers.abandon()
         clear = out_of_space(error, partial, size) if isinstance(error, OSError) else None
