@@ -114,8 +114,10 @@ BENCHES = [
     Bench("learns_7b", "showcase_7b.py", "--steps 6 --cases defaults", "--steps 1 --cases defaults", 7200,
           slow=True),
     # issue 45: a save in the background against a blocking one (loop time), kills during such saves
-    Bench("save_stall", "save_stall.py", "--rounds 5 --steps 20 --nvme-rounds 3 --nvme-steps 10 --trials 6",
-          "--rounds 1 --steps 4 --nvme-rounds 1 --nvme-steps 4 --trials 1", 5400, slow=True),
+    Bench("save_stall", "save_stall.py", "--only stall,kills --rounds 5 --steps 20 --trials 6",
+          "--only stall,kills --rounds 1 --steps 4 --trials 1", 3600, slow=True),
+    Bench("save_stall_nvme", "save_stall.py", "--only nvme --nvme-rounds 3 --nvme-steps 10",
+          "--only nvme --nvme-rounds 1 --nvme-steps 4", 2400, slow=True),
     Bench("plan_check", "plan_check.py", "--rounds 3 --steps 5", "--rounds 1 --steps 2 --cases fits", 2400,
           slow=True),
     Bench("hf_trainer_1b", "hf_trainer_1b.py", "--steps 10", "--steps 2 --layers 2 --plain-steps 2 --seq 256", 5400,
