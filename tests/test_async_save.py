@@ -19,6 +19,7 @@ from reference import make_batches, make_model
 from zerooffload.checkpoint import CheckpointError, SaveHandle, read_latest
 
 HOST = {"zero": {"stage": 1}, "offload": {"optimizer": {"tier": "host"}}}
+FP32_NVME = {"zero": {"stage": 3}, "offload": {"param": {"tier": "nvme"}, "optimizer": {"tier": "nvme"}}}
 COMPACT_NVME = {"zero": {"stage": 3}, "train": {"precision": "bf16"},
                 "offload": {"param": {"tier": "nvme"}, "optimizer": {"tier": "nvme"}},
                 "optimizer": {"master": "split", "moments": "int8"}}
@@ -59,13 +60,26 @@ def save_both_ways(base: dict, root: str) -> dict | None:
     return {side: _files(root_path / side / "t") for side in ("blocking", "background")}
 
 
-@pytest.mark.parametrize("base", [HOST, COMPACT_NVME], ids=["host-fp32", "nvme-split-int8"])
-def test_a_non_blocking_save_writes_the_blocking_saves_bytes(tmp_path, base):
-    """Rank file, buffers, RNG states, manifest and its digest: identical, byte for byte."""
+@pytest.mark.parametrize("base, kernel_copies", [(HOST, False), (FP32_NVME, True), (COMPACT_NVME, False)],
+                         ids=["host-fp32", "nvme-fp32", "nvme-split-int8"])
+def test_a_non_blocking_save_writes_the_blocking_saves_bytes(tmp_path, monkeypatch, base, kernel_copies):
+    """Rank file, buffers, RNG states, manifest and its digest: identical, byte for byte. fp32 state on NVMe
+    is copied from the swap file to the rank file in the kernel, its CRC32C joined from the swap's own
+    digests, but for a unit whose shard has padding past its parameters, which is read and staged like a
+    split master or int8 moments (another format on disk)."""
+    copies = []
+    copy_file_range = os.copy_file_range
+
+    def counted(*args):
+        copies.append(args[2])
+        return copy_file_range(*args)
+    monkeypatch.setattr(os, "copy_file_range", counted)
     both = save_both_ways(base, str(tmp_path))
     assert both["blocking"].keys() == both["background"].keys() >= {"manifest.json", "manifest.sha256",
                                                                      "rank00000.bin"}
     assert both["blocking"] == both["background"]
+    copied, size = sum(copies), len(both["background"]["rank00000.bin"])
+    assert size / 2 < copied < size if kernel_copies else not copies  # the root unit (padded) is staged
 
 
 def test_at_world_2_a_non_blocking_save_writes_the_blocking_saves_bytes(tmp_path, rank_pools):
@@ -75,11 +89,13 @@ def test_at_world_2_a_non_blocking_save_writes_the_blocking_saves_bytes(tmp_path
     assert both["blocking"] == both["background"]
 
 
-@pytest.mark.parametrize("staging", ["1GiB", 8192], ids=["staged-whole", "ring-smaller-than-the-state"])
-def test_training_on_while_a_save_is_written_resumes_bitwise(tmp_path, make_engine, staging):
+@pytest.mark.parametrize("base, staging", [(HOST, "1GiB"), (HOST, 8192), (FP32_NVME, "1GiB")],
+                         ids=["staged-whole", "ring-smaller-than-the-state", "nvme-kernel-copy"])
+def test_training_on_while_a_save_is_written_resumes_bitwise(tmp_path, make_engine, base, staging):
     """Steps run while the save is in flight (a ring smaller than the state: the save waits for its oldest
-    writes past it); a fresh engine loading it and taking the same steps ends bitwise where this one does."""
-    config = _config(HOST, tmp_path, save_staging=staging)
+    writes past it; on NVMe, the next update waits for the kernel's copy of the swap file); a fresh engine
+    loading it and taking the same steps ends bitwise where this one does."""
+    config = _config(base, tmp_path, save_staging=staging)
     engine = make_engine(make_model(), config)
     _train(engine, 0, 2)
     handle = engine.save_checkpoint(tmp_path / "ckpt", blocking=False, client_state={"next": 2})

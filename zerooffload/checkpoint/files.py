@@ -49,8 +49,9 @@ import torch
 from ..block_stream import BLOCK_WRITE, CHECKPOINT_WRITES, InFlight
 from ..errors import CheckpointError
 from ..io import AsyncIO, aligned_empty, open_file
-from ..io.checksum import crc32c
+from ..io.checksum import crc32c, crc32c_combine
 from ..io.files import open_nofollow, refuse_link
+from ..tiers import Block
 from ..trace import profiled
 
 __all__ = ["CheckpointError", "ChecksummedWriter", "StagingRing", "MANIFEST", "LATEST", "begin_partial", "publish",
@@ -139,13 +140,16 @@ class StagingRing:
 
 
 class ChecksummedWriter:
-    """A file written front to back with O_DIRECT through the async-I/O engine, ``writes_in_flight``
-    transfers at a time (``block_stream.InFlight``: [Note: block pipelines]), its CRC32C computed from
-    the bytes as they go out.
+    """A file written with O_DIRECT through the async-I/O engine, ``writes_in_flight`` transfers at a
+    time (``block_stream.InFlight``: [Note: block pipelines]), its CRC32C computed from the bytes as they
+    go out.
 
-    Each write is copied into its own aligned buffer first, so the caller's tensor (often a stream's
-    host buffer about to be reused) is free at once and reading the next block overlaps this write.
-    A known ``size`` is preallocated: ext4 serializes writes that extend a file (half speed here).
+    Each write is copied into its own aligned buffer first (or a piece of a ``ring``), so the caller's
+    tensor (often a stream's host buffer about to be reused) is free at once and reading the next block
+    overlaps this write. A known ``size`` is preallocated: ext4 serializes writes that extend a file
+    (half speed here). The file is cut into *ranges* in order, each a write or a range ``reserve``d for
+    later (a write ``at`` it, or a copy in the kernel, ``copy_in``); each range keeps its own CRC, and
+    the file's joins them in file order (``crc32c_combine``), whatever order they were filled in.
     """
 
     def __init__(self, path: Path, aio: AsyncIO, size: int = 0, writes_in_flight: int = CHECKPOINT_WRITES,
@@ -156,8 +160,9 @@ class ChecksummedWriter:
         """Where staged bytes go instead of a buffer of their own: a non-blocking save's (async_save's note)."""
         self._writes = InFlight(1 << 30 if ring else writes_in_flight)  # each with its staging, kept until it finished
         self.file = open_file(path, "w", direct=aio.config.direct, follow=False)
-        self.crc = 0
         self.bytes = 0
+        self._ranges: list[list[int]] = []
+        """[CRC32C, bytes] of each range, in file order."""
         if size:
             try:
                 os.posix_fallocate(self.file.fd, 0, size)
@@ -169,12 +174,28 @@ class ChecksummedWriter:
     def writes_in_flight(self) -> int:
         return self._writes.depth
 
-    def write(self, tensor: torch.Tensor, nbytes: int = 0) -> None:
-        """``tensor``'s bytes next in the file; with ``nbytes``, zeros after them up to that many (a segment
-        padded to its size), filled in the staging buffer, not in a padded copy first. Into a ``ring``, in
-        pieces of at most ``ring.piece`` bytes, each waiting for room there (the oldest writes to land)."""
+    @property
+    def crc(self) -> int:
+        """The CRC32C of the file's ranges so far, once their writes landed."""
+        crc = 0
+        for value, length in self._ranges:
+            crc = crc32c_combine(crc, value, length)
+        return crc
+
+    def reserve(self, nbytes: int) -> tuple[int, list[int]]:
+        """The next ``nbytes`` of the file kept for later: their offset and range (to write ``at``)."""
+        self._ranges.append(span := [0, nbytes])
+        self.bytes += nbytes
+        return self.bytes - nbytes, span
+
+    def write(self, tensor: torch.Tensor, nbytes: int = 0, at: tuple[int, list[int]] | None = None) -> None:
+        """``tensor``'s bytes next in the file (or in the range ``at`` names: ``reserve``); with ``nbytes``,
+        zeros after them up to that many (a segment padded to its size), filled in the staging buffer, not
+        in a padded copy first. Into a ``ring``, in pieces of at most ``ring.piece`` bytes, each waiting for
+        room there (the oldest writes to land)."""
         data = tensor.detach().reshape(-1).view(torch.uint8)
         total = max(nbytes, data.numel())
+        offset, span = at or self.reserve(total)
         step = self.ring.piece if self.ring else total
         for start in range(0, total, step or 1):
             length = min(step, total - start)
@@ -187,17 +208,30 @@ class ChecksummedWriter:
             staging[:filled].copy_(data[start:start + filled])  # one copy, from wherever it lives
             staging[filled:].zero_()
             if not self.ring:
-                self.crc = crc32c(staging, self.crc)
+                span[0] = crc32c(staging, span[0])
             with profiled(BLOCK_WRITE):
-                handle = self.aio.write(self.file, staging, self.bytes)
-            self._writes.add(handle, staging, (lambda piece=staging: self._landed(piece)) if self.ring else None)
-            self.bytes += length
+                handle = self.aio.write(self.file, staging, offset + start)
+            self._writes.add(handle, staging, (lambda piece=staging: self._landed(piece, span)) if self.ring else None)
 
-    def _landed(self, piece: torch.Tensor) -> None:
-        """A ring piece's write ended: its CRC taken (pieces end oldest first, so in file order, and off the
-        thread that staged them when a save's own thread waits for them) and its room given back."""
+    def copy_in(self, block: Block, at: tuple[int, list[int]]) -> None:
+        """``block``'s stored bytes into the range ``at`` names, copied in the kernel (``Block.copy_out``),
+        its CRC32C joined from the digests they were written with."""
+        offset, span = at
+        digests = block.copy_out(self.file.fd, offset)
+        if digests is None:
+            raise TypeError(f"{self.path}: a block held in memory has nothing to copy in the kernel: write it")
+        if sum(length for _, length in digests) != span[1]:
+            raise ValueError(f"{self.path}: the block copied at {offset} holds {sum(n for _, n in digests)} bytes, "
+                             f"not the {span[1]} reserved")
+        for crc, length in digests:
+            span[0] = crc32c_combine(span[0], crc, length)
+
+    def _landed(self, piece: torch.Tensor, span: list[int]) -> None:
+        """A ring piece's write ended: its CRC taken into its range's (a range's pieces end oldest first, so
+        in order, and off the thread that staged them when a save's own thread waits for them) and its
+        room given back."""
         try:
-            self.crc = crc32c(piece, self.crc)
+            span[0] = crc32c(piece, span[0])
         finally:
             self.ring.release()
 

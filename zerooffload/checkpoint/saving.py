@@ -19,6 +19,7 @@ from torch import nn
 from ..block_stream import checkpoint_depth, wait_each
 from ..comm import all_gather_object, barrier
 from ..io import AsyncIO
+from ..tiers import Block
 from ..training_state import Trainable
 from .files import (
     CheckpointError,
@@ -141,8 +142,10 @@ class RankWriters:
         self.partial, self.rank, self.size, self.aio = partial, rank, size, aio
         self.writers: list[ChecksummedWriter] = []
         self.files: dict[str, dict] = {}
-        self.deferred: list[tuple[torch.Tensor, int]] = []
-        """(part, bytes) for the rank file, copied into its ring by ``close`` (async_save's note)."""
+        self.deferred: list[tuple[torch.Tensor | Block, int, tuple[int, list[int]]]] = []
+        """(part, bytes, range) of the rank file left for ``close``: a part of resident state to copy into
+        the ring, or a block on NVMe whose stored bytes are its segments, copied in the kernel
+        (``ChecksummedWriter.reserve``; async_save's note)."""
         self.staged = threading.Event()
         """Set once nothing of the live state is read any more: the state may change."""
         self.rng = {"cpu": torch.get_rng_state()}
@@ -169,8 +172,11 @@ class RankWriters:
 
     def _stage(self) -> None:
         try:
-            for part, nbytes in self.deferred:
-                self.writers[0].write(part, nbytes)
+            for part, nbytes, at in self.deferred:
+                if isinstance(part, Block):
+                    self.writers[0].copy_in(part, at)
+                else:
+                    self.writers[0].write(part, nbytes, at)
         finally:
             self.deferred = []
             self.staged.set()
@@ -194,27 +200,37 @@ class RankWriters:
 
 def _write_rank_files(engine: Trainable, partial: Path, ring: StagingRing | None) -> RankWriters:
     """Start this rank's files in ``partial`` (``RankWriters``): its unit shards (units it holds a shard
-    of), then rank 0's buffers. Into a ``ring`` with every optimizer block resident, the shards are left
-    for ``close`` to copy (the engine's next call that may change them waits for it: ``Saves.check``);
-    else copied here, each block while it is loaded."""
+    of), then rank 0's buffers. With a ``ring`` (a save in the background), blocks on NVMe stored as they
+    are saved are left for ``close`` to copy in the kernel, and so are the other shards when their blocks
+    are resident, to copy into the ring (the engine's next call that may change them waits for it:
+    ``Saves.check``); the rest is copied here, each block while it is loaded."""
     rank = engine.comm.rank
     size = rank_file_bytes(engine)
     writers = RankWriters(partial, rank, size, AsyncIO(engine.config.aio))
-    later = ring is not None and all(state.block.resident for state in engine.opt_states)
+    mine = [state for state in engine.opt_states if rank < state.unit.layout.shards]
+    copied = [state for state in mine if ring is not None and _stored_as_saved(engine, state)]
+    staged = [state for state in mine if state not in copied]
+    later = ring is not None and all(state.block.resident for state in staged)
     try:
         depth = checkpoint_depth(engine.config.aio)
         writer = ChecksummedWriter(partial / rank_file(rank, "bin"), writers.aio, size, writes_in_flight=depth,
                                    ring=ring)
         writers.writers.append(writer)
-        for state in engine.state_dicts.visit(write=False):
-            if rank < state.unit.layout.shards:
-                parts = [engine.state_dicts.fp32_shard(state)]
-                parts += [part for name in state.moment_names for part in state.stored_moment(name)]
-                for part, nbytes in zip(parts, _segments(engine, state), strict=True):
-                    if later:
-                        writers.deferred.append((part, nbytes))
-                    else:
-                        writer.write(part, nbytes)
+        loaded = engine.state_dicts.visit(write=False, states=staged)
+        for state in mine:  # in file order
+            if state in copied:
+                writers.deferred.append((state.block, state.block.nbytes, writer.reserve(state.block.nbytes)))
+                continue
+            next(loaded)  # ``state`` loaded: staged ones come in the same order
+            parts = [engine.state_dicts.fp32_shard(state)]
+            parts += [part for name in state.moment_names for part in state.stored_moment(name)]
+            for part, nbytes in zip(parts, _segments(engine, state), strict=True):
+                if later:
+                    at = writer.reserve(max(nbytes, part.numel() * part.element_size()))
+                    writers.deferred.append((part, nbytes, at))
+                else:
+                    writer.write(part, nbytes)
+        next(loaded, None)  # the stream ends (its last block let go)
         if rank == 0:
             buffers = ChecksummedWriter(partial / "buffers.bin", writers.aio, writes_in_flight=depth)
             writers.writers.append(buffers)
@@ -227,6 +243,16 @@ def _write_rank_files(engine: Trainable, partial: Path, ring: StagingRing | None
             raise
         raise clear from error
     return writers
+
+
+def _stored_as_saved(engine: Trainable, state: "UnitOptimizerState") -> bool:
+    """Whether ``state``'s block on NVMe holds its checkpoint segments byte for byte, so that it can be
+    copied file to file (``Block.copy_out``): an fp32 master and fp32 moments over a shard trainable
+    throughout (no frozen part, no split master, no compact moments), with the swap's digests on."""
+    unit = state.unit
+    return (not state.block.resident and engine.config.nvme.checksum and state.has_master and not state.split
+            and engine.config.optimizer.moments == "fp32" and unit.trainable_numel == unit.layout.shard_numel
+            and state.block.nbytes == sum(_segments(engine, state)))
 
 
 def rank_file_bytes(engine: Trainable) -> int:

@@ -186,6 +186,29 @@ class SwapStore:
         return SwapDamage(key, f"the swap file ends at byte {end}, before the block's end (truncated)",
                           error.filename, offset, length)
 
+    def copy_out(self, key: str, fd: int, offset: int) -> list[tuple[int, int]]:
+        """Copy ``key``'s bytes into file ``fd`` from ``offset`` on, in the kernel (``os.copy_file_range``:
+        they never pass through this process, so nothing checks them on the way), and return the digests
+        they were written with, ``(CRC32C, length)`` per chunk in order: a checkpoint's CRC from what this
+        store wrote, never from bytes nobody verified. Needs ``checksum``; the entry must not be written
+        meanwhile."""
+        entry = self._entry(key)
+        digests = None if entry.digests is None else entry.digests.result()
+        if digests is None:
+            raise ValueError(f"swap key {key!r} has no digests (nvme.checksum is off): read it to copy it")
+        for index, source, length in entry.pieces:
+            done = 0
+            while done < length:
+                moved = os.copy_file_range(self.stripes[index].file.fd, fd, length - done, source + done,
+                                           offset + done)
+                if moved == 0:
+                    raise SwapDamage(key, "the swap file ends before the block's end (truncated)",
+                                     str(self.stripes[index].path), source + done, length - done)
+                done += moved
+            offset += length
+        return [(digest, length) for digest, (_, length) in zip(digests, chunk_spans(entry.nbytes, entry.segment),
+                                                                strict=True)]
+
     def free(self, key: str) -> None:
         """Forget ``key`` and give its extents back for reuse."""
         with self._lock:

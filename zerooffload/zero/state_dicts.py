@@ -81,10 +81,12 @@ class StateDicts:
         return entries + [(name, tuple(t.shape), t.dtype, lambda t=t: t.detach().cpu())
                           for name, t in named if id(t) not in order]
 
-    def visit(self, *, write: bool, read: bool = True) -> Iterator[UnitOptimizerState]:
-        """Each unit's optimizer state loaded, in unit order (``ShardedState.visit``): for checkpoints."""
+    def visit(self, *, write: bool, read: bool = True, states: list[UnitOptimizerState] | None = None
+              ) -> Iterator[UnitOptimizerState]:
+        """Each unit's optimizer state (or each of ``states``) loaded, in unit order (``ShardedState.visit``):
+        for checkpoints."""
         self.updater.step_updates.join()
-        return self.state.visit(write=write, read=read)
+        return self.state.visit(write=write, read=read, states=states)
 
     def fp32_shard(self, opt_state: UnitOptimizerState) -> torch.Tensor:
         """This rank's whole shard of ``opt_state``'s unit in fp32 (``opt_state`` loaded): the master
