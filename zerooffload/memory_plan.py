@@ -41,7 +41,7 @@ from .zero.reduction import MAX_BUCKETS_IN_FLIGHT, REDUCE_DTYPE
 from .zero.unit_layout import UnitLayout, find_units
 
 __all__ = ["memory_bytes", "plan_for_config", "plan_for_machine", "check_fits", "check_memory", "fitting_layout",
-           "place_activations", "local_ranks", "temporaries", "Temporaries", "LAYOUTS_TO_TRY"]
+           "place_activations", "local_ranks", "temporaries", "Temporaries", "LAYOUTS_TO_TRY", "save_staging_bytes"]
 
 LAYOUTS_TO_TRY = (
     ("offload.optimizer.tier=host",),
@@ -100,8 +100,26 @@ def check_swap_cap(plan: MemoryPlan, config: Config, world_size: int) -> None:
                           f"({needed - cap:,} short); raise it, or keep more state in RAM (offload.*.tier){more}")
 
 
+def save_staging_bytes(layouts: list[UnitLayout], config: Config) -> int:
+    """Host memory a save in the background copies the state into (checkpoint.async_save's note):
+    ``train.save_staging``, at most what this rank's shards of state take in a checkpoint (an fp32
+    master and the moments as kept)."""
+    moments = len(moment_names(config.optimizer))
+    state = sum(state_bytes(u.shard_numel, moments, config.optimizer.moments, "fp32", len(u.slots)) for u in layouts)
+    return min(config.train.save_staging, state)
+
+
 def _plan(layouts: list[UnitLayout], placement: Placement, config: Config, world_size: int) -> MemoryPlan:
-    """``memory_bytes`` of ``placement`` with ``config``'s sizes."""
+    """``memory_bytes`` of ``placement`` with ``config``'s sizes; with ``train.async_save``, the staging of a
+    save in the background in host memory too."""
+    plan = _state_plan(layouts, placement, config, world_size)
+    if config.train.async_save:
+        plan.setdefault(placement.staging, {kind: 0 for kind in Kind})[Kind.BUFFER] += save_staging_bytes(layouts,
+                                                                                                          config)
+    return plan
+
+
+def _state_plan(layouts: list[UnitLayout], placement: Placement, config: Config, world_size: int) -> MemoryPlan:
     return memory_bytes(layouts, placement,
                        compute_bytes=dtype_bytes(config.train.precision), moments=len(moment_names(config.optimizer)),
                        moment_dtype=config.optimizer.moments, bucket_bytes=config.zero.bucket_size,

@@ -46,9 +46,10 @@ import torch
 import torch.distributed as dist
 
 from ..comm import Comm
+from ..memory_plan import save_staging_bytes
 from ..training_state import Trainable
 from .files import ALIGN, StagingRing
-from .saving import BegunSave, begin_save, rank_file_bytes, save_checkpoint
+from .saving import BegunSave, begin_save, save_checkpoint
 
 __all__ = ["SaveHandle", "Saves"]
 
@@ -158,10 +159,10 @@ class Saves:
 
     def _staging(self) -> StagingRing:
         """The ring, made at the first non-blocking save: ``train.save_staging`` bytes, no more than this
-        rank's data file takes."""
+        rank's state takes (``memory_plan.save_staging_bytes``: what the plan counts)."""
         if self._ring is None:
-            budget = self.engine.config.train.save_staging
-            self._ring = StagingRing(min(budget, max(ALIGN, rank_file_bytes(self.engine))))
+            layouts = [unit.layout for unit in self.engine.units]
+            self._ring = StagingRing(max(ALIGN, save_staging_bytes(layouts, self.engine.config)))
         return self._ring
 
     def _comm(self) -> Comm:
