@@ -7,13 +7,16 @@ and returns a ``SaveHandle`` (``wait()``, ``done()``, ``path``) while the files 
 - *On the calling thread* (``saving.begin_save``): ``<tag>.partial`` is made and its files opened
   (preallocated), the manifest's values (optimizer steps, schedule, scaler, counters, client state),
   the RNG states and the module's buffers are taken, and the parts of this rank's data file are named:
-  the master and moment shards of every unit. State held in memory (every optimizer block resident:
-  host or device) is left where it is for now; state on NVMe is read block by block as a blocking save
-  reads it (``ShardedState.visit``) and copied into the *staging ring* (``StagingRing``) as each block
-  is loaded, its writes started at once.
-- *On the saves' thread* (one per engine, ``_run_tasks``): resident state is copied into the ring
-  piece by piece, each piece's O_DIRECT write started as it is copied; when the ring is full the copy
-  waits for its oldest writes to land. Then ``staged`` is set: until then the engine's next call that
+  the master and moment shards of every unit. A block on NVMe that holds its checkpoint segments byte
+  for byte (fp32 master and moments, no padding past the parameters) is left for a copy in the kernel;
+  state held in memory (optimizer blocks resident: host or device) is left where it is for now; other
+  state on NVMe is read block by block as a blocking save reads it (``ShardedState.visit``) and copied
+  into the *staging ring* (``StagingRing``) as each block is loaded, its writes started at once.
+- *On the saves' thread* (one per engine, ``_run_tasks``): blocks on NVMe left for it are copied from
+  the swap file to the rank file (``os.copy_file_range``), their CRC32C joined from the digests the swap
+  store took as it wrote them (``SwapStore.copy_out``: never from bytes nobody read back); resident
+  state is copied into the ring piece by piece, each piece's O_DIRECT write started as it is copied;
+  when the ring is full the copy waits for its oldest writes to land. Then ``staged`` is set: until then the engine's next call that
   may change the state (``backward``, ``step``, ``load_checkpoint``, ``gathered``: ``Saves.check``)
   waits for it, so past the ring's room the next update waits for the writes; forward does not wait.
   Each piece's CRC32C is taken when its write ends (in file order: they end oldest first). Then the
@@ -22,8 +25,9 @@ and returns a ``SaveHandle`` (``wait()``, ``done()``, ``path``) while the files 
   barrier closes it. At world size > 1 those collectives run on a gloo group made for the saves at
   the first one (``Saves._comm``), never on the engine's group, whose direct-exchange tags come from
   one sequence on the training thread.
-- *The ring* is host memory of ``train.save_staging`` bytes at most, never more than this rank's data
-  file, allocated at the first save in the background and kept for the next.
+- *The ring* is host memory of ``train.save_staging`` bytes at most, never more than this rank's state
+  (``memory_plan.save_staging_bytes``, which the plan counts with ``train.async_save``), allocated at the
+  first save in the background and kept for the next.
 - *Crash consistency* is the blocking save's: ``latest`` moves only once every rank's files are
   durable, so a kill at any point leaves the previous tag intact and loadable.
 - *Ordering*: a second save waits for the first; ``load_checkpoint``, ``close()`` and ``zerooffload
