@@ -65,8 +65,9 @@ def make_batches(steps: int, accum: int, global_batch: int, seed: int = 1) -> li
 
 
 def reference_train(model: nn.Module, batches, *, lr=1e-2, weight_decay=0.1, clip=0.0, dtype=torch.float32,
-                    parts: int = 1, average_each_micro_batch: bool = False):
-    """Plain PyTorch: fp32 master weights, ``dtype`` compute copies, AdamW on the full global batch.
+                    parts: int = 1, average_each_micro_batch: bool = False, optimizer_class=torch.optim.AdamW):
+    """Plain PyTorch: fp32 master weights, ``dtype`` compute copies, AdamW (or ``optimizer_class``) on the
+    full global batch.
 
     With ``parts`` > 1 each global micro-batch is run as that many equal slices whose ``dtype``
     gradients are averaged in ``dtype``: the rounding that splitting a batch over ranks implies. In
@@ -77,7 +78,7 @@ def reference_train(model: nn.Module, batches, *, lr=1e-2, weight_decay=0.1, cli
     """
     master = copy.deepcopy(model)
     params = [p for p in master.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
+    optimizer = optimizer_class(params, lr=lr, weight_decay=weight_decay)
     for window in batches:
         copies = [copy.deepcopy(master).to(dtype) for _ in range(parts)]
         total: list = [None] * len(params)

@@ -312,8 +312,11 @@ def temporaries(layouts: list[UnitLayout], placement: Placement, *, compute_byte
     if world_size > 1:  # at world size 1 nothing is staged or exchanged (reduction's GradReducer._add)
         reduce_phase = min(in_flight, full_reduce)  # staging copies of buckets, in the reduction dtype
         if placement.reduce_scatters:
-            # reduce-scatter outputs, and on gloo the peers' parts received beside them (world − 1 as many)
-            reduce_phase += world_size * min(in_flight, shard * reduce_bytes)
+            # reduce-scatter outputs, and on gloo the peers' parts received beside them (world − 1 as many);
+            # under qgZ comm's coded parts out and in and its fp32 sums per node instead, at most 2 × world
+            # outputs' worth (codes are 1/4 or 1/8 of fp32), held by comm outside the tiers: reserved here
+            coded = any(p.gradient_bits for p in placement.units)
+            reduce_phase += (1 + 2 * world_size if coded else world_size) * min(in_flight, shard * reduce_bytes)
     gathered_after_step = [(u, p) for u, p in units if p.published_by_all_gather] if world_size > 1 else []
     if placement.reduces_every_backward:
         reduce_phase += min(full, _waiting_grads(layouts, compute_bytes, bucket_bytes, world_size))

@@ -13,6 +13,9 @@ moves 2 Ψ / Nd as well. The figures are
 model states only: activations, buffers and fragmentation come on top. The compact optimizer state
 formats (``optimizer.master``, ``optimizer.moments``) change K: 2.125 for a split master instead of 4,
 2 + 2 bytes for bf16 moments and 1 + 1/64 + 1 + 1/64 for int8 ones instead of 4 + 4 (``k_adam``).
+Above one rank, stage 3's bytes on the wire per rank and step follow, within a node and across nodes
+(``--ranks-per-node``), plain and with ZeRO++ (planning.volumes' [Note: volumes]), and hpZ's secondary
+shards on each device, 2Ψ / ranks per node.
 """
 from __future__ import annotations
 
@@ -20,9 +23,11 @@ import math
 import re
 from dataclasses import dataclass
 
+from ..config import ConfigError
 from ..optim.state import state_bytes
+from ..planning.volumes import step_volume
 
-__all__ = ["K_ADAM", "StageEstimate", "estimate", "format_table", "k_adam", "parse_count"]
+__all__ = ["K_ADAM", "StageEstimate", "estimate", "format_table", "format_volumes", "k_adam", "parse_count"]
 
 K_ADAM = 12
 """Bytes of optimizer state per parameter for mixed-precision Adam: fp32 master, m and v."""
@@ -97,4 +102,30 @@ def format_table(rows: list[StageEstimate], params: float, dp: int, k: float = K
                      if row.stage >= 1 else "-")
         both = f"{row.device_all_offloaded / gb:.2f} / {row.offloaded_all / gb:.2f}" if row.stage == 3 else "-"
         lines.append(f"{names[row.stage]:<14}{row.device / gb:>11.2f}{optimizer:>42}{both:>34}")
+    return "\n".join(lines)
+
+
+ZERO_PP_ROWS = (("plain", {}), ("hpZ", {"hpz": True}), ("qwZ", {"quantized_weights": True}),
+                ("qgZ", {"gradient_bits": 8}), ("qgZ 4-bit", {"gradient_bits": 4}),
+                ("all three", {"hpz": True, "quantized_weights": True, "gradient_bits": 8}),
+                ("all three, 4-bit", {"hpz": True, "quantized_weights": True, "gradient_bits": 4}))
+"""ZeRO++'s settings as ``step_volume`` takes them: ``zero.hpz_partition_size`` = the ranks per node,
+``zero.quantized_weights``, ``zero.quantized_gradients`` (and its bits)."""
+
+
+def format_volumes(params: float, dp: int, local: int, compute_bytes: int = 2) -> str:
+    """Stage 3's bytes a rank sends per step (one micro-batch, every unit gathered again in backward) within
+    its node and across nodes, plain and with ZeRO++, in decimal GB; hpZ's device bytes below."""
+    if dp % local:
+        raise ConfigError(f"--ranks-per-node {local} does not divide --dp {dp}: every node runs as many ranks")
+    gb = 1e9
+    plain = step_volume(params, dp, local, compute_bytes).inter
+    lines = [f"stage 3 on the wire per rank and step, {dp // local} node(s) x {local} ranks ({compute_bytes}-byte "
+             f"weights, fp32 gradient sums; GB = 1e9 B)", f"{'':<18}{'within a node':>15}{'across nodes':>15}"
+             f"{'across vs plain':>17}"]
+    for name, options in ZERO_PP_ROWS:
+        volume = step_volume(params, dp, local, compute_bytes, **options)
+        ratio = f"{volume.inter / plain:.3f}" if plain else "-"
+        lines.append(f"{name:<18}{volume.intra / gb:>15.2f}{volume.inter / gb:>15.2f}{ratio:>17}")
+    lines.append(f"hpZ's secondary shards hold {compute_bytes * params / local / gb:.2f} GB more on each device")
     return "\n".join(lines)

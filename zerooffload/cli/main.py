@@ -85,6 +85,15 @@ def _params(text: str) -> float:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def _link_rate(text: str) -> float:
+    """``--inter-node-rate``: bits a second as tc writes them (``200mbit``, ``25gbit``, ``100kbit``), in GB/s."""
+    units = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9}
+    unit = next((u for u in units if text.lower().endswith(u)), None)
+    if unit is None:
+        raise ValueError(text)
+    return float(text[:-len(unit)]) * units[unit] / 8 / 1e9
+
+
 def _load_config(args: argparse.Namespace) -> Config:
     """The config a subcommand runs with: ``--config`` (or defaults), then ``key.path=value`` overrides."""
     return Config.load(args.config or {}, overrides=args.overrides)
@@ -118,13 +127,15 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
 
 def _cmd_estimate(args: argparse.Namespace) -> int:
-    from .estimate import estimate, format_table, k_adam
+    from .estimate import estimate, format_table, format_volumes, k_adam
 
     k = k_adam(args.master, args.moments)
     rows = estimate(args.params, args.dp, k)
     if args.stage is not None:
         rows = [r for r in rows if r.stage == args.stage]
     print(format_table(rows, args.params, args.dp, k))
+    if args.dp > 1 and args.stage in (None, 3):
+        print("\n" + format_volumes(args.params, args.dp, args.ranks_per_node or args.dp))
     return 0
 
 
@@ -211,6 +222,10 @@ def _add_plan(commands) -> None:
     plan.add_argument("--seq", type=_number(int, 1, "a whole number of tokens >= 1"),
                       help="sequence length (default: the model's)")
     plan.add_argument("--top", type=_number(int, 1, "a whole number >= 1"), default=8, help="layouts shown (default 8)")
+    plan.add_argument("--ranks-per-node", type=_number(int, 1, "a whole number of ranks >= 1"),
+                      help="ranks a node of the --world ranks (default: all on one node)")
+    plan.add_argument("--inter-node-rate", type=_number(_link_rate, 1e-9, "a link rate such as 200mbit or 25gbit"),
+                      help="the link between nodes (tc's units: 200mbit, 25gbit): over a slow one ZeRO++ is tried")
     plan.add_argument("--out", metavar="FILE", help="write the best layout as a complete TOML config")
     plan.add_argument("--refresh", action="store_true", help="measure the machine again instead of the cached probe")
     plan.add_argument("--json", action="store_true", help="print the ranked layouts as JSON")
@@ -253,6 +268,8 @@ def _add_estimate(commands) -> None:
     estimate.add_argument("--dp", type=_number(int, 1, "a whole number of ranks >= 1"), required=True,
                           help="data-parallel ranks")
     estimate.add_argument("--stage", type=int, choices=range(4), help="show one stage only")
+    estimate.add_argument("--ranks-per-node", type=_number(int, 1, "a whole number of ranks >= 1"),
+                          help="ranks a node, for stage 3's bytes within and across nodes (default: --dp, one node)")
     estimate.add_argument("--master", choices=("fp32", "split"), default="fp32",
                           help="optimizer.master's format (split: 2.125 bytes, not 4)")
     estimate.add_argument("--moments", choices=("fp32", "bf16", "int8"), default="fp32",

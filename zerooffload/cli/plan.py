@@ -29,7 +29,8 @@ def run_plan(args: argparse.Namespace) -> int:
     model = model_spec(args.model, args.seq, args.params, args.layers)
     config = load_train_config(args.config, args.overrides, model.num_params)
     result = plan(model, config, pinned=_pinned(args), world_size=args.world, batch_size=args.batch,
-                  refresh=args.refresh, progress=lambda text: print(f"plan: {text}", file=sys.stderr))
+                  refresh=args.refresh, progress=lambda text: print(f"plan: {text}", file=sys.stderr),
+                  ranks_per_node=args.ranks_per_node, inter_node_gbps=args.inter_node_rate)
     if args.json:
         print(json.dumps([_as_json(c) for c in result.fitting[:args.top]], indent=1))
     else:

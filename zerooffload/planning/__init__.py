@@ -8,6 +8,7 @@ beside what it measures.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from typing import Callable, Iterable
@@ -19,6 +20,7 @@ from .model_spec import ModelSpec, gpt_of_size, load_model, named_gpt
 from .predict import predict
 from .probe import Probe, cached_probe, measure_adam_rate, probe_machine
 from .search import SEARCHED, Candidate, Evaluator, candidates, rank
+from .volumes import proposes_zero_pp
 
 __all__ = ["PREDICTION", "PlanResult", "Probe", "SEARCHED", "cached_probe", "model_spec", "pinned_keys", "plan",
            "predict", "predict_config", "read_prediction", "state_format_words"]
@@ -102,7 +104,8 @@ def _flat(data: dict, prefix: str = "") -> dict:
 def plan(model: str | ModelSpec, config: Config | dict | str | None = None, *, pinned: Iterable[str] | None = None,
          world_size: int = 1, batch_size: int | None = None, seq_len: int | None = None,
          params: float | None = None, layers: int | None = None, refresh: bool = False,
-         progress: Callable[[str], None] | None = None, probe: Probe | None = None, timed: bool = True) -> PlanResult:
+         progress: Callable[[str], None] | None = None, probe: Probe | None = None, timed: bool = True,
+         ranks_per_node: int | None = None, inter_node_gbps: float | None = None) -> PlanResult:
     """Probe the machine (cached), enumerate the layouts of ``model`` that fit and rank them by predicted
     step time (search's [Note: the search]).
 
@@ -112,6 +115,8 @@ def plan(model: str | ModelSpec, config: Config | dict | str | None = None, *, p
     sequences per optimizer step over all ranks (default: the config's micro × accumulation × world).
     ``probe``: the machine's, when the caller has one (nothing is then measured but one block).
     ``timed=False``: not even that; blocks are counted in FLOPs (a refusal's suggestion, in seconds).
+    ``ranks_per_node`` and ``inter_node_gbps`` (bytes a second a rank sends across nodes): the job's nodes and
+    their link, which no probe on one machine measures; over a slow link ZeRO++ is tried (``zero_pp``).
     """
     config = Config.load(config if config is not None else {})
     progress = progress or (lambda text: None)
@@ -121,6 +126,12 @@ def plan(model: str | ModelSpec, config: Config | dict | str | None = None, *, p
         raise ConfigError(f"batch size {batch} is not a multiple of the world size {world_size}")
     measure = probe is None
     probe = probe or probe_machine(config, refresh=refresh, progress=progress, world_size=world_size)
+    if ranks_per_node and world_size % ranks_per_node:
+        raise ConfigError(f"{ranks_per_node} ranks a node do not divide the world size {world_size}: every node "
+                          "runs as many ranks")
+    if ranks_per_node or inter_node_gbps:
+        probe = dataclasses.replace(probe, ranks_per_node=ranks_per_node or probe.ranks_per_node,
+                                    inter_node_gbps=inter_node_gbps or probe.inter_node_gbps)
     pinned = pinned_keys(config) if pinned is None else set(pinned)
     evaluator = Evaluator(spec, probe, world_size, progress, timed=timed)
     refused: list[Candidate] = []
@@ -128,6 +139,7 @@ def plan(model: str | ModelSpec, config: Config | dict | str | None = None, *, p
         if measure:
             measure_adam_rate(probe, state_format, progress)
         pool = candidates(state_format, pinned, batch, world_size, probe.device, _unit_bytes(spec, config, world_size))
+        pool += zero_pp(pool, probe, world_size, pinned)
         for candidate in pool:  # a format is part of the layout: train --plan applies the overrides alone
             candidate.overrides = {**format_overrides, **candidate.overrides}
         progress(f"predicting {len(pool)} layouts" + ("" if state_format is config else
@@ -138,6 +150,25 @@ def plan(model: str | ModelSpec, config: Config | dict | str | None = None, *, p
         if fitting:
             break
     return PlanResult(spec, probe, fitting, refused, batch, world_size, evaluator)
+
+
+def zero_pp(pool: list[Candidate], probe: Probe, world_size: int, pinned: set[str]) -> list[Candidate]:
+    """Each stage 3 layout of ``pool`` again with ZeRO++'s three settings (hpZ over the node, qwZ, qgZ with
+    8 bits), where the link between nodes is slow (volumes' ``proposes_zero_pp``) and the user left them
+    free; the ranking then decides by the predicted step (a slow link's seconds, hpZ's device bytes)."""
+    keys = {"zero.hpz_partition_size": probe.ranks_per_node, "zero.quantized_weights": True,
+            "zero.quantized_gradients": True}
+    local = probe.ranks_per_node or world_size
+    if keys.keys() & pinned or not proposes_zero_pp(probe.collective_gbps, probe.inter_node_gbps,
+                                                      world_size // local):
+        return []
+    out = []
+    for candidate in pool:
+        if candidate.config.zero.stage == 3:
+            overrides = {**candidate.overrides, **keys}
+            out.append(Candidate(overrides, Config.load(candidate.config, overrides=[
+                f"{k}={json.dumps(v)}" for k, v in keys.items()])))
+    return out
 
 
 def _state_formats(config: Config, pinned: set[str]) -> list[tuple[dict[str, str], Config]]:

@@ -61,6 +61,7 @@ from ..zero.reduction import REDUCE_DTYPE
 from ..zero.unit_layout import UnitLayout
 from .model_spec import BlockTimes
 from .probe import Probe
+from .volumes import gather_volume, reduce_volume, wire_element_bytes
 
 __all__ = ["predict", "WORK"]
 
@@ -91,6 +92,8 @@ class _Phase:
     gathered: float = 0.0
     """Bytes of off-device shards brought to the device for a gather (a CPU device uses them in place)."""
     collective: float = 0.0
+    inter: float = 0.0
+    """Of the collectives' work, bytes this rank sends across nodes (volumes' note), at the link's rate."""
     exposed: float = 0.0
     """Transfer seconds nothing overlaps (see the note)."""
     work: dict[str, float] = field(default_factory=lambda: dict.fromkeys(WORK, 0.0))
@@ -169,8 +172,8 @@ def _phases(config: Config, layouts: list[UnitLayout], placement: Placement, pro
     for layout, p in zip(layouts, placement.units):
         shard = layout.shard_numel
         block = state_bytes(shard, moments, config.optimizer.moments, p.master_format, len(layout.slots))
-        if p.params_off_device:  # gathered for forward, again in backward past max_live
-            for phase, share in ((forward, 1.0), (backward, regathered)):
+        if p.params_off_device:  # gathered for forward, again in backward past max_live (under hpZ from the
+            for phase, share in ((forward, 1.0), (backward, 0.0 if p.secondary_parts > 1 else regathered)):  # device)
                 phase.gathered += shard * cb * accum * share
                 if p.params_stream:
                     nbytes = shard * (4 if p.params_in_masters else cb) * accum * share
@@ -186,7 +189,7 @@ def _phases(config: Config, layouts: list[UnitLayout], placement: Placement, pro
         _add_update(backward if p.updates_in_backward else step, layout, p, block, cb, probe)
         if redone and p.updates_tentatively:  # undone by the clip, done again in the step
             _add_update(step, layout, p, block, cb, probe)
-    _collectives(config, layouts, placement, world_size, forward, backward, step)
+    _collectives(config, layouts, placement, world_size, forward, backward, step, probe.ranks_per_node)
     step.copy = sum(u.shard_numel for u in layouts) * cb  # the norm reads every gradient once
     _fills(config, layouts, placement, cb, moments, probe, forward, step, redone)
     return {"forward": forward, "backward": backward, "step": step}
@@ -250,10 +253,12 @@ def _fresh_memory(config: Config, layouts: list[UnitLayout], placement: Placemen
 
 
 def _collectives(config: Config, layouts: list[UnitLayout], placement: Placement, world_size: int,
-                 forward: _Phase, backward: _Phase, step: _Phase) -> None:
+                 forward: _Phase, backward: _Phase, step: _Phase, ranks_per_node: int | None = None) -> None:
     """DESIGN §3's elements per rank: all-gathers of partitioned units (forward and backward) and of the
     units published by an all-gather (after their update), reduce-scatters or all-reduces (twice the
-    elements) of the gradients, once a window or in every backward as placed."""
+    elements) of the gradients, once a window or in every backward as placed; under ZeRO++ in the bytes
+    of its wire code (qwZ, qgZ). Across ``ranks_per_node`` nodes, the bytes that cross the link too
+    (volumes' note; hpZ keeps backward's gathers in the node)."""
     if world_size == 1:
         return
     cb = dtype_bytes(config.train.precision)
@@ -261,10 +266,20 @@ def _collectives(config: Config, layouts: list[UnitLayout], placement: Placement
     full = sum(u.padded_numel for u in layouts)
     partitioned = sum(u.padded_numel for u, p in zip(layouts, placement.units) if p.partitioned)
     reductions = accum if placement.reduces_every_backward else 1
-    reduce = full * REDUCE_DTYPE.itemsize * (1 if placement.reduce_scatters else 2) * reductions
-    backward.collective += reduce + partitioned * cb * accum
-    forward.collective += partitioned * cb * accum
+    bits = max(p.gradient_bits for p in placement.units)
+    hpz = any(p.secondary_parts > 1 for p in placement.units)
+    gathered = wire_element_bytes(8) if any(p.quantized_gathers for p in placement.units) else cb
+    reduce = full * (wire_element_bytes(bits) if bits else REDUCE_DTYPE.itemsize) * reductions
+    backward.collective += reduce * (1 if placement.reduce_scatters else 2) + partitioned * (
+        cb if hpz else gathered) * accum
+    forward.collective += partitioned * gathered * accum
     step.collective += sum(u.padded_numel for u, p in zip(layouts, placement.units) if p.published_by_all_gather) * cb
+    local = ranks_per_node or world_size
+    if local < world_size:
+        gathers = gather_volume(partitioned, world_size, local, gathered).inter * accum
+        forward.inter += gathers
+        backward.inter += (0.0 if hpz else gathers * _regathered_share(config, layouts, placement)) + reduce_volume(
+            full, world_size, local, bits).inter * reductions
 
 
 def _fills(config: Config, layouts: list[UnitLayout], placement: Placement, cb: int, moments: int, probe: Probe,
@@ -296,6 +311,8 @@ def _seconds(phase: _Phase, probe: Probe, config: Config) -> float:
     fresh = phase.fresh / (probe.first_touch_gbps * _GB)
     link = (phase.link + (phase.gathered if probe.device != "cpu" else 0.0)) / (probe.link_gbps * _GB)
     collective = phase.collective / (probe.collective_gbps * _GB) if phase.collective else 0.0
+    if phase.inter and probe.inter_node_gbps:  # the link between nodes, beside the node's own exchanges
+        collective += phase.inter / (probe.inter_node_gbps * _GB)
     disk = phase.read / read_bw + phase.write / write_bw
     phase.work.update(compute=phase.device + copies, fresh_memory=fresh, optimizer=optimizer,
                       nvme_read=phase.read / read_bw, nvme_write=phase.write / write_bw, host_device=link,

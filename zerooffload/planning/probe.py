@@ -88,6 +88,12 @@ class Probe:
     """The engine's reduce-scatter then all-gather over the job's ranks, in bytes counted as
     ``comm`` counts them (a reduce-scatter's input, an all-gather's output) per second; None at world
     size 1."""
+    ranks_per_node: int | None = None
+    """Ranks a node of the job planned for; None: every rank on this machine (one node)."""
+    inter_node_gbps: float | None = None
+    """The link between nodes, bytes a rank sends across it per second; None: not known. Nothing here
+    measures it (the probe runs on one machine: a measurement would time ``comm.all_gather`` over
+    ``comm.inter``, one rank a node, under torchrun across the nodes); ``plan --inter-node-rate`` gives it."""
 
     def disk(self, path: str) -> DiskRates:
         return self.disks[os.path.realpath(path)]

@@ -90,6 +90,8 @@ class Candidate:
             parts.append("no prefetch")
         if partitioned:
             parts.append(f"live {format_size(c.zero.max_live_size)}")
+        if c.zero.quantized_weights or c.zero.hpz_partition_size > 1 or c.zero.quantized_gradients:
+            parts.append("ZeRO++")
         return ", ".join(parts)
 
     def in_memory_bytes(self) -> int:

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from ..comm import Comm, all_gather
+from ..comm import Comm, all_gather, quantized_all_gather
 from ..config import ConfigError
 from ..tiers import Tier
 from .partition import FlatUnit
@@ -63,9 +63,12 @@ class Gathers:
 
     def start(self, unit: FlatUnit, output: torch.Tensor, source: torch.Tensor | None) -> Any:
         """Start gathering ``unit`` into ``output``: from the secondary shards where it has one, else from
-        ``source`` (this rank's primary shard, on the device) over every rank; returns the collective's work."""
+        ``source`` (this rank's primary shard, on the device) over every rank, quantized under qwZ (alone,
+        nothing crosses a wire, so nothing is quantized); returns the collective's work."""
         if unit.secondary is not None:
             return all_gather(self.comm, output, unit.secondary, group=self.comm.intra, async_op=True)
+        if unit.placement.quantized_gathers and self.comm.world_size > 1:
+            return quantized_all_gather(self.comm, output, source, async_op=True)
         return all_gather(self.comm, output, source, async_op=True)
 
     def arrived(self, unit: FlatUnit, training: bool) -> None:

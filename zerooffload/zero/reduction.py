@@ -21,6 +21,14 @@ A bucket holds small units until its fp32 staging reaches ``zero.bucket_size`` b
 half that or more is reduced alone, in its own buffer when it is fp32; at most
 ``MAX_BUCKETS_IN_FLIGHT`` are in flight, so staging memory stays bounded.
 
+[Note: quantized reductions (qgZ)]
+Under ``zero.quantized_gradients`` a reduce-scatter runs as comm's ``quantized_reduce_scatter`` (quantize,
+all-to-all within the node, sum in fp32, quantize, all-to-all across nodes, sum in fp32) into the same
+fp32 output. The flags of the note above are counts that must stay exact (a 4-bit code rounds a 1/N
+beside a large gradient to 0, and a non-finite gradient's scale turns its block's zeros to NaN), so
+under qgZ they leave the quantized payload and travel in a small fp32 reduce-scatter of their own,
+launched with it and landing in the same place of the output (its tail).
+
 Sums run in ``REDUCE_DTYPE`` (fp32) whatever the compute dtype: a bf16 sum over ranks rounds after
 every addition, in an order each collective algorithm picks (gloo's ring differs by chunk), which
 moved bf16 updates by ~2e-2 at world size 4 in our equivalence tests; in fp32 that noise vanishes.
@@ -37,7 +45,7 @@ from typing import Callable
 import torch
 
 from ..block_stream import InFlight
-from ..comm import Comm, all_reduce, reduce_scatter
+from ..comm import Comm, all_reduce, quantized_reduce_scatter, reduce_scatter
 from ..tiers import Kind, Tier
 from .partition import FlatUnit
 
@@ -86,6 +94,10 @@ class _Bucket:
     scratch: torch.Tensor | None = None
     flags: torch.Tensor | None = None
     """The flagged units' flags, end to end (see [Note: flags in the payload])."""
+    flag_parts: torch.Tensor | None = None
+    """Under qgZ: the flags' own reduce-scatter input, every rank's part this rank's flags ([Note: quantized
+    reductions (qgZ)])."""
+    flag_work: object = None
     copied: bool = False
     """``staging`` is a copy of the units' gradients (else a lone unit's own buffer, reduced in place)."""
 
@@ -103,6 +115,8 @@ class GradReducer:
         the call returns, unless it is ``lent`` (the unit's own full gradient, at world size 1) and the call
         returns True: then the receiver keeps it and releases it (``FlatUnit.release_flat_grad``)."""
         self.comm = comm
+        self.quantized_bits = max((unit.placement.gradient_bits for unit in units), default=0)
+        """8 or 4 under qgZ (the placements', the same for every unit: [Note: quantized reductions (qgZ)]); 0: fp32."""
         self.on_reduced = on_reduced or (lambda unit, shard, flags, lent: unit.add_grad_shard(shard, tier))
         self.flagged = flagged
         self.order = units
@@ -175,12 +189,26 @@ class GradReducer:
             shard_total = sum(u.layout.shard_numel for u in bucket.units)
             shard_total += 0 if bucket.flags is None else bucket.flags.numel()
             bucket.output = self.tier.empty(Kind.BUFFER, shard_total, REDUCE_DTYPE)
-            if self.comm.direct_exchange:  # the peers' parts land here (comm's [Note: direct exchange on gloo])
-                bucket.scratch = self.tier.empty(Kind.BUFFER, (self.comm.world_size - 1) * shard_total, REDUCE_DTYPE)
-            bucket.work = reduce_scatter(self.comm, bucket.output, bucket.staging, scratch=bucket.scratch,
-                                         async_op=True)
+            if self.quantized_bits:
+                self._reduce_quantized(bucket)
+            else:
+                if self.comm.direct_exchange:  # the peers' parts land here (comm's [Note: direct exchange on gloo])
+                    bucket.scratch = self.tier.empty(Kind.BUFFER, (self.comm.world_size - 1) * shard_total,
+                                                     REDUCE_DTYPE)
+                bucket.work = reduce_scatter(self.comm, bucket.output, bucket.staging, scratch=bucket.scratch,
+                                             async_op=True)
         self._in_flight.add(_Completion(partial(self._complete, bucket)), item=bucket,
                             release=partial(self._free, bucket))
+
+    def _reduce_quantized(self, bucket: _Bucket) -> None:
+        """qgZ: the gradients through the quantized reduce-scatter, the flags beside it in fp32, into the
+        output's tail ([Note: quantized reductions (qgZ)])."""
+        grads = bucket.output.numel() - (0 if bucket.flags is None else bucket.flags.numel())
+        bucket.work = quantized_reduce_scatter(self.comm, bucket.output[:grads], bucket.staging,
+                                               bits=self.quantized_bits, async_op=True)
+        if bucket.flags is not None:
+            bucket.flag_parts = bucket.flags.div(self.comm.world_size).repeat(self.comm.world_size)
+            bucket.flag_work = reduce_scatter(self.comm, bucket.output[grads:], bucket.flag_parts, async_op=True)
 
     def _staged(self, bucket: _Bucket) -> torch.Tensor:
         """The collective's input in REDUCE_DTYPE, divided by the world size.
@@ -193,14 +221,15 @@ class GradReducer:
         if self.mode is Mode.REDUCE_SCATTER and any(self.flagged(u) for u in units):
             bucket.flags = torch.cat([self._local_flags(u) for u in units if self.flagged(u)]).to(
                 REDUCE_DTYPE).to(self.tier.device)
-        if len(units) == 1 and units[0].flat_grad.dtype == REDUCE_DTYPE and bucket.flags is None:
+        payload_flags = bucket.flags is not None and not self.quantized_bits  # qgZ sends them apart
+        if len(units) == 1 and units[0].flat_grad.dtype == REDUCE_DTYPE and not payload_flags:
             staging = units[0].flat_grad
         else:
             if self.mode is Mode.ALL_REDUCE:
                 parts = [u.flat_grad for u in units]
             else:
                 rows = [u.flat_grad.view(u.layout.shards, -1) for u in units]
-                tail = [] if bucket.flags is None else [bucket.flags]
+                tail = [bucket.flags] if payload_flags else []
                 parts = [part for rank in range(units[0].layout.shards) for part in [*(r[rank] for r in rows), *tail]]
             staging = self.tier.empty(Kind.BUFFER, sum(p.numel() for p in parts), REDUCE_DTYPE)
             offset = 0
@@ -219,8 +248,9 @@ class GradReducer:
 
     def _complete(self, bucket: _Bucket) -> None:
         """Wait for ``bucket``'s collective and hand each unit's result off (``on_reduced``)."""
-        if bucket.work is not None:
-            bucket.work.wait()
+        for work in (bucket.work, bucket.flag_work):
+            if work is not None:
+                work.wait()
         offset = 0
         flag_offset = sum(u.layout.shard_numel for u in bucket.units)
         for unit in bucket.units:
