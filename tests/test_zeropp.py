@@ -99,13 +99,13 @@ def test_hpz_alone_is_bitwise_plain_stage3_and_keeps_backward_in_the_node(rank_p
 ALL_THREE = {"hpz_partition_size": 2, "quantized_weights": True, "quantized_gradients": True}
 CODE_BOUNDS = [({}, 1e-4), ({"hpz_partition_size": 2}, 1e-4), ({"quantized_weights": True}, 0.1),
                ({"quantized_gradients": True}, 0.03), ({"quantized_gradients": True, "quantized_gradients_bits": 4}, 0.4),
-               (ALL_THREE, 0.1)]
+               (ALL_THREE, 0.1), ({"stage": 2, "quantized_gradients": True}, 0.03)]
 """One SGD step's update (the gradient itself) against plain PyTorch's, relative, worst parameter: the
 wire code's error (amax/127/2 an element at 8 bits, amax/7/2 at 4; coded twice under qgZ) measured 5.2e-2
 (qwZ: TinyLM's loss of ~20 amplifies its weights' error), 1.5e-2 (qgZ), 0.26 (4-bit), 5.6e-2 (all three)."""
 
 
-@pytest.mark.parametrize("zero,bound", CODE_BOUNDS, ids=["plain", "hpz", "qwz", "qgz", "qgz4", "all"])
+@pytest.mark.parametrize("zero,bound", CODE_BOUNDS, ids=["plain", "hpz", "qwz", "qgz", "qgz4", "all", "qgz-stage2"])
 def test_one_step_is_within_the_wire_codes_bound_of_plain_pytorch(rank_pools, zero, bound):
     result = rank_pools(4).run(train_case, zero, steps=1, sgd=True)[0]
     assert result["error"] < bound
@@ -241,3 +241,18 @@ def test_estimate_gives_stage3s_bytes_within_and_across_nodes():
     assert rows["plain"] == ["3.00", "6.00", "1.000"] and rows["hpZ"] == ["4.00", "4.00", "0.667"]
     assert rows["all three"][1:] == ["0.75", "0.125"] and rows["all three, 4-bit"][1:] == ["0.63", "0.104"]
     assert table[-1] == "hpZ's secondary shards hold 2.00 GB more on each device"
+
+
+def test_deepspeed_keys_map_at_stage_3_and_are_ignored_below():
+    ds = {"zero_optimization": {"stage": 3, "zero_quantized_weights": True, "zero_hpz_partition_size": 8,
+                                "zero_quantized_gradients": True}, "train_micro_batch_size_per_gpu": 1}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        zero = zo.Config.load(ds).zero
+        assert (zero.quantized_weights, zero.hpz_partition_size, zero.quantized_gradients) == (True, 8, True)
+    ds["zero_optimization"]["stage"] = 2
+    with pytest.warns(UserWarning, match=r"zero_optimization.zero_hpz_partition_size = 8 \(ZeRO\+\+ runs at stage 3 "
+                                         r"only\)") as caught:
+        zero = zo.Config.load(ds).zero
+    assert (zero.quantized_weights, zero.hpz_partition_size, zero.quantized_gradients) == (False, 1, False)
+    assert "zero_optimization.zero_quantized_gradients = True (ZeRO++ runs at stage 3 only)" in str(caught[0].message)
