@@ -213,18 +213,18 @@ class ChecksummedWriter:
                 handle = self.aio.write(self.file, staging, offset + start)
             self._writes.add(handle, staging, (lambda piece=staging: self._landed(piece, span)) if self.ring else None)
 
-    def copy_in(self, block: Block, at: tuple[int, list[int]]) -> None:
-        """``block``'s stored bytes into the range ``at`` names, copied in the kernel (``Block.copy_out``),
-        its CRC32C joined from the digests they were written with."""
-        offset, span = at
-        digests = block.copy_out(self.file.fd, offset)
+    def copy_in(self, block: Block, ranges: list[tuple[int, list[int]]]) -> None:
+        """Each segment of ``block``'s stored bytes into its range of ``ranges`` (``reserve``), copied in the
+        kernel (``Block.copy_out``), each range's CRC32C joined from the digests they were written with."""
+        digests = block.copy_out(self.file.fd, [offset for offset, _ in ranges])
         if digests is None:
             raise TypeError(f"{self.path}: a block held in memory has nothing to copy in the kernel: write it")
-        if sum(length for _, length in digests) != span[1]:
-            raise ValueError(f"{self.path}: the block copied at {offset} holds {sum(n for _, n in digests)} bytes, "
-                             f"not the {span[1]} reserved")
-        for crc, length in digests:
-            span[0] = crc32c_combine(span[0], crc, length)
+        for (offset, span), chunks in zip(ranges, digests, strict=True):
+            if sum(length for _, length in chunks) != span[1]:
+                raise ValueError(f"{self.path}: a segment of {sum(n for _, n in chunks)} bytes copied into a range "
+                                 f"of {span[1]} bytes at {offset}")
+            for crc, length in chunks:
+                span[0] = crc32c_combine(span[0], crc, length)
 
     def _landed(self, piece: torch.Tensor, span: list[int]) -> None:
         """A ring piece's write ended: its CRC taken into its range's (a range's pieces end oldest first, so

@@ -142,10 +142,10 @@ class RankWriters:
         self.partial, self.rank, self.size, self.aio = partial, rank, size, aio
         self.writers: list[ChecksummedWriter] = []
         self.files: dict[str, dict] = {}
-        self.deferred: list[tuple[torch.Tensor | Block, int, tuple[int, list[int]]]] = []
+        self.deferred: list[tuple[torch.Tensor | Block, int, Any]] = []
         """(part, bytes, range) of the rank file left for ``close``: a part of resident state to copy into
-        the ring, or a block on NVMe whose stored bytes are its segments, copied in the kernel
-        (``ChecksummedWriter.reserve``; async_save's note)."""
+        the ring, or a block on NVMe whose stored bytes are its segments, copied in the kernel into its
+        segments' ranges (``ChecksummedWriter.reserve``; async_save's note)."""
         self.staged = threading.Event()
         """Set once nothing of the live state is read any more: the state may change."""
         self.rng = {"cpu": torch.get_rng_state()}
@@ -219,7 +219,8 @@ def _write_rank_files(engine: Trainable, partial: Path, ring: StagingRing | None
         loaded = engine.state_dicts.visit(write=False, states=staged)
         for state in mine:  # in file order
             if state in copied:
-                writers.deferred.append((state.block, state.block.nbytes, writer.reserve(state.block.nbytes)))
+                ranges = [writer.reserve(nbytes) for nbytes in _segments(engine, state)]
+                writers.deferred.append((state.block, 0, ranges))
                 continue
             next(loaded)  # ``state`` loaded: staged ones come in the same order
             parts = [engine.state_dicts.fp32_shard(state)]
@@ -247,11 +248,12 @@ def _write_rank_files(engine: Trainable, partial: Path, ring: StagingRing | None
 
 def _stored_as_saved(engine: Trainable, state: "UnitOptimizerState") -> bool:
     """Whether ``state``'s block on NVMe holds its checkpoint segments byte for byte, so that it can be
-    copied file to file (``Block.copy_out``): an fp32 master and fp32 moments over a shard trainable
-    throughout (no frozen part, no split master, no compact moments), with the swap's digests on."""
-    unit = state.unit
+    copied file to file (``Block.copy_out``): an fp32 master and fp32 moments, each part as long as its
+    segment, over a unit without frozen parameters (their values are the weights'; past the parameters,
+    padding: zeros in the block, as in the segments), no split master, no compact moments, the swap's
+    digests on."""
     return (not state.block.resident and engine.config.nvme.checksum and state.has_master and not state.split
-            and engine.config.optimizer.moments == "fp32" and unit.trainable_numel == unit.layout.shard_numel
+            and engine.config.optimizer.moments == "fp32" and all(s.trainable for s in state.unit.layout.slots)
             and state.block.nbytes == sum(_segments(engine, state)))
 
 

@@ -186,28 +186,38 @@ class SwapStore:
         return SwapDamage(key, f"the swap file ends at byte {end}, before the block's end (truncated)",
                           error.filename, offset, length)
 
-    def copy_out(self, key: str, fd: int, offset: int) -> list[tuple[int, int]]:
-        """Copy ``key``'s bytes into file ``fd`` from ``offset`` on, in the kernel (``os.copy_file_range``:
-        they never pass through this process, so nothing checks them on the way), and return the digests
-        they were written with, ``(CRC32C, length)`` per chunk in order: a checkpoint's CRC from what this
-        store wrote, never from bytes nobody verified. Needs ``checksum``; the entry must not be written
-        meanwhile."""
+    def copy_out(self, key: str, fd: int, offsets: list[int]) -> list[list[tuple[int, int]]]:
+        """Copy each segment of ``key``'s bytes into file ``fd`` at its offset in ``offsets``, in the kernel
+        (``os.copy_file_range``: they never pass through this process, so nothing checks them on the way),
+        and return the digests they were written with, ``(CRC32C, length)`` per chunk of each segment: a
+        checkpoint's CRC from what this store wrote, never from bytes nobody verified. Needs ``checksum``;
+        the entry must not be written meanwhile."""
         entry = self._entry(key)
         digests = None if entry.digests is None else entry.digests.result()
         if digests is None:
             raise ValueError(f"swap key {key!r} has no digests (nvme.checksum is off): read it to copy it")
-        for index, source, length in entry.pieces:
+        chunks = list(zip(digests, chunk_spans(entry.nbytes, entry.segment), strict=True))
+        out = []
+        for start, offset in zip(range(0, entry.nbytes, entry.segment), offsets, strict=True):
+            length = min(entry.segment, entry.nbytes - start)
+            self._copy_range(key, entry, start, length, fd, offset)
+            out.append([(digest, n) for digest, (at, n) in chunks if start <= at < start + length])
+        return out
+
+    def _copy_range(self, key: str, entry: _Entry, start: int, length: int, fd: int, offset: int) -> None:
+        """The entry's bytes ``start`` .. ``start + length`` into ``fd`` at ``offset``, piece by piece."""
+        position = 0
+        for index, source, size in entry.pieces:
+            low, high = max(start, position), min(start + length, position + size)
             done = 0
-            while done < length:
-                moved = os.copy_file_range(self.stripes[index].file.fd, fd, length - done, source + done,
-                                           offset + done)
+            while low + done < high:
+                moved = os.copy_file_range(self.stripes[index].file.fd, fd, high - low - done,
+                                           source + low - position + done, offset + low - start + done)
                 if moved == 0:
                     raise SwapDamage(key, "the swap file ends before the block's end (truncated)",
-                                     str(self.stripes[index].path), source + done, length - done)
+                                     str(self.stripes[index].path), source + low - position + done, high - low - done)
                 done += moved
-            offset += length
-        return [(digest, length) for digest, (_, length) in zip(digests, chunk_spans(entry.nbytes, entry.segment),
-                                                                strict=True)]
+            position += size
 
     def free(self, key: str) -> None:
         """Forget ``key`` and give its extents back for reuse."""

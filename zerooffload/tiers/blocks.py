@@ -58,10 +58,10 @@ class Block:
         """Let the memory go; returns the caller's host buffer for reuse (None when resident)."""
         return None
 
-    def copy_out(self, fd: int, offset: int) -> list[tuple[int, int]] | None:
-        """Copy the block's stored bytes into file ``fd`` at ``offset`` in the kernel, returning the
-        digests they were written with (``SwapStore.copy_out``); None where it cannot (in memory: write
-        ``data``)."""
+    def copy_out(self, fd: int, offsets: list[int]) -> list[list[tuple[int, int]]] | None:
+        """Copy each segment of the block's stored bytes into file ``fd`` at its offset in ``offsets`` in
+        the kernel, returning the digests they were written with (``SwapStore.copy_out``); None where it
+        cannot (in memory: write ``data``)."""
         return None
 
     def hold(self) -> None:
@@ -156,8 +156,8 @@ class SwappedBlock(Block):
         buffer, self._buffer, self.data = self._buffer, None, None
         return buffer
 
-    def copy_out(self, fd: int, offset: int) -> list[tuple[int, int]] | None:
-        return None if self.prefix or not self.store_.checksum else self.store_.copy_out(self.key, fd, offset)
+    def copy_out(self, fd: int, offsets: list[int]) -> list[list[tuple[int, int]]] | None:
+        return None if self.prefix or not self.store_.checksum else self.store_.copy_out(self.key, fd, offsets)
 
     def hold(self) -> None:
         """Store later versions aside, until ``commit`` makes the last one the block's or ``discard``

@@ -168,6 +168,8 @@ class StateDicts:
         self.param_scheduler.free_all()  # shards read ahead hold the old weights
         publication = self.updater.publication(whole_shards=True)
         for opt_state in self.state.visit(write=True, read=not whole):
+            if whole:  # not read: its padding would be the host buffer's last contents (a checkpoint's bytes)
+                opt_state.block.data.zero_()
             target = publication.target(opt_state.unit)
             trainable = opt_state.unit.trainable_numel
             if opt_state.split:  # its master is joined from the weights in the target, and split back into them
