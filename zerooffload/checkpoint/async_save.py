@@ -102,6 +102,9 @@ class Saves:
         self.pending: SaveHandle | None = None
         self._ring: StagingRing | None = None
         self._save_comm: Comm | None = None
+        self._previous: str | None = None
+        """The checkpoint the engine named before the save in flight (``window.last_checkpoint``), its
+        fallback if that one fails."""
         self._worker: queue.SimpleQueue | None = None
         """Tasks of the saves' thread (``_run_tasks``), started at the first save in the background."""
 
@@ -113,6 +116,7 @@ class Saves:
             self.engine.window.last_checkpoint = str(path)
             return path
         begun = begin_save(self.engine, directory, tag, client_state, ring=self._staging())
+        self._previous, self.engine.window.last_checkpoint = self.engine.window.last_checkpoint, str(begun.path)
         if self._worker is None:  # one thread for every save: starting one costs the caller a GIL switch
             self._worker = queue.SimpleQueue()
             threading.Thread(target=_run_tasks, args=(self._worker,), name="zerooffload-save", daemon=True).start()
@@ -140,12 +144,12 @@ class Saves:
             return
         reported = handle.reported
         try:
-            path = handle.wait()
+            handle.wait()
         except BaseException:
+            self.engine.window.last_checkpoint = self._previous  # named at the call: it holds the state then
             if reported:  # the caller's own wait() raised it: not lost, not raised twice
                 return
             raise
-        self.engine.window.last_checkpoint = str(path)
 
     @contextlib.contextmanager
     def closing(self) -> Iterator[None]:

@@ -16,6 +16,7 @@ The parts: ``train_config`` (the config), ``train_plan`` (``--plan`` and predict
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import signal
 import statistics
@@ -154,17 +155,32 @@ class _Run:
 
 def _train(args, engine, config: Config, corpus: ByteCorpus, resumed: tuple[int, list[float], dict],
            checkpoints: Path, stop: "StopOnSignal") -> _Run:
-    """The loop: steps ``first_step`` .. ``--steps`` - 1 (``resumed``: the first step, the losses before
-    it and the run's shape), each followed by the periodic save when due, until the steps are done or
-    the ranks agree that a signal stops them (stop_signal's note)."""
-    seq = PRESETS[args.model].block_size
-    rank, world = engine.comm.rank, engine.comm.world_size
-    micro, accum = config.train.micro_batch_size, config.train.grad_accum_steps
+    """The loop (``_loop``; ``resumed``: the first step, the losses before it and the run's shape) and its
+    time, the last save's writes included (stop_signal's note: a signal ends it early)."""
+    tokens = config.train.micro_batch_size * config.train.grad_accum_steps * engine.comm.world_size
     first_step, losses, shape = resumed
-    run = _Run(tokens_per_step=micro * accum * world * seq, first_step=first_step, last_step=first_step, losses=losses,
-               shape=shape)
+    run = _Run(tokens_per_step=tokens * PRESETS[args.model].block_size, first_step=first_step, last_step=first_step,
+               losses=losses, shape=shape)
     started = time.perf_counter()
-    progress = Progress(args, run.first_step, rank)
+    progress = Progress(args, run.first_step, engine.comm.rank)
+    try:
+        _loop(args, engine, config, corpus, checkpoints, stop, run, progress)
+    except BaseException:  # a save in flight holds steps done before the failure: it lands, and is pruned after
+        with contextlib.suppress(Exception):  # its own error (if that is what stopped the run) is raised already
+            _saved(engine, checkpoints, run, args.keep_last)
+        raise
+    _saved(engine, checkpoints, run, args.keep_last)  # the loop's time includes the last save's writes
+    progress.close()
+    run.seconds = time.perf_counter() - started
+    return run
+
+
+def _loop(args, engine, config: Config, corpus: ByteCorpus, checkpoints: Path, stop: "StopOnSignal", run: _Run,
+          progress: Progress) -> None:
+    """Steps ``run.first_step`` .. ``--steps`` - 1, each followed by the periodic save when due, until the
+    steps are done or the ranks agree that a signal stops them."""
+    seq, accum, micro = PRESETS[args.model].block_size, config.train.grad_accum_steps, config.train.micro_batch_size
+    rank, world = engine.comm.rank, engine.comm.world_size
     for step in range(run.first_step, args.steps):
         if args.trace and step == run.first_step + 1:  # the first step warms up; the trace writes itself
             engine.trace(args.trace, steps=min(args.trace_steps, args.steps - step))
@@ -191,10 +207,6 @@ def _train(args, engine, config: Config, corpus: ByteCorpus, resumed: tuple[int,
             _save(engine, checkpoints, run, args.keep_last, background=config.train.async_save)
         if run.stopped_by is not None:
             break
-    _saved(engine, checkpoints, run, args.keep_last)  # the loop's time includes the last save's writes
-    progress.close()
-    run.seconds = time.perf_counter() - started
-    return run
 
 
 def _run_shape(args: argparse.Namespace, config: Config, world: int) -> dict[str, int]:
