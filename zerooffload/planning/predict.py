@@ -6,9 +6,9 @@ temporaries) plus the activations measured on the meta device, with one unit's w
 temporaries where the memory check counts three (a peak to expect, not a bound to refuse by). Each
 tier's peak comes in a phase of its own, so on a CPU device, whose device and host tiers are one RAM,
 their peak together is lined up by phase (``ram_peak_bytes``): the steady state, plus the larger of
-the start of backward (the activations, the gathered units and their staged shards, and where units
-update in backward the first optimizer block read ahead with its fp32 gradient) and the step (its
-temporaries and the host buffers optimizer blocks stream through).
+the start of backward (the activations, the gathered units, hpZ's secondary shards and the staged
+shards, and where units update in backward the first optimizer block read ahead with its fp32
+gradient) and the step (its temporaries and the host buffers optimizer blocks stream through).
 Time follows the engine's schedule, phase by phase ([Note: phases] in telemetry), per rank and optimizer step:
 - *forward*, per micro-batch: the measured compute ([Note: measured compute]); stage 3's partitioned
   shards read from NVMe (fp32 from the masters where they live there) and copied in from off the device
@@ -139,7 +139,8 @@ def _ram_peak(plan: MemoryPlan, config: Config, layouts: list[UnitLayout], place
               activations: ActivationProfile | None, world_size: int) -> int:
     """The device and host tiers' expected peak together on a CPU device (see the note)."""
     tiers = [tier for tier in (placement.compute, placement.staging) if tier in plan]
-    steady = sum(n for tier in tiers for kind, n in plan[tier].items() if kind not in (Kind.BUFFER, Kind.GATHERED))
+    passing = (Kind.BUFFER, Kind.GATHERED, Kind.SECONDARY)  # held through a pass or a phase, not the step
+    steady = sum(n for tier in tiers for kind, n in plan[tier].items() if kind not in passing)
     buffers = temporaries(layouts, placement, compute_bytes=dtype_bytes(config.train.precision),
                           moments=len(moment_names(config.optimizer)), moment_dtype=config.optimizer.moments,
                           bucket_bytes=config.zero.bucket_size,
@@ -150,7 +151,8 @@ def _ram_peak(plan: MemoryPlan, config: Config, layouts: list[UnitLayout], place
     first_update = 0
     if placement.updates_in_backward:  # its block read ahead, and its fp32 gradient
         first_update = buffers.block_stream // stream_depth(config.aio) + buffers.update_grad
-    backward_start = saved + plan[placement.compute][Kind.GATHERED] + buffers.staged_shards + first_update
+    compute = plan[placement.compute]
+    backward_start = saved + compute[Kind.GATHERED] + compute[Kind.SECONDARY] + buffers.staged_shards + first_update
     step = buffers.step + buffers.grad_stream + buffers.update_grad + buffers.block_stream
     return steady + max(backward_start, step)
 
