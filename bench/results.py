@@ -116,6 +116,8 @@ BENCHES = [
     # issue 45: a save in the background against a blocking one (loop time), kills during such saves
     Bench("save_stall", "save_stall.py", "--only stall,kills --rounds 5 --steps 20 --trials 6",
           "--only stall,kills --rounds 1 --steps 4 --trials 1", 3600, slow=True),
+    Bench("save_stall_inprocess", "save_stall.py", "--only inprocess --rounds 5 --block 8",
+          "--only inprocess --rounds 1 --block 2", 1800, slow=True),
     Bench("save_stall_nvme", "save_stall.py", "--only nvme --nvme-rounds 3 --nvme-steps 10",
           "--only nvme --nvme-rounds 1 --nvme-steps 4", 2400, slow=True),
     Bench("plan_check", "plan_check.py", "--rounds 3 --steps 5", "--rounds 1 --steps 2 --cases fits", 2400,

@@ -11,6 +11,10 @@ during one leaves.
   spread (max - min) is shown beside it, per save, since it bounds what a difference of two runs can say.
   Issue 45 asks for 40 steps; results.py runs 20 (10 saves a run), which keeps its 15 runs near 20 minutes
   on a 2-core machine shared with other work, under the same rule.
+- ``inprocess``: the same comparison in one process, where the machine's drift between runs (other work on a
+  shared machine) does not enter: the small GPT trained in blocks of ``--block`` steps, each block without
+  saves, saving every 2 in the background or blocking (the last save waited for inside the block), the
+  sides rotating, ``--rounds`` rounds; the extra time per save against the round's block without saves.
 - ``nvme``: the same with parameters and optimizer states on NVMe (ZeRO stage 3), where the save's writes
   compete with the step's swap traffic for the disk: the extra time per save each way, beside the checkpoint's
   bytes and the disk's write rate (``zerooffload bench io --backend uring``: the time the disk needs to write
@@ -22,8 +26,8 @@ during one leaves.
 
 With $ZO_BENCH_RECORD set each part writes its records (``pairs.record``).
 
-    python bench/save_stall.py [--rounds 5] [--steps 20] [--nvme-rounds 3] [--nvme-steps 10] [--trials 6]
-                               [--only stall,nvme,kills] [--dir /tmp] [--seed 0]
+    python bench/save_stall.py [--rounds 5] [--steps 20] [--block 8] [--nvme-rounds 3] [--nvme-steps 10]
+                               [--trials 6] [--only stall,inprocess,nvme,kills] [--dir /tmp] [--seed 0]
 """
 from __future__ import annotations
 
@@ -104,6 +108,55 @@ def stall(args: argparse.Namespace, root: Path, name: str, layout: list[str], st
           f"{statistics.median(ratios):.3f}", flush=True)
     return {"times": times, "extra": extra, "ratios": ratios, "spread": spread, "saves": saves,
             "checkpoint_bytes": checkpoint.get("bytes", 0)}
+
+
+def in_process(args: argparse.Namespace, root: Path) -> dict:
+    """The ``inprocess`` part (see the module's note): each side's extra seconds per save, and the ratios."""
+    import torch
+
+    import zerooffload as zo
+    from zerooffload.data import ByteCorpus
+    from zerooffload.models import GPT, PRESETS
+
+    torch.manual_seed(0)
+    model = GPT(PRESETS["small"])
+    engine = zo.initialize(model, {"zero": {"stage": 1}, "offload": {"optimizer": {"tier": "host"}},
+                                   "train": {"precision": "fp32"}}, init_fn=model.init_fn())
+    corpus, seq, done = ByteCorpus(), PRESETS["small"].block_size, [0]
+    directory = root / "inprocess"
+
+    def block(blocking: bool | None) -> float:
+        started = time.perf_counter()
+        for step in range(args.block):
+            x, y = corpus.batch(done[0], batch_size=1, seq_len=seq, seed=0, rank=0, world_size=1)
+            done[0] += 1
+            engine.backward(engine(x, y))
+            engine.step()
+            if blocking is not None and step % 2 == 1:
+                engine.save_checkpoint(directory, blocking=blocking)
+        engine.saves.wait()  # the last save's writes count in the block
+        seconds = time.perf_counter() - started
+        shutil.rmtree(directory, ignore_errors=True)
+        return seconds
+    block(False)  # warm: the first steps, the ring, the saves' thread
+    print(f"\nin one process: blocks of {args.block} steps, a save every 2 ({args.block // 2} saves), "
+          f"{args.rounds} rounds (seconds)", flush=True)
+    times = rotating_rounds(args.rounds, {"no saves": lambda: block(None), "in the background": lambda: block(False),
+                                          "blocking": lambda: block(True)})
+    engine.close()
+    extra = _per_save(times, args.block // 2)
+    ratios = [b / k for b, k in zip(extra["in the background"], extra["blocking"])]
+    for side, values in extra.items():
+        print(f"  {side}: {min(values) * 1e3:.0f} / {statistics.median(values) * 1e3:.0f} / {max(values) * 1e3:.0f} ms "
+              "a save (min / median / max)")
+    spread = (max(times["no saves"]) - min(times["no saves"])) / (args.block // 2)
+    print(f"  ratio per round: {' '.join(f'{r:.3f}' for r in ratios)}; median {statistics.median(ratios):.3f}; "
+          f"blocks without saves' spread {spread * 1e3:.0f} ms a save", flush=True)
+    record("pairs", title=f"small GPT, stage 1, optimizer on the host, fp32, in one process, blocks of {args.block} "
+           f"steps, a save every 2: extra time per save, in the background against blocking (no-save blocks' "
+           f"spread {spread * 1e3:.0f} ms a save)", names=["in the background", "blocking"], unit="s per save",
+           target=0.1, ratios=ratios, times=extra, met=statistics.median(ratios) <= 0.1)
+    return {"ratios": ratios}
 
 
 def _disk_write_rate(root: Path) -> float:
@@ -196,7 +249,8 @@ def main() -> None:
     parser.add_argument("--nvme-rounds", type=int, default=3)
     parser.add_argument("--nvme-steps", type=int, default=10)
     parser.add_argument("--trials", type=int, default=6)
-    parser.add_argument("--only", default="stall,nvme,kills")
+    parser.add_argument("--block", type=int, default=8, help="steps of a block in the inprocess part")
+    parser.add_argument("--only", default="stall,inprocess,nvme,kills")
     parser.add_argument("--dir", default=None, help="where runs write (default: a temporary folder)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
@@ -212,6 +266,8 @@ def main() -> None:
                    f"{host['spread'] * 1e3:.0f} ms a save)", names=["in the background", "blocking"],
                    unit="s per save", target=0.1, ratios=host["ratios"], times=host["extra"],
                    met=statistics.median(host["ratios"]) <= 0.1)
+        if "inprocess" in parts:
+            met &= statistics.median(in_process(args, root)["ratios"]) <= 0.1
         if "nvme" in parts:
             nvme = stall(args, root, "nvme", NVME, args.nvme_steps, args.nvme_rounds)
             rate = _disk_write_rate(root)
