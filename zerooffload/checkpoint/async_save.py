@@ -57,6 +57,7 @@ from .saving import BegunSave, begin_save, save_checkpoint
 
 __all__ = ["SaveHandle", "Saves"]
 
+
 class SaveHandle:
     """A checkpoint being finished in the background (see the note): ``done()`` says whether it ended,
     ``wait()`` waits and returns its path or raises its error."""
