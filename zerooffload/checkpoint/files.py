@@ -213,6 +213,20 @@ class ChecksummedWriter:
                 handle = self.aio.write(self.file, staging, offset + start)
             self._writes.add(handle, staging, (lambda piece=staging: self._landed(piece, span)) if self.ring else None)
 
+    def write_from(self, data: torch.Tensor, at: tuple[int, list[int]]) -> None:
+        """``data`` (host memory) into the range ``at`` names, written from where it lies, no copy made: it
+        must not change until ``landed``. Its CRC32C is taken here, from those bytes."""
+        offset, span = at
+        view = data.detach().reshape(-1).view(torch.uint8)
+        span[0] = crc32c(view, span[0])
+        with profiled(BLOCK_WRITE):
+            handle = self.aio.write(self.file, view, offset)
+        self._writes.add(handle, view)
+
+    def landed(self) -> None:
+        """Wait for every write started so far (the first failure raises once all landed)."""
+        self._writes.drain()
+
     def copy_in(self, block: Block, ranges: list[tuple[int, list[int]]]) -> None:
         """Each segment of ``block``'s stored bytes into its range of ``ranges`` (``reserve``), copied in the
         kernel (``Block.copy_out``), each range's CRC32C joined from the digests they were written with."""

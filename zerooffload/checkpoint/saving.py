@@ -173,10 +173,14 @@ class RankWriters:
     def _stage(self) -> None:
         try:
             for part, nbytes, at in self.deferred:
-                if isinstance(part, Block):
+                if isinstance(part, Block) and part.resident:
+                    self.writers[0].write_from(part.data, at)
+                elif isinstance(part, Block):
                     self.writers[0].copy_in(part, at)
                 else:
                     self.writers[0].write(part, nbytes, at)
+            if any(isinstance(part, Block) and part.resident for part, _, _ in self.deferred):
+                self.writers[0].landed()  # written from the live state: it may change once they landed
         finally:
             self.deferred = []
             self.staged.set()
@@ -208,7 +212,7 @@ def _write_rank_files(engine: Trainable, partial: Path, ring: StagingRing | None
     size = rank_file_bytes(engine)
     writers = RankWriters(partial, rank, size, AsyncIO(engine.config.aio))
     mine = [state for state in engine.opt_states if rank < state.unit.layout.shards]
-    copied = [state for state in mine if ring is not None and _stored_as_saved(engine, state)]
+    copied = [state for state in mine if ring is not None and _saved_as_stored(engine, state)]
     staged = [state for state in mine if state not in copied]
     later = ring is not None and all(state.block.resident for state in staged)
     try:
@@ -218,6 +222,9 @@ def _write_rank_files(engine: Trainable, partial: Path, ring: StagingRing | None
         writers.writers.append(writer)
         loaded = engine.state_dicts.visit(write=False, states=staged)
         for state in mine:  # in file order
+            if state in copied and state.block.resident:  # one range: the segments lie as in the block
+                writers.deferred.append((state.block, 0, writer.reserve(state.block.nbytes)))
+                continue
             if state in copied:
                 ranges = [writer.reserve(nbytes) for nbytes in _segments(engine, state)]
                 writers.deferred.append((state.block, 0, ranges))
@@ -246,13 +253,14 @@ def _write_rank_files(engine: Trainable, partial: Path, ring: StagingRing | None
     return writers
 
 
-def _stored_as_saved(engine: Trainable, state: "UnitOptimizerState") -> bool:
-    """Whether ``state``'s block on NVMe holds its checkpoint segments byte for byte, so that it can be
-    copied file to file (``Block.copy_out``): an fp32 master and fp32 moments, each part as long as its
-    segment, over a unit without frozen parameters (their values are the weights'; past the parameters,
-    padding: zeros in the block, as in the segments), no split master, no compact moments, the swap's
-    digests on."""
-    return (not state.block.resident and engine.config.nvme.checksum and state.has_master and not state.split
+def _saved_as_stored(engine: Trainable, state: "UnitOptimizerState") -> bool:
+    """Whether ``state``'s block holds its checkpoint segments byte for byte: an fp32 master and fp32
+    moments, each part as long as its segment, over a unit without frozen parameters (their values are
+    the weights'; past the parameters, padding: zeros in the block, as in the segments), no split master,
+    no compact moments. Then a block on NVMe is copied file to file (``Block.copy_out``; the swap's
+    digests on), and one in host memory is written from where it lies, no copy made."""
+    stored = state.block.data.device.type == "cpu" if state.block.resident else engine.config.nvme.checksum
+    return (stored and state.has_master and not state.split
             and engine.config.optimizer.moments == "fp32" and all(s.trainable for s in state.unit.layout.slots)
             and state.block.nbytes == sum(_segments(engine, state)))
 
