@@ -2,10 +2,13 @@
 takes, the global batch it keeps, and which old ones ``save_total_limit`` removes.
 
 [Note: Trainer checkpoints]
-- ``checkpoint-N/zerooffload/`` is the engine's checkpoint (manifest, checksummed rank files,
-  ``latest``); its client state records the run's shape: world size, micro-batch, accumulation.
-- ``resume_from_checkpoint=True`` takes the newest ``checkpoint-N`` whose engine checkpoint verifies
-  (digest, sizes, CRCs); when that is not the newest, one line says which was passed over and why. A
+- ``checkpoint-N/`` holds the plain Trainer's layout with ``zerooffload.json`` (its files' sizes and
+  CRC32Cs, the counters, the run's shape: world size, micro-batch, accumulation; trainer_files' note),
+  or the engine's checkpoint in ``zerooffload/`` (manifest, checksummed rank files, ``latest``; the run's
+  shape in its client state); a plain Trainer's own has neither record.
+- ``resume_from_checkpoint=True`` takes the newest ``checkpoint-N`` that verifies (sizes, CRCs; a plain
+  Trainer's has nothing to verify it with: taken as it is); when that is not the newest, one line says
+  which was passed over and why. A
   folder a save or a prune left half-written never looks complete: the engine publishes its tag
   last, and a pruned folder is renamed ``checkpoint-N.partial`` before it is removed; every save
   removes such leftovers (checkpoint.pruning's [Note: one pruning rule], shared with train's
@@ -28,8 +31,9 @@ from typing import Any
 
 import torch
 
-from ..checkpoint import CheckpointError, first_verified, pruning, read_manifest, series
+from ..checkpoint import CheckpointError, pruning, read_manifest, series
 from ..checkpoint.by_name import PARAM, NamedSource, Request
+from .trainer_files import MODEL_FILE, OPTIMIZER_FILE, read_digests
 
 __all__ = ["ENGINE_DIR", "check_links", "run_shape", "global_batch_for", "newest_loadable", "prune_checkpoints",
            "folder_kind", "is_trainer_layout", "trainer_layout_source"]
@@ -51,8 +55,9 @@ def global_batch_for(checkpoint: Path, args: Any) -> int:
     """The accumulation that gives ``args``' world size and micro-batch the saved global batch (a plain
     Trainer's checkpoint does not record it: the arguments' own)."""
     if folder_kind(checkpoint) == "trainer":
-        return args.gradient_accumulation_steps
-    saved = read_manifest(checkpoint / ENGINE_DIR, verify=False).data.get("client_state") or {}
+        saved = (read_digests(checkpoint, verify=False) or {}).get("client_state") or {}
+    else:
+        saved = read_manifest(checkpoint / ENGINE_DIR, verify=False).data.get("client_state") or {}
     if not saved:
         return args.gradient_accumulation_steps
     total = saved["world_size"] * saved["micro_batch_size"] * saved["grad_accum_steps"]
@@ -72,21 +77,27 @@ def checkpoint_folders(run_dir: Path) -> list[Path]:
 
 
 def newest_loadable(run_dir: Path, rank: int) -> str:
-    """The newest checkpoint-N whose engine checkpoint verifies ([Note: Trainer checkpoints])."""
+    """The newest checkpoint-N that verifies ([Note: Trainer checkpoints])."""
     folders = checkpoint_folders(run_dir)[::-1]
-    if folders and is_trainer_layout(folders[0]):  # the plain Trainer's: nothing to verify it with
-        return str(folders[0])
-    found, errors = first_verified([(folder / ENGINE_DIR, None) for folder in folders])
-    if found is None and errors:
-        raise CheckpointError(f"no checkpoint in {run_dir} verifies: {folders[0].name}: {errors[0]}; "
-                              "train without resume_from_checkpoint, or restore the files")
-    if found is None:
+    if not folders:
         raise CheckpointError(f"no checkpoint-N folder in {run_dir} to resume from: train without "
                               "resume_from_checkpoint, or pass the output_dir of the run to continue")
-    if errors and rank == 0:
-        print(f"zerooffload: warning: not resuming from {folders[0].name} ({errors[0]}); resuming from "
-              f"{folders[found].name}, the newest checkpoint that verifies", file=sys.stderr)
-    return str(folders[found])
+    errors = []
+    for folder in folders:
+        try:
+            if is_trainer_layout(folder):
+                read_digests(folder, verify=True)
+            else:
+                read_manifest(folder / ENGINE_DIR)
+        except CheckpointError as error:
+            errors.append(str(error))
+            continue
+        if errors and rank == 0:
+            print(f"zerooffload: warning: not resuming from {folders[0].name} ({errors[0]}); resuming from "
+                  f"{folder.name}, the newest checkpoint that verifies", file=sys.stderr)
+        return str(folder)
+    raise CheckpointError(f"no checkpoint in {run_dir} verifies: {folders[0].name}: {errors[0]}; "
+                          "train without resume_from_checkpoint, or restore the files")
 
 
 def prune_checkpoints(run_dir: Path, limit: int | None, spare: set[str | None]) -> None:
@@ -103,12 +114,9 @@ def check_links(run_dir: Path) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- the Trainer's own layout
-MODEL_FILE, OPTIMIZER_FILE = "model.safetensors", "optimizer.pt"
-"""transformers' SAFE_WEIGHTS_NAME and OPTIMIZER_NAME in a checkpoint-N the plain Trainer wrote."""
-
-
 def is_trainer_layout(folder: Path) -> bool:
-    """A checkpoint-N in the plain Trainer's layout (weights and AdamW state_dict), not the engine's."""
+    """A checkpoint-N in the plain Trainer's layout (weights and AdamW state_dict; the plain Trainer's or
+    ours), not the engine's sharded one."""
     return not (folder / ENGINE_DIR).is_dir() and (folder / MODEL_FILE).is_file() and (folder / OPTIMIZER_FILE).is_file()
 
 

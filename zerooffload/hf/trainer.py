@@ -17,12 +17,13 @@ engine instead, the way transformers hands it to DeepSpeed:
 - parameter groups: the Trainer's (no weight decay on biases and norms), given to ``zo.initialize``;
   units: the model's ``_no_split_modules`` and its embeddings, unless the config names them
   (``with_model_units``);
-- ``checkpoint-N/`` holds the engine's sharded, checksummed checkpoint in ``zerooffload/`` beside the
-  Trainer's state, scheduler and RNG files, and the model's config, no ``model.safetensors``
-  (``zerooffload checkpoint consolidate checkpoint-N/zerooffload OUT.safetensors`` writes one, tensor
-  by tensor); ``save_model`` writes ``model.safetensors`` from the live engine, unit by unit
-  (``checkpoint.save_safetensors``), which ``from_pretrained`` loads;
-- resuming loads that checkpoint into the engine; ``resume_from_checkpoint=True`` takes the newest
+- ``checkpoint-N/`` is in the plain Trainer's layout (``model.safetensors``, ``optimizer.pt`` as torch's
+  AdamW state_dict, written unit by unit, with a ``zerooffload.json`` of their digests: trainer_files'
+  [Note: one checkpoint both Trainers read]), or, where that layout cannot hold the state, the engine's
+  sharded checkpoint in ``zerooffload/``; beside them the Trainer's state, scheduler and RNG files and
+  the model's config; ``save_model`` writes ``model.safetensors`` from the live engine, unit by unit,
+  which ``from_pretrained`` loads;
+- resuming loads that checkpoint (or the plain Trainer's) into the engine; ``resume_from_checkpoint=True`` takes the newest
   ``checkpoint-N`` whose checkpoint verifies, saying so when that is not the newest; at another
   world size the accumulation is changed to keep the saved global batch (``checkpoints``' note);
 - ``save_total_limit`` prunes by the engine's rules (``checkpoints``' note).
@@ -39,7 +40,6 @@ import torch
 import transformers
 from torch import nn
 
-from ..checkpoint import save_safetensors
 from ..checkpoint.by_name import load_by_name
 from ..config import Config, ConfigError
 from ..engine import Engine
@@ -59,6 +59,7 @@ from .checkpoints import (
     trainer_layout_source,
 )
 from .lazy_model import hf_initializer, pretrained_weights
+from .trainer_files import MODEL_FILE, read_digests, save_trainer_files, save_weights, unsupported
 
 __all__ = ["Trainer", "EngineModule"]
 
@@ -163,6 +164,7 @@ class Trainer(transformers.Trainer):
                               "zerooffload.hf.TrainingArguments, or Trainer(..., zerooffload=\"config.toml\")")
         self._zo_source = zerooffload
         self._zo_engine: Engine | None = None
+        self._zo_said_sharded = False
         self._zo_good: str | None = None
         """The last checkpoint-N saved outside a skip streak: never pruned (checkpoints' note)."""
         super().__init__(*args, **kwargs)
@@ -208,7 +210,12 @@ class Trainer(transformers.Trainer):
         """The engine's state from ``folder``: its own checkpoint, or the plain Trainer's weights and AdamW
         state (``checkpoints``' [Note: Trainer checkpoints]); anything else refused saying what it holds."""
         if folder_kind(folder) == "trainer":
+            record = read_digests(folder, verify=True)  # ours: its files verified first
             load_by_name(self.engine, trainer_layout_source(folder, self._group_names(self.model)))
+            if record is not None:  # what the Trainer's files do not hold
+                self.engine.scaler.load_state(record["scaler"])
+                self.engine.window.restore(*(record["counters"][k] for k in ("global_steps", "micro_steps",
+                                                                              "skipped_steps")))
         else:
             self.engine.load_checkpoint(folder / ENGINE_DIR)
 
@@ -297,10 +304,40 @@ class Trainer(transformers.Trainer):
 
     # ------------------------------------------------------------------ checkpoints and the model
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
-        """The engine's checkpoint (every rank) and the schedule's state (rank 0) into checkpoint-N."""
-        self.engine.save_checkpoint(Path(output_dir) / ENGINE_DIR, client_state=run_shape(self.args))
+        """The weights and AdamW state in the plain Trainer's layout (every rank takes part; the engine's
+        sharded format where that layout cannot hold the state: trainer_files' note), and the schedule's
+        state (rank 0), into checkpoint-N."""
+        engine, folder = self.engine, Path(output_dir)
+        reason = unsupported(engine)
+        if reason is None:
+            record = {"client_state": run_shape(self.args), "scaler": engine.scaler.state(),
+                      "counters": {"global_steps": engine.window.global_steps, "micro_steps": engine.window.micro_steps,
+                                   "skipped_steps": engine.window.skipped_steps}}
+            save_trainer_files(engine, folder, self._group_names(self.model), self._group_settings(), record)
+        else:
+            if not self._zo_said_sharded and self.args.should_save:
+                logger.warning("zerooffload: checkpoints in the engine's sharded format (%s/), which the plain "
+                               "Trainer cannot resume: %s", ENGINE_DIR, reason)
+                self._zo_said_sharded = True
+            engine.save_checkpoint(folder / ENGINE_DIR, client_state=run_shape(self.args))
         if self.args.should_save:
             torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_FILE))
+
+    def _group_settings(self) -> list[dict]:
+        """Each Trainer group's settings as the plain Trainer's optimizer holds them (its class and
+        arguments: the keys its ``load_state_dict`` restores), with the engine's current values."""
+        cls, kwargs = self.get_optimizer_cls_and_kwargs(self.args, self.model)
+        probe = cls([{"params": [torch.zeros(1, requires_grad=True)], "weight_decay": decay}
+                     for decay in (self.args.weight_decay, 0.0)], **kwargs)
+        settings = [{k: v for k, v in group.items() if k != "params"} for group in probe.state_dict()["param_groups"]]
+        engine_groups = iter(self.engine.optimizer.param_groups)
+        current = {}
+        for names, group in zip(self._group_names(self.model), settings):
+            if names:  # the engine has a group for each non-empty one (_param_groups)
+                current = next(engine_groups)
+            group.update({k: tuple(current[k]) if k == "betas" else current[k]
+                          for k in ("lr", "betas", "eps", "weight_decay", "initial_lr") if k in current})
+        return settings
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         if checkpoint is not None and os.path.isfile(os.path.join(checkpoint, SCHEDULER_FILE)):
@@ -310,7 +347,7 @@ class Trainer(transformers.Trainer):
         """Nothing here: the engine loads its checkpoint once it exists (``_prepare_for_training``)."""
 
     def _load_best_model(self) -> None:
-        self.engine.load_checkpoint(Path(self.state.best_model_checkpoint) / ENGINE_DIR)
+        self._load_engine(Path(self.state.best_model_checkpoint))
 
     def _save_checkpoint(self, model: nn.Module, trial: Any) -> None:
         """The Trainer's save (a link at its checkpoint-N refused first), then pruning by the engine's
@@ -329,19 +366,22 @@ class Trainer(transformers.Trainer):
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """``model.safetensors`` (from the engine, unit by unit) beside the model's config, as
-        ``from_pretrained`` reads them; inside a checkpoint-N the engine's checkpoint holds the weights,
-        so only the config goes there (unless ``save_only_model``). Every rank must call it."""
+        ``from_pretrained`` reads them; inside a checkpoint-N only the config (the weights are written with
+        the optimizer state, in one pass: ``_save_optimizer_and_scheduler``), unless ``save_only_model``.
+        Every rank must call it."""
         output_dir = Path(output_dir or self.args.output_dir)
         engine = self.engine
         with_weights = not _internal_call or self.args.save_only_model
         if self.args.should_save:
             output_dir.mkdir(parents=True, exist_ok=True)
         if with_weights:
-            save_safetensors(engine, output_dir / "model.safetensors")
+            save_weights(engine, output_dir / MODEL_FILE)
         if not self.args.should_save:
             return
         unwrapped = self.model
         if hasattr(unwrapped, "config") and hasattr(unwrapped.config, "save_pretrained"):
+            unwrapped.config.architectures = [type(unwrapped).__name__]  # as save_pretrained records them
+            unwrapped.config.dtype = torch.float32  # the weights' dtype in model.safetensors (fp32 masters)
             unwrapped.config.save_pretrained(output_dir)
         if getattr(unwrapped, "generation_config", None) is not None and hasattr(unwrapped, "can_generate") \
                 and unwrapped.can_generate():
