@@ -280,13 +280,15 @@ def test_nvme_traffic_per_step_is_every_optimizer_block_once_each_way(make_engin
                                                                             else (0, kept))
     assert report.bytes("device", "grad") == 0
     moved = blocks + (grad_trips * grads if grads_on == "nvme" else 0)
-    mark = time.perf_counter()  # the first window opened in initialize, before: only the second is bounded
-    for window in range(2):
+    mark = time.perf_counter()  # the first window opened in initialize, before: only the later are bounded
+    for window in range(3):
         started = time.perf_counter()
         for _ in range(accum):
             _one_step(engine)
         seen = time.perf_counter() - mark if window else float("inf")
         mark = started
+        if window == 0 and clip:  # the step's updates run beside the next forward: counted in the next window
+            continue
         stats = engine.stats
         assert (stats.io.read_bytes, stats.io.write_bytes) == (moved, moved)
         assert 0 < stats.stall_seconds <= stats.seconds <= seen
@@ -309,11 +311,13 @@ def test_nvme_traffic_of_tentative_updates_in_backward(make_engine, clip, accum,
     grads = 4 * sum(trainable_spans(model, 1, 0))
     assert blocks == 3 * grads and engine.memory_report().bytes(grads_on, "grad") == grads
     on_nvme = int(grads_on == "nvme")
-    for _ in range(2):
+    for step in range(3):
         for _ in range(accum):
             _one_step(engine)
         redo = int(clip < 1)
         assert engine.stats.undone_updates == redo * len(engine.units)
+        if step == 0 and redo:  # the redone updates run beside the next forward: counted in the next window
+            continue
         io = engine.stats.io
         assert io.read_bytes == (1 + redo) * blocks + on_nvme * (accum - 1 + redo) * grads
         assert io.write_bytes == (1 + redo) * blocks + on_nvme * accum * grads

@@ -169,3 +169,77 @@ def test_waiting_for_one_update_waits_for_those_before_and_a_failure_drops_the_r
         worker.wait_for(last)
     assert ran[-1] == "d released" and "d" not in ran  # dropped after the failure, even once it was raised
     worker.join()
+
+
+def _link_bytes(config: dict, steps: int = 3) -> tuple[list[tuple[int, int]], tuple[int, int]]:
+    """Each step's bytes host->device and device->host (``engine.stats.link``), and what one step's bf16
+    weights and gradients come to: every trainable unit's part of this rank's shard, 2 bytes an element."""
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    rows = slice(rank * MICRO, (rank + 1) * MICRO)
+    measured = []
+    with zo.initialize(make_model(), config) as engine:
+        for (idx, targets), in make_batches(steps, 1, MICRO * world):
+            engine.backward(engine(idx[rows], targets[rows]))
+            engine.step()
+            measured.append((engine.stats.link.host_to_device_bytes, engine.stats.link.device_to_host_bytes))
+        trained = [u for u in engine.units if u.layout.trainable]
+        grads = sum(u.trainable_span if u.grad_leaves else u.trainable_numel for u in trained)
+        expected = (2 * sum(u.trainable_numel for u in trained), 2 * grads)
+    return measured, expected
+
+
+@pytest.mark.parametrize("stage, clip", [(1, 1.0), (2, 1.0), (2, 0.0)])
+def test_the_link_counts_bf16_weights_up_and_bf16_gradients_down(rank_pools, tmp_path, stage, clip):
+    """bf16 compute, optimizer on the host, world 2: each step the new weights cross up and the gradients
+    down in bf16 (the sum over ranks is fp32 and is cast on the device before it leaves), counted as they
+    would cross a PCIe link. The step's updates beside the next forward count in the next step's window,
+    so every step after the first counts one update's bytes (in backward at clip 0: in its own)."""
+    config = _config(stage, "host", 1, clip=clip, accum=1, nvme=str(tmp_path), in_backward="auto")
+    for measured, expected in rank_pools(2).run(_link_bytes, config):
+        assert measured[1:] == [expected] * (len(measured) - 1)
+
+
+def test_the_updates_copies_reuse_two_host_buffers_across_updates():
+    """update_copies' note: the gradient down and the weights up through two host buffers made once (grown to
+    the largest unit, then reused: no update allocates), in the compute dtype; on a CPU device plain copies."""
+    from zerooffload.config import MemoryConfig
+    from zerooffload.tiers import Kind, make_tiers
+    from zerooffload.zero.update_copies import UpdateCopies
+    host = make_tiers(MemoryConfig(), torch.device("cpu"))["host"]
+    copies = UpdateCopies(host, None)
+    seen = set()
+    for numel in (4096, 1024, 4096):  # a large unit, a small one, the large one again: one buffer each
+        grad, target = torch.randn(numel).bfloat16(), torch.zeros(numel, dtype=torch.bfloat16)
+        down = copies.grad_down(grad)
+        staged = copies.weights_staging(target, read=False)
+        assert down.dtype == staged.dtype == torch.bfloat16 and torch.equal(down, grad)
+        staged.copy_(down * 2)
+        copies.weights_up(target, staged)
+        assert torch.equal(target, grad * 2)
+        seen |= {down.data_ptr(), staged.data_ptr()}
+        assert host.usage[Kind.BUFFER] == 2 * 4096 * 2  # two buffers of the largest: 2 bytes an element each
+    assert len(seen) == 2
+    split = copies.weights_staging(torch.full((8,), 3.0, dtype=torch.bfloat16), read=True)  # a split master's
+    assert torch.equal(split, torch.full((8,), 3.0, dtype=torch.bfloat16))
+    copies.close()
+    assert host.usage[Kind.BUFFER] == 0
+
+
+def _saved_after_a_step(root, in_flight: int) -> dict:
+    """One step, then a checkpoint saved at once: its files' bytes (the manifest's step counts included)."""
+    (batch,), = make_batches(1, 1, MICRO)
+    config = _config(2, "host", in_flight, clip=1.0, accum=1, nvme=str(root))
+    with zo.initialize(make_model(), config) as engine:
+        engine.backward(engine(*batch))
+        engine.step()
+        path = engine.save_checkpoint(root / "ckpt", tag="t")
+    manifest = json.loads((path / "manifest.json").read_text())
+    files = {p.name: p.read_bytes() for p in path.iterdir() if not p.name.startswith("manifest.")}  # its time, path
+    return {"steps": manifest["steps"], "files": files}
+
+
+def test_a_checkpoint_saved_right_after_the_step_holds_its_updates(tmp_path):
+    """The save joins the updates still running beside (its step counts are read before any block)."""
+    (tmp_path / "sync").mkdir()
+    (tmp_path / "beside").mkdir()
+    assert _saved_after_a_step(tmp_path / "sync", 0) == _saved_after_a_step(tmp_path / "beside", 1)

@@ -100,7 +100,7 @@ class Engine:
             comm, partitioned, self.state.compute, self.state.staging, prefetch_bytes=config.zero.prefetch_size,
             max_live_bytes=config.zero.max_live_size,
             copier=DeviceCopier(self.state.compute, self._link, streams) if self.placement.shards_off_device else None)
-        self._updater = Updater(self.state, self.param_scheduler)
+        self._updater = Updater(self.state, self.param_scheduler, streams)
         self.state_dicts = StateDicts(self.state, self.param_scheduler, self._updater)
         """Whole values in and out: state dicts, gathered parameters, checkpoints' and weights' masters."""
         self.lr_scheduler = build_scheduler(self.optimizer, config.scheduler)
@@ -184,8 +184,7 @@ class Engine:
             self.optimizer.step_with(lambda: self._updater.step_units(verdict.had_grad, verdict.scale))
         else:
             self._updater.republish(verdict.undone)
-        self._updater.clear_grads()  # a unit whose update runs beside the next forward: as it ends
-        release_idle(self.tiers)
+        self._updater.end_window()  # gradients cleared (a unit whose update runs beside the next forward: as it ends)
         self.scaler.update(not verdict.updates)
         self.window.close(verdict)
         if self.lr_scheduler is not None and verdict.updates:
@@ -249,6 +248,7 @@ class Engine:
         ``directory/latest`` at it, atomically; collective. ``client_state``: JSON-serializable.
         ``blocking=False``: returns a handle (``wait()``, ``done()``) while the files are written
         (checkpoint.async_save's [Note: saving in the background])."""
+        self._updater.step_updates.join()  # the step's updates land before anything is read (step_updates' note)
         return self.saves.save(directory, tag, client_state, blocking)
 
     @_engine_call
@@ -257,6 +257,7 @@ class Engine:
         """Restore from ``directory/tag`` (default: ``latest``), whatever world size, stage or tiers
         saved it; returns the saved client state. Collective. ``verify=False`` skips the CRC pass over
         the data files (the manifest's digest is still checked): for files just verified."""
+        self._updater.step_updates.join()  # and before anything is replaced
         return self.saves.load(directory, tag, verify)
 
     @_engine_call

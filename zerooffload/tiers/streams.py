@@ -1,13 +1,15 @@
 """The side streams copies run on, made in one place, and the one way a copy runs on one.
 
 [Note: side streams]
-On a CUDA device two kinds of copies overlap the compute, each on a stream of its own, so that neither
-queues behind the other:
+On a CUDA device three kinds of copies overlap the compute, each on a stream of its own, so that none
+queues behind another:
 - ``shards``: stage 3 parameter shards that live off the device, copied in ahead of their gathers
   (``link.DeviceCopier``);
 - ``activations``: checkpointed block inputs on their way to the host in forward and back in backward
-  (``activation_offload.HostActivations``).
-Both are made here (FSDP2 makes its streams in one place too, ``FSDPCommContext.lazy_init``), each the
+  (``activation_offload.HostActivations``);
+- ``updates``: a CPU update's gradient down and new weights up (zero.update_copies' [Note: the update's
+  copies]), beside the backward or forward the device computes meanwhile.
+Each is made here (FSDP2 makes its streams in one place too, ``FSDPCommContext.lazy_init``), each the
 first time a copier asks for it. A copy on a side stream (``side_copy``) first waits for what the current
 stream has queued (its source may still be being written there, its target still read), and records an
 event after itself that its consumer waits on. On a CPU device there are no streams: copies run where
@@ -23,7 +25,7 @@ __all__ = ["SideStreams", "side_copy"]
 class SideStreams:
     """The side streams of one engine's device (see the note); None on a CPU device."""
 
-    PURPOSES = ("shards", "activations")
+    PURPOSES = ("shards", "activations", "updates")
 
     def __init__(self, device: torch.device):
         self.device = device

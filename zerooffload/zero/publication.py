@@ -166,8 +166,11 @@ class Publication:
         return not unit.partitioned and unit.layout.shards > 1 and self.comm.world_size > 1
 
     def _count(self, unit: FlatUnit, target: torch.Tensor, updated_on_device: bool) -> None:
+        """The bytes the update's side writes into ``target`` where the link lies between them: the trainable
+        part (an all-gather input's frozen rest is copied on the device), or a load's whole shard."""
         target_on_device = not (unit.partitioned and self.shards_off_device)
-        nbytes = target.numel() * target.element_size()
+        written = target.numel() if self.whole_shards else min(target.numel(), unit.trainable_numel)
+        nbytes = written * target.element_size()
         if target_on_device and not updated_on_device:
             self.link.host_to_device_bytes += nbytes
         elif updated_on_device and not target_on_device:

@@ -29,10 +29,11 @@ for). The rules:
 - *a failure* drops the updates after it (they are never run), and its very exception (an ``AioError``'s one
   line naming file and offset) is raised by the next wait or join: in the next engine call that uses the
   state or the weights. The weights are then part-updated, as a step failing half-way leaves them;
-- *where it applies*: the native CPU update (``ZeroOptimizer.native``: on a GPU machine, every optimizer
-  state off the device) with ``optimizer.updates_in_flight`` > 0, unless a partitioned shard is read from its
-  optimizer block's masters (fp32 with parameters and optimizer on NVMe: that block is stored only as the
-  stream moves past it); elsewhere the step updates before it returns, as it did.
+- *where it applies*: the CPU updating state that lives off the device (``ZeroOptimizer.native``, every unit
+  the step updates offloaded: on a CPU-only machine the device's state is the same cores' work, nothing to
+  overlap) with ``optimizer.updates_in_flight`` > 0, unless a partitioned shard is read from its optimizer
+  block's masters (fp32 with parameters and optimizer on NVMe: that block is stored only as the stream moves
+  past it); elsewhere the step updates before it returns, as it did.
 What it holds meanwhile: each unit's reduced gradient until its update ends (memory the step held anyway,
 now beside the next forward's activations), the block stream's host buffers, and at stages 1–2 a
 shard-sized gather input per unit until its gather starts.

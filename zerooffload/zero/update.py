@@ -22,7 +22,8 @@ from torch.utils.hooks import RemovableHandle
 from ..comm import control_all_reduce
 from ..optim.cpu_adam import sum_squares
 from ..optim.state import UnitOptimizerState
-from ..tiers import Kind, Tier
+from ..tiers import Kind, Tier, release_idle
+from ..tiers.streams import SideStreams
 from ..trace import RECORDER, profiled
 from .offloaded_grads import OffloadedGrad
 from .partition import FlatUnit
@@ -30,6 +31,7 @@ from .publication import Publication
 from .scheduler import ParamScheduler
 from .sharded_state import ShardedState
 from .step_updates import StepUpdates
+from .update_copies import UpdateCopies
 from .unit_layout import Piece
 
 __all__ = ["Updater", "grad_scale"]
@@ -38,9 +40,11 @@ __all__ = ["Updater", "grad_scale"]
 class Updater:
     """Updates units of a ``ShardedState`` and publishes their new weights."""
 
-    def __init__(self, state: ShardedState, param_scheduler: ParamScheduler):
+    def __init__(self, state: ShardedState, param_scheduler: ParamScheduler, streams: SideStreams):
         self.state = state
         self.param_scheduler = param_scheduler
+        self.copies = UpdateCopies(state.staging, streams.get("updates"))
+        """A CPU update's copies of device tensors (update_copies' [Note: the update's copies])."""
         self.step_updates = StepUpdates(state.units, state.config.optimizer.updates_in_flight > 0, state.comm.device)
         """The step's updates running beside the next forward (step_updates' note)."""
         param_scheduler.updates = self.step_updates
@@ -69,7 +73,8 @@ class Updater:
     def step_units(self, had_grad: list[torch.Tensor], grad_scale: float) -> None:
         """Unit by unit, those not updated in backward already: each one's update, one unit's
         all-gather running while the next updates; units whose update moves nothing else run together
-        ([Note: updates run together]). Frozen units are never updated, nor their state read or
+        ([Note: updates run together]); or, where the CPU updates state off the device, prepared to run
+        beside the next forward (step_updates' note). Frozen units are never updated, nor their state read or
         written."""
         units = self.state.units
         left = [i for i, unit in enumerate(units) if unit.layout.trainable and not unit.updated_in_backward]
@@ -97,7 +102,7 @@ class Updater:
         """Whether the step's updates of units ``left`` run beside the next forward (step_updates' note)."""
         units = self.state.units
         return (self.step_updates.enabled and self.state.optimizer.native and bool(left)
-                and not any(units[i].placement.params_in_masters for i in left))
+                and all(units[i].placement.offloaded and not units[i].placement.params_in_masters for i in left))
 
     def _prepare_units(self, left: list[int], had_grad: list[torch.Tensor], grad_scale: float) -> None:
         """The step's updates of units ``left`` prepared in forward order (the root unit first), each
@@ -139,18 +144,20 @@ class Updater:
     def _before_forward(self, unit: FlatUnit, module: nn.Module, args: tuple) -> None:
         self.step_updates.wait(unit)
 
-    def clear_grads(self) -> None:
-        """The window is over: every unit's gradients cleared, but those of units whose update still runs
-        beside the next forward, cleared as it ends."""
+    def end_window(self) -> None:
+        """The step is done with the window: every unit's gradients cleared, but those of units whose update
+        still runs beside the next forward, cleared as it ends; the buffers the tiers kept for reuse let go."""
         for unit in self.state.units:
             if not self.step_updates.holds(unit):
                 unit.clear_grads(self.state.compute)
+        release_idle(self.state.tiers)
 
     def close(self) -> None:
         """The engine closes: the step's updates waited for, the gradient reader closed."""
         try:
             self.step_updates.close()
         finally:
+            self.copies.close()
             self.state.grad_reader.close()
 
     def republish(self, units: list[FlatUnit]) -> None:
@@ -173,6 +180,7 @@ class Updater:
         target, stepped = self._stepped(opt_state, flags, publication)
         total = torch.zeros((), dtype=torch.float64) if sumsq else None
         if stepped:
+            self._count_grad(opt_state.unit, grad)
             with profiled("zerooffload::optimizer_update"):
                 total = self._step_pieces(stepped, grad, grad_scale, target, self.state.update_tier(opt_state), sumsq,
                                           groups)
@@ -203,6 +211,8 @@ class Updater:
         prepared = [(opt_state, *self._stepped(opt_state, flags, publication)) for opt_state, flags in units]
         grads, outs = {}, {}
         for opt_state, target, stepped in prepared:
+            if stepped:
+                self._count_grad(opt_state.unit, opt_state.unit.local_grad())
             grads.update(_piece_views(stepped, opt_state.unit.local_grad()))
             outs.update(_piece_views(stepped, target))
         if grads:
@@ -212,6 +222,12 @@ class Updater:
             RECORDER.pop()
         for opt_state, target, stepped in prepared:
             self.send(publication, opt_state, target, [piece for piece, _ in stepped])
+
+    def _count_grad(self, unit: FlatUnit, grad: torch.Tensor) -> None:
+        """At stages 0–1 an update off the device reads the device's gradient across the link: its trainable
+        part's bytes (above, a shard that leaves was counted as it left: ``Window._leaving``)."""
+        if unit.keep_full_grad and not unit.placement.updated_on_device:
+            self.state.link.device_to_host_bytes += unit.trainable_numel * grad.element_size()
 
     @staticmethod
     def _stepped(opt_state: UnitOptimizerState, flags: torch.Tensor, publication: Publication
@@ -230,9 +246,12 @@ class Updater:
                      target: torch.Tensor | None, update_tier: Tier, sumsq: bool, groups: list[dict] | None
                      ) -> torch.Tensor | None:
         """The optimizer on one unit's stepped pieces (``update_unit``). The native pass reads the reduced
-        gradient as it lies (any dtype), scales it and sums its squares itself; torch's update gets an
-        fp32 copy, scaled, for the unit, and the squares are summed before."""
-        optimizer = self.state.optimizer
+        gradient as it lies (any dtype), scales it and sums its squares itself (a device's gradient and
+        weights cross through the update's copies: ``_step_across``); torch's update gets an fp32 copy,
+        scaled, for the unit, and the squares are summed before."""
+        optimizer, host = self.state.optimizer, stepped[0][1].device
+        if optimizer.native and (grad.device != host or (target is not None and target.device != host)):
+            return self._step_across(stepped, grad, grad_scale, target, sumsq, groups)
         outs = _piece_views(stepped, target)
         if self._native_reads(grad, stepped):
             return optimizer.update(_piece_views(stepped, grad), grad_scale, outs, sumsq=sumsq, groups=groups)
@@ -243,6 +262,23 @@ class Updater:
             optimizer.update(_piece_views(stepped, scaled), outs=outs, groups=groups)
         finally:
             update_tier.free(Kind.BUFFER, scaled)
+        return total
+
+    def _step_across(self, stepped: list[tuple[Piece, torch.Tensor]], grad: torch.Tensor, grad_scale: float,
+                     target: torch.Tensor | None, sumsq: bool, groups: list[dict] | None) -> torch.Tensor | None:
+        """The native pass on the host over a device gradient or device weights: the gradient down and the new
+        weights up through the update's copies (update_copies' note), the trainable span's part of each."""
+        copies, host = self.copies, stepped[0][1].device
+        span = max(piece.stop for piece, _ in stepped)
+        if grad.device != host:
+            grad = copies.grad_down(grad[:span])
+        staged = None
+        if target is not None and target.device != host:  # a split master's pieces are int16 residuals: it reads them
+            staged = copies.weights_staging(target[:span], read=stepped[0][1].dtype == torch.int16)
+        outs = _piece_views(stepped, target if staged is None else staged)
+        total = self.state.optimizer.update(_piece_views(stepped, grad), grad_scale, outs, sumsq=sumsq, groups=groups)
+        if staged is not None:
+            copies.weights_up(target[:span], staged)
         return total
 
 

@@ -162,7 +162,7 @@ class Window:
         if self.reason is not None:
             return False  # the window will not update: its gradients are not kept
         if unit.grad_leaves:  # for the tier or for the update
-            self.link.device_to_host_bytes += shard.numel() * unit.compute_dtype.itemsize
+            shard = self._leaving(unit, shard)
         handoff = self.updates.take(unit, shard, flags, self.scaler.scale, lent)
         if handoff is Handoff.NOT_TAKEN:
             unit.add_grad_shard(shard, self.state.compute)
@@ -171,6 +171,18 @@ class Window:
         if self.updates.skipped is not None:
             self.skip(self.updates.skipped)
         return handoff is Handoff.HELD
+
+    def _leaving(self, unit: FlatUnit, shard: torch.Tensor) -> torch.Tensor:
+        """``unit``'s reduced shard as it leaves the device, for its grad home or its update: the window's first
+        part (or whole gradient) in the compute dtype, cast where it is (a sum over ranks is fp32: reduction's
+        note), since where it goes it is rounded to that dtype anyway (the same rounding, bitwise); a later
+        part of an accumulating window crosses as it is, so that adding it to the earlier parts rounds once,
+        as on the device; its trainable span's bytes counted, which is what crosses."""
+        kept = unit.offloaded_grad
+        if shard.dtype != unit.compute_dtype and (kept is None or not kept.written):
+            shard = shard.to(unit.compute_dtype)
+        self.link.device_to_host_bytes += min(unit.trainable_span, shard.numel()) * shard.element_size()
+        return shard
 
     @property
     def _reduces_now(self) -> bool:
