@@ -121,6 +121,8 @@ BENCHES = [
           "--only inprocess --rounds 1 --block 2", 1800, slow=True),
     Bench("save_stall_nvme", "save_stall.py", "--only nvme --nvme-rounds 3 --nvme-steps 10",
           "--only nvme --nvme-rounds 1 --nvme-steps 4", 2400, slow=True),
+    # issue 45: transformers' run_clm.py with one import line added, against the plain script; resumes both ways
+    Bench("run_clm_check", "run_clm_check.py", "--steps 40 --save 20", "--steps 4 --save 2", 1800, slow=True),
     Bench("plan_check", "plan_check.py", "--rounds 3 --steps 5", "--rounds 1 --steps 2 --cases fits", 2400,
           slow=True),
     Bench("hf_trainer_1b", "hf_trainer_1b.py", "--steps 10", "--steps 2 --layers 2 --plain-steps 2 --seq 256", 5400,
