@@ -339,7 +339,6 @@ def main() -> int:
         return 0
     LOGS.mkdir(exist_ok=True)
     chosen = [b for b in BENCHES if b.name in args.only]
-    runs = {} if args.quick else kept_runs()  # a quick run's figures mean nothing: nothing kept, nothing saved
     fresh = []
     with tempfile.TemporaryDirectory(prefix="zo-results-") as workdir:
         for number, bench in enumerate(chosen, 1):
@@ -348,6 +347,8 @@ def main() -> int:
             done.when = datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M")
             fresh.append(done)
             print(f"{done.status:<8} {done.seconds:5.0f} s  {'; '.join(done.notes)}", flush=True)
+    # read after the runs, not before: another results.py may have saved its runs meanwhile
+    runs = {} if args.quick else kept_runs()  # a quick run's figures mean nothing: nothing kept, nothing saved
     cpu = cpu_label()
     described = machine(f"DeepSpeed {version} in its own venv" if version else "DeepSpeed not available")
     for done in fresh:

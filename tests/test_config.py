@@ -14,7 +14,8 @@ from zerooffload.config import ConfigError, apply_override, format_size, parse_s
 # DESIGN §2, written out by hand: the contract the config must match key for key.
 DESIGN_KEYS = {
     "train": {"micro_batch_size", "grad_accum_steps", "precision", "grad_clip", "seed", "activation_checkpointing",
-              "skip_nonfinite", "max_skip_streak", "threads", "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis", "min_loss_scale"},
+              "skip_nonfinite", "max_skip_streak", "threads", "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis", "min_loss_scale",
+              "async_save", "save_staging"},
     "optimizer": {"type", "lr", "betas", "eps", "weight_decay", "momentum", "master", "moments",
                   "update_in_backward", "updates_in_flight"},
     "scheduler": {"type", "warmup_steps", "total_steps", "min_lr"},
@@ -46,6 +47,8 @@ initial_scale_power = 12
 loss_scale_window = 500
 hysteresis = 4
 min_loss_scale = 0.5
+async_save = false
+save_staging = "256MiB"
 
 [optimizer]
 type = "adam"
