@@ -130,6 +130,13 @@ BENCHES = [
     # issue 44: 2 nodes x 2 ranks over a veth in two network namespaces (root), hpZ against plain stage 3 at 200 Mbit/s
     Bench("two_nodes", "two_nodes.py", "--pair 'zero.hpz_partition_size=2' '' --pairs 5 --rate 200mbit "
           "train.micro_batch_size=1 train.precision=fp32", "--model nano --warmup 1 --steps 1", 3600, slow=True),
+    # issue 44's acceptance: all three against plain stage 3 at 200 Mbit/s (step time ≤ 0.5x; the bytes beside)
+    Bench("two_nodes_zeropp", "two_nodes.py", "--pair 'zero.hpz_partition_size=2 zero.quantized_weights=true "
+          "zero.quantized_gradients=true' '' --pairs 5 --rate 200mbit --target 0.5 train.micro_batch_size=1 "
+          "train.precision=fp32", "--model nano --warmup 1 --steps 1 --pairs 1", 3600, slow=True),
+    # the link's bytes a step of hpZ alone and plain stage 3, unshaped (issue 44: hpZ ≤ 0.8x)
+    Bench("two_nodes_hpz_bytes", "two_nodes.py", "--pair 'zero.hpz_partition_size=2' '' --pairs 1 "
+          "train.precision=fp32", "--model nano --warmup 1 --steps 1", 1200, slow=True),
     # the 7b on one GPU under 24 GiB against no offload and FSDP2 (issue 43); quick: its logic on a CPU
     Bench("gpu_workstation", "gpu_workstation.py", "", "--preset nano --batch 2 --seq 64", 480, needs="cuda",
           slow=True),
