@@ -109,7 +109,7 @@ def main() -> None:
     parser.add_argument("--dir", default=tempfile.gettempdir())
     args = parser.parse_args()
     print(f"machine: {os.cpu_count()} CPUs, {os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.0f} GiB "
-          f"RAM; zerooffload train --model 7b --plan auto --steps {args.steps}")
+          f"RAM; zerooffload train --model 7b --steps {args.steps} (--plan auto, but for the defaults case)")
     for case in args.cases.split(","):
         name, overrides, rss_bound = CASES[case]
         work = Path(tempfile.mkdtemp(prefix="zo-7b-", dir=args.dir))

@@ -37,12 +37,19 @@ the gradient's sign), which a deep, wide model does not survive at its peak rate
 fell to 4.6; yet the nano preset, started at a hundredth of its peak, spiked from 3.3 to 6.2 at the
 end of its warmup, and not from a tenth. Past 1B the first update must be smaller still: the 7b's
 first step at 1.21e-6 (a hundredth of its peak) took the loss of the batch it stepped on from 5.59 to
-13.6 and of the next from 6.04 to 15.3, and plain PyTorch AdamW on the same weights and batch does the
-same (``bench/first_update.py``): a sign update of that size is no engine defect. So the warmup's
+13.6 and of the next from 6.04 to 15.3 (the engine's run: 5.59, 15.38), and the same first AdamW step
+computed in plain PyTorch on the same weights and batch does the same (``bench/first_update.py`` reruns
+it): a sign update of that size is no engine defect. So the warmup's
 start falls a decade per 30x in parameters: a tenth of the peak up to 10M parameters, a hundredth at
 300M, a thousandth from 9B on, log-linearly between (``min_lr``, also where the cosine ends; the 7b
 starts at 1.52e-7), and lasts longer the larger the model: ``warmup_steps`` (20, or one per 3M
-parameters). The
+parameters). The rule past 1B: from ``BF16_FROM`` on the batch is one sequence (1,024 tokens), 2,048
+times smaller than the batch GPT-3's rate was tuned for, and Adam's rate follows the batch's square root
+(Malladi et al. 2022), so the peak is GPT-3's over 45 (the 7b's 2.68e-6) while the warmup still starts
+at GPT-3's share above: started at 1.52e-7 and climbing toward 1.21e-4, the 7b's losses fell 5.59 ->
+5.46 -> 4.24 -> 4.12, then rose with the rate, 4.26 at 3.2e-7 and 5.63 at 3.8e-7; toward 2.68e-6
+they went 5.59 -> 5.46 -> 4.30 -> 4.50 -> 3.55 -> 5.37 (``python bench/results.py --only learns_7b``:
+none above the first, the sixth below it; the batches differ by ~0.5 at the same weights). The
 initialization is GPT-2's (``models.gpt``: residual projections scaled by 1/sqrt(2 x layers)). From
 ``BF16_FROM`` parameters on (the ``7b`` preset) the defaults are bf16 and a batch of one sequence: fp32
 matmuls run ~6x slower than bf16 on these CPUs, and a step of 16 x 1024 tokens would take an hour.
@@ -64,6 +71,10 @@ _LR_BY_SIZE = ((1e6, 3e-3), (125e6, 6e-4), (350e6, 3e-4), (760e6, 2.5e-4), (1.3e
 """(parameters, peak learning rate): GPT-3's table, and 3e-3 for a model of 1M (see the note)."""
 BF16_FROM = 5e9
 """From this many parameters on, ``train_defaults`` are bf16 and a micro-batch of 1 (see the note)."""
+ONE_SEQUENCE_TOKENS = 1024
+"""Tokens a step of the ``BF16_FROM`` defaults: one sequence of the 7b preset's 1024."""
+GPT3_BATCH_TOKENS = 2 ** 21
+"""GPT-3's batch for its 6.7B model (Table 2.1: 2M tokens), the batch its rate was tuned for."""
 WARMUP_STEPS = 20
 """The shortest warmup (``warmup_steps``)."""
 WARMUP_PARAMS_PER_STEP = 3e6
@@ -109,8 +120,9 @@ def train_defaults(params: float) -> dict:
     ``BF16_FROM`` parameters, bf16 and a batch of 1)."""
     lr = learning_rate(params)
     large = {"micro_batch_size": 1, "precision": "bf16"} if params >= BF16_FROM else {}
+    peak = lr * math.sqrt(ONE_SEQUENCE_TOKENS / GPT3_BATCH_TOKENS) if large else lr
     return {"train": {"micro_batch_size": 16, "grad_clip": 1.0, **large},
-            "optimizer": {"lr": float(f"{lr:.3g}"), "weight_decay": 0.1, "betas": [0.9, 0.95]},
+            "optimizer": {"lr": float(f"{peak:.3g}"), "weight_decay": 0.1, "betas": [0.9, 0.95]},
             "scheduler": {"type": "warmup_cosine", "warmup_steps": warmup_steps(params),
                           "min_lr": float(f"{lr * warmup_start(params):.3g}")}}
 
