@@ -1,7 +1,9 @@
 """Helpers shared by the I/O tests: the backends to run over, configs, buffers at chosen alignments."""
 from __future__ import annotations
 
+import contextlib
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -16,6 +18,20 @@ from zerooffload.io import aligned_empty
 from zerooffload.io.backends import BACKENDS
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+@contextlib.contextmanager
+def file_size_limit(nbytes: int):
+    """RLIMIT_FSIZE at ``nbytes`` for the block, SIGXFSZ ignored, so that writes past it fail with EFBIG: a real
+    I/O fault in the middle of a run (the kernel's, not a mock's)."""
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)
+    handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (nbytes, limit[1]))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, limit)
+        signal.signal(signal.SIGXFSZ, handler)
 BACKEND_NAMES = ("uring", "pool", "python", "aiofiles")
 
 

@@ -12,8 +12,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import re
-import resource
-import signal
 import time
 from pathlib import Path
 
@@ -22,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 import zerooffload as zo
+from aio_helpers import file_size_limit
 from harness import PROCESS_GROUP_TIMEOUT
 from reference import make_batches, make_model
 from zerooffload.checkpoint import read_manifest
@@ -57,18 +56,6 @@ def _train_step(engine, step: int) -> None:
     engine.step()
 
 
-@contextlib.contextmanager
-def _file_size_limit(nbytes: int):
-    """RLIMIT_FSIZE at ``nbytes`` for the block, SIGXFSZ ignored so that writes past it fail with EFBIG."""
-    limit = resource.getrlimit(resource.RLIMIT_FSIZE)
-    handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-    resource.setrlimit(resource.RLIMIT_FSIZE, (nbytes, limit[1]))
-    try:
-        yield
-    finally:
-        resource.setrlimit(resource.RLIMIT_FSIZE, limit)
-        signal.signal(signal.SIGXFSZ, handler)
-
 
 def _describe(error: Exception | None) -> dict | None:
     """What the test checks of an error, as plain values (a gloo error need not pickle)."""
@@ -94,7 +81,7 @@ def save_then_fail(root: str, faulty_ranks: tuple[int, ...]) -> dict:
         swap_files = sorted(str(p) for p in nvme.rglob("*.swap"))
         error, start = None, time.monotonic()
         try:
-            with _file_size_limit(LIMIT) if rank in faulty_ranks else contextlib.nullcontext():
+            with file_size_limit(LIMIT) if rank in faulty_ranks else contextlib.nullcontext():
                 for step in range(1, 1 + FAULTY_STEPS):
                     _train_step(engine, step)
         except Exception as exc:  # the outcome under test: returned, so that every rank's reaches the test

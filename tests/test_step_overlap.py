@@ -5,12 +5,9 @@ and 2; the updates on the trace's ``updates`` track beside the next forward; a r
 the next engine call."""
 from __future__ import annotations
 
-import contextlib
 import errno
 import json
 import re
-import resource
-import signal
 import threading
 
 import pytest
@@ -18,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 import zerooffload as zo
+from aio_helpers import file_size_limit
 from reference import make_batches, make_model
 from zerooffload.io import AioError
 from zerooffload.zero.update_worker import UpdateWorker
@@ -111,24 +109,12 @@ def test_the_steps_updates_run_beside_the_next_forward_in_the_trace(tmp_path):
     assert min(e["ts"] for e in forward) < max(e["ts"] + e["dur"] for e in updates)  # the forward began under them
 
 
-@contextlib.contextmanager
-def _file_size_limit(nbytes: int):
-    """RLIMIT_FSIZE at ``nbytes``, SIGXFSZ ignored, so that swap writes past it fail with EFBIG."""
-    limit = resource.getrlimit(resource.RLIMIT_FSIZE)
-    handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-    resource.setrlimit(resource.RLIMIT_FSIZE, (nbytes, limit[1]))
-    try:
-        yield
-    finally:
-        resource.setrlimit(resource.RLIMIT_FSIZE, limit)
-        signal.signal(signal.SIGXFSZ, handler)
-
 
 def _failing_step(root, in_flight: int) -> tuple[AioError, str]:
     """A step whose optimizer blocks cannot be stored (EFBIG), then the next forward: what raised, and where."""
     (first,), (second,) = make_batches(2, 1, MICRO)
     with zo.initialize(make_model(), _config(2, "nvme", in_flight, clip=1.0, accum=1, nvme=str(root))) as engine:
-        with _file_size_limit(64 << 10), pytest.raises(AioError) as raised:
+        with file_size_limit(64 << 10), pytest.raises(AioError) as raised:
             engine.backward(engine(*first))
             where = "step"
             assert engine.step()

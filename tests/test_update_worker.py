@@ -3,12 +3,9 @@ thread, bounded, joined before any use, failures raised at the next join; and an
 bitwise the synchronous one (``optimizer.updates_in_flight = 0``), and within plain PyTorch AdamW's bound."""
 from __future__ import annotations
 
-import contextlib
 import errno
 import json
 import re
-import resource
-import signal
 import threading
 import time
 
@@ -17,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 import zerooffload as zo
+from aio_helpers import file_size_limit
 from reference import make_batches, make_model, reference_train, update_errors
 from zerooffload.io import AioError
 from zerooffload.zero.update_worker import UpdateWorker
@@ -182,18 +180,6 @@ def test_the_worker_is_bitwise_the_synchronous_update_at_world_2(rank_pools, tmp
     _assert_same(runs[0], runs[2])
 
 
-@contextlib.contextmanager
-def _file_size_limit(nbytes: int):
-    """RLIMIT_FSIZE at ``nbytes``, SIGXFSZ ignored, so that swap writes past it fail with EFBIG."""
-    limit = resource.getrlimit(resource.RLIMIT_FSIZE)
-    handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-    resource.setrlimit(resource.RLIMIT_FSIZE, (nbytes, limit[1]))
-    try:
-        yield
-    finally:
-        resource.setrlimit(resource.RLIMIT_FSIZE, limit)
-        signal.signal(signal.SIGXFSZ, handler)
-
 
 def _failing_backward(root, in_flight: int) -> tuple[AioError, float]:
     """A step, then a backward whose updates' optimizer blocks cannot be stored: what it raised, how soon."""
@@ -202,7 +188,7 @@ def _failing_backward(root, in_flight: int) -> tuple[AioError, float]:
         engine.backward(engine(*first))
         engine.step()
         start = time.monotonic()
-        with _file_size_limit(64 << 10), pytest.raises(AioError) as raised:
+        with file_size_limit(64 << 10), pytest.raises(AioError) as raised:
             engine.backward(engine(*second))
         assert not _worker_threads()
     return raised.value, time.monotonic() - start
