@@ -108,6 +108,7 @@ class Saves:
         fallback if that one fails."""
         self._worker: queue.SimpleQueue | None = None
         """Tasks of the saves' thread (``_run_tasks``), started at the first save in the background."""
+        self._thread: threading.Thread | None = None
 
     def save(self, directory: str | os.PathLike, tag: str | None, client_state: dict | None,
              blocking: bool) -> Path | SaveHandle:
@@ -120,7 +121,9 @@ class Saves:
         self._previous, self.engine.window.last_checkpoint = self.engine.window.last_checkpoint, str(begun.path)
         if self._worker is None:  # one thread for every save: starting one costs the caller a GIL switch
             self._worker = queue.SimpleQueue()
-            threading.Thread(target=_run_tasks, args=(self._worker,), name="zerooffload-save", daemon=True).start()
+            self._thread = threading.Thread(target=_run_tasks, args=(self._worker,), name="zerooffload-save",
+                                            daemon=True)
+            self._thread.start()
         self.pending = SaveHandle(begun, self._comm(), self._worker)
         return self.pending
 
@@ -162,9 +165,18 @@ class Saves:
             failure: BaseException | None = error
         else:
             failure = None
+        self._stop_thread()
         yield
         if failure is not None:
             raise failure
+
+    def _stop_thread(self) -> None:
+        """End the saves' thread once its last task has returned, so that no save code runs while the
+        process exits (a thread inside torch at interpreter exit can abort it: see the engine's close)."""
+        if self._thread is not None:
+            self._worker.put(None)
+            self._thread.join()
+            self._thread, self._worker = None, None
 
     def _staging(self) -> StagingRing:
         """The ring, made at the first non-blocking save: ``train.save_staging`` bytes, no more than this
@@ -189,6 +201,6 @@ _CHANGES_STATE = frozenset({"backward", "step", "load_checkpoint", "gathered"})
 
 
 def _run_tasks(tasks: queue.SimpleQueue) -> None:
-    """The saves' thread: each task in turn (a task records its own failure), as long as the process lives."""
-    while True:
-        tasks.get()()
+    """The saves' thread: each task in turn (a task records its own failure), until a None says stop."""
+    while (task := tasks.get()) is not None:
+        task()
