@@ -21,11 +21,12 @@ from typing import TYPE_CHECKING, Callable
 import torch
 
 from ..training_state import Trainable
+from .saving import persistent_buffers
 
 if TYPE_CHECKING:
     from ..optim.state import UnitOptimizerState
 
-__all__ = ["Request", "NamedSource", "load_by_name", "named_buffers", "foreign_kind", "GROUP_KEYS", "PARAM"]
+__all__ = ["Request", "NamedSource", "load_by_name", "foreign_kind", "GROUP_KEYS", "PARAM"]
 
 PARAM = "param"
 """A request's kind for the parameter's value (the others are moment names)."""
@@ -84,7 +85,7 @@ class NamedSource:
 def load_by_name(engine: Trainable, source: NamedSource) -> int:
     """Fill ``engine`` from ``source`` (see the note); returns the step count restored."""
     engine.state_dicts.set_optimizer_states(lambda state, frozen: _fill(state, frozen, source), whole=True)
-    for name, buffer in named_buffers(engine.module):
+    for name, buffer in persistent_buffers(engine.module):
         if name in source.buffers:  # checked by the source's loader where it must be there
             buffer.copy_(source.buffers[name])
     steps = _restore_steps(engine, source)
@@ -94,12 +95,6 @@ def load_by_name(engine: Trainable, source: NamedSource) -> int:
         engine.lr_scheduler.load_state_dict({**engine.lr_scheduler.state_dict(), "last_epoch": steps,
                                              "_step_count": steps + 1})
     return steps
-
-
-def named_buffers(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
-    """The module's persistent buffers (those ``state_dict`` holds), by name."""
-    saved = module.state_dict(keep_vars=True)
-    return [(name, buffer) for name, buffer in module.named_buffers() if name in saved]
 
 
 def _fill(state: "UnitOptimizerState", frozen: torch.Tensor | None, source: NamedSource) -> None:

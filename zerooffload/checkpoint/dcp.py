@@ -50,7 +50,8 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from ..training_state import Trainable
-from .by_name import PARAM, NamedSource, Request, foreign_kind, load_by_name, named_buffers
+from .by_name import PARAM, NamedSource, Request, foreign_kind, load_by_name
+from .saving import persistent_buffers
 from .sharded import load_checkpoint as load_ours
 from .files import MANIFEST, CheckpointError, read_latest
 from .layout import RankFiles, Source, malformed, read_manifest, read_range
@@ -212,7 +213,7 @@ class _DcpSource:
         """``by_name``'s source: steps, groups and buffers read now (small), ranges on demand."""
         step_keys = {k: self.keys.state[k] for k in self.keys.state if k[1] == "step"}
         group_keys = [key for group in self.keys.groups.values() for key in group.values()]
-        buffer_keys = {n: self.keys.model[n] for n, _ in named_buffers(engine.module)}
+        buffer_keys = {n: self.keys.model[n] for n, _ in persistent_buffers(engine.module)}
         planner = self.run({key: (0, self.shape(key)[0] if self.shape(key) else 0)
                             for key in [*step_keys.values(), *buffer_keys.values()]}, group_keys)
         steps = {name: float(planner.targets[key]) for (name, _), key in step_keys.items()}
@@ -238,7 +239,7 @@ def _check(engine: Trainable, source: _DcpSource) -> None:
             elif slot.trainable and source.key(tuple(slot.names), "step") is not None:
                 problems += [f"{slot.names[0]}: no {kind}" for kind in moments if source.key(tuple(slot.names), kind)
                              is None]
-    for name, buffer in named_buffers(engine.module):
+    for name, buffer in persistent_buffers(engine.module):
         key = source.keys.model.get(name)
         if key is None or source.shape(key) != tuple(buffer.shape):
             problems.append(f"buffer {name} {'not in it' if key is None else 'of another shape'}")
