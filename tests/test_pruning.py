@@ -6,7 +6,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from zerooffload.cli.run_checkpoints import prune
+import pytest
+
+from zerooffload.cli.run_checkpoints import Pruner, prune
+from zerooffload.io.files import LinkRefused
 from zerooffload.hf.checkpoints import prune_checkpoints
 
 
@@ -45,3 +48,22 @@ def test_train_and_the_trainer_keep_the_same_steps(tmp_path):
     assert _names(cli) == ["latest", "mine", "step00000001", "step00000003", "step00000005", "step00000008"]
     assert _names(hf) == ["checkpoint-1", "checkpoint-3", "checkpoint-5", "checkpoint-8", "mine"]
     assert (cli / "mine" / "data.bin").read_bytes() == b"mine" and (hf / "mine" / "data.bin").read_bytes() == b"mine"
+
+
+def test_a_prune_on_its_own_thread_removes_the_same_tags_and_its_error_surfaces_at_wait(tmp_path):
+    """train prunes on a thread while the steps go on (run_checkpoints' [Note: pruning]): once waited for, the
+    same tags are gone as ``prune`` removes; a prune that fails there (a tag planted as a link) raises its
+    error at the next ``wait``, once, and removed nothing."""
+    run, pruner = tmp_path / "checkpoints", Pruner()
+    _make(run, *(f"step{s:08d}" for s in (1, 2, 3)))
+    (run / "latest").write_text("step00000003\n")
+    pruner.start(run, 1)
+    pruner.wait()
+    assert _names(run) == ["latest", "step00000003"]
+    (tmp_path / "elsewhere").mkdir()
+    (run / "step00000002").symlink_to(tmp_path / "elsewhere")
+    pruner.start(run, 1)
+    with pytest.raises(LinkRefused):
+        pruner.wait()
+    pruner.wait()  # raised once
+    assert _names(run) == ["latest", "step00000002", "step00000003"] and (tmp_path / "elsewhere").is_dir()

@@ -21,20 +21,24 @@ when the disk has less free space than the newest checkpoint took and ``--keep-l
 the oldest tags go first (the newest that verifies and that spared one stay), said in one line:
 otherwise a full disk would fail every save, since the prune comes only after a save that succeeded.
 A save in the background (``train.async_save``) is published, and pruned after, when it is waited for:
-at the next save or the loop's end (a prune removes the series' ``.partial`` directories, and until
-then one of them is that save's).
+at the first step end that finds it done, else at the next save or the loop's end (a prune removes the
+series' ``.partial`` directories, and until then one of them is that save's). The prune runs on a thread
+of its own (``Pruner``) while training goes on: removing an old tag's files takes ~10 ms for the small
+preset's 130 MB on ext4 here, which would otherwise be training time at every save. Nothing else
+changes the directory meanwhile: the next save (``make_room`` first) and the run's end wait for it.
 """
 from __future__ import annotations
 
 import re
 import shutil
 import sys
+import threading
 from pathlib import Path
 
 from ..checkpoint import CheckpointError, first_verified, pruning, read_latest, read_manifest, remove_tree, series
 from ..log import current_rank
 
-__all__ = ["STEP_TAG", "loadable_tag", "make_room", "prune", "resume", "resume_tag", "step_tags"]
+__all__ = ["STEP_TAG", "Pruner", "loadable_tag", "make_room", "prune", "resume", "resume_tag", "step_tags"]
 
 
 STEP_TAG = re.compile(r"step(\d{8})")
@@ -116,6 +120,34 @@ def prune(checkpoints: Path, keep: int, spare: str | None = None) -> None:
     """Remove train's step tags older than the newest ``keep`` (0: keep all), sparing the one ``latest``
     names and ``spare`` (the last saved before a skip streak: [Note: pruning])."""
     pruning.prune(checkpoints, STEP_TAG, keep, {read_latest(checkpoints), spare})
+
+
+class Pruner:
+    """``prune`` on a thread of its own, one prune at a time ([Note: pruning]); ``wait`` before the
+    directory changes otherwise, which raises the prune's error, if it failed."""
+
+    def __init__(self) -> None:
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    def start(self, checkpoints: Path, keep: int, spare: str | None = None) -> None:
+        self.wait()
+        self._thread = threading.Thread(target=self._prune, args=(checkpoints, keep, spare), name="zerooffload-prune")
+        self._thread.start()
+
+    def wait(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        error, self._error = self._error, None
+        if error is not None:
+            raise error
+
+    def _prune(self, checkpoints: Path, keep: int, spare: str | None) -> None:
+        try:
+            prune(checkpoints, keep, spare)
+        except BaseException as error:  # raised on the training thread by wait()
+            self._error = error
 
 
 def make_room(checkpoints: Path, keep: int, spare: str | None = None) -> list[str]:

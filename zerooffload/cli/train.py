@@ -37,7 +37,7 @@ from ..models import GPT, PRESETS
 from ..tiers import BudgetError
 from .measured import RunMemory
 from .progress import Progress, engine_postfix
-from .run_checkpoints import make_room, prune, resume, resume_tag
+from .run_checkpoints import Pruner, make_room, resume, resume_tag
 from .run_dir import owned_out, write_summary
 from .stop_signal import StopOnSignal
 from .swap_folder import swap_folder
@@ -151,6 +151,10 @@ class _Run:
     """The handle of a save still being written in the background (``train.async_save``), if any."""
     good: str | None = None
     """The tag of the last checkpoint saved outside a skip streak: never pruned (run_checkpoints' note)."""
+    pruner: Pruner = field(default_factory=Pruner)
+    """Rank 0's prune after each save, while the steps go on (run_checkpoints' [Note: pruning])."""
+    unpruned: bool = False
+    """Whether the last save is yet to be pruned after."""
 
 
 def _train(args, engine, config: Config, corpus: ByteCorpus, resumed: tuple[int, list[float], dict],
@@ -168,8 +172,10 @@ def _train(args, engine, config: Config, corpus: ByteCorpus, resumed: tuple[int,
     except BaseException:  # a save in flight holds steps done before the failure: it lands, and is pruned after
         with contextlib.suppress(Exception):  # its own error (if that is what stopped the run) is raised already
             _saved(engine, checkpoints, run, args.keep_last)
+            run.pruner.wait()
         raise
     _saved(engine, checkpoints, run, args.keep_last)  # the loop's time includes the last save's writes
+    run.pruner.wait()
     progress.close()
     run.seconds = time.perf_counter() - started
     return run
@@ -205,6 +211,8 @@ def _loop(args, engine, config: Config, corpus: ByteCorpus, checkpoints: Path, s
         if args.save_every and (run.stopped_by is not None or run.last_step % args.save_every == 0
                                 or run.last_step == args.steps):
             _save(engine, checkpoints, run, args.keep_last, background=config.train.async_save)
+        elif run.pending is not None and run.pending.done():  # published: prune now, not at the next save
+            _saved(engine, checkpoints, run, args.keep_last)
         if run.stopped_by is not None:
             break
 
@@ -220,11 +228,13 @@ def _save(engine, checkpoints: Path, run: _Run, keep: int, background: bool) -> 
     """The periodic save, with room made first and old tags pruned once it is published (run_checkpoints'
     [Note: pruning]); with ``background`` (``train.async_save``) written while the loop goes on."""
     _saved(engine, checkpoints, run, keep)
+    run.pruner.wait()
     if engine.comm.rank == 0:
         make_room(checkpoints, keep, spare=run.good)
     saved = engine.save_checkpoint(checkpoints, client_state={"next_step": run.last_step, "losses": run.losses,
                                                               **run.shape}, blocking=not background)
     run.pending, run.saved = (saved, saved.path) if background else (None, saved)
+    run.unpruned = True
     if engine.window.streak.length == 0:
         run.good = run.saved.name
     if not background:
@@ -233,12 +243,14 @@ def _save(engine, checkpoints: Path, run: _Run, keep: int, background: bool) -> 
 
 def _saved(engine, checkpoints: Path, run: _Run, keep: int) -> None:
     """The last save published (a save in the background waited for: its error raises here), then the
-    prune after it."""
+    prune after it, started on the pruner's thread (``run.pruner``: waited for before the directory changes
+    again)."""
     if run.pending is not None:
         pending, run.pending = run.pending, None
         pending.wait()
-    if run.saved is not None and engine.comm.rank == 0:
-        prune(checkpoints, keep, spare=run.good)
+    if run.unpruned and engine.comm.rank == 0:
+        run.pruner.start(checkpoints, keep, spare=run.good)
+    run.unpruned = False
 
 
 def _stop_line(run: _Run) -> str:
