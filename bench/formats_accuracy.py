@@ -16,19 +16,19 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-from pairs import record
+from loss_tails import judge_tails
 from results_report import plot_curves
 
 FORMATS = {"fp32 master, fp32 moments": [],
            "split master, bf16 moments": ["optimizer.master=split", "optimizer.moments=bf16"],
            "split master, int8 moments": ["optimizer.master=split", "optimizer.moments=int8"]}
 TAIL, BOUND = 50, 0.02
+TITLE = "small preset, bf16: the optimizer state's formats"
 
 
 def losses(overrides: list[str], steps: int) -> list[float]:
@@ -48,25 +48,9 @@ def main() -> None:
     args = parser.parse_args()
     print(f"machine: {os.cpu_count()} CPUs; zerooffload train --model small --steps {args.steps} train.precision=bf16")
     curves = {name: losses(overrides, args.steps) for name, overrides in FORMATS.items()}
-    names = list(curves)
-    reference = statistics.fmean(curves[names[0]][-TAIL:])
-    title = f"small, bf16, {args.steps} steps: last-{TAIL}-step mean loss"
-    print(f"\n| format | last-{TAIL}-step mean loss | vs fp32 | within {BOUND:.0%} |\n|---|---|---|---|")
-    print(f"| {names[0]} | {reference:.4f} | the reference | - |")
-    record("check", title=f"{title}, {names[0]}: the reference", value=reference, target="—", met=None,
-           reference=True, detail="the other formats' means are divided by this")
-    failed = 0
-    for name in names[1:]:
-        tail = statistics.fmean(curves[name][-TAIL:])
-        ok = abs(tail / reference - 1) <= BOUND
-        failed += not ok
-        print(f"| {name} | {tail:.4f} | {tail / reference:.4f} | {'yes' if ok else 'NO'} |")
-        record("check", title=f"{title}, {name} / fp32 states", value=tail / reference,
-               target=f"{1 - BOUND:.2f}–{1 + BOUND:.2f}", met=ok, detail=f"{tail:.4f}")
-    for name, values in curves.items():
-        record("curve", title=name, values=values)
+    failed = judge_tails(curves, f"small, bf16, {args.steps} steps: last-{TAIL}-step mean loss", BOUND, TAIL)
     if args.plot:
-        plot_curves(curves, Path(args.plot))
+        plot_curves(curves, Path(args.plot), TITLE)
         print(f"\nplot: {args.plot}")
     raise SystemExit(1 if failed else 0)
 

@@ -114,7 +114,7 @@ BENCHES = [
     Bench("learns_7b", "showcase_7b.py", "--steps 6 --cases defaults", "--steps 1 --cases defaults", 7200,
           slow=True),
     # issue 45: a save in the background against a blocking one (loop time), kills during such saves
-    Bench("save_stall", "save_stall.py", "--only stall --rounds 5 --steps 20", "--only stall --rounds 1 --steps 4",
+    Bench("save_stall", "save_stall.py", "--only stall --rounds 5 --steps 40", "--only stall --rounds 1 --steps 4",
           3600, slow=True),
     Bench("save_stall_kills", "save_stall.py", "--only kills --trials 6", "--only kills --trials 1", 1200, slow=True),
     Bench("save_stall_inprocess", "save_stall.py", "--only inprocess --rounds 5 --block 8",
@@ -137,6 +137,17 @@ BENCHES = [
     # the link's bytes a step of hpZ alone and plain stage 3, unshaped (issue 44: hpZ ≤ 0.8x)
     Bench("two_nodes_hpz_bytes", "two_nodes.py", "--pair 'zero.hpz_partition_size=2' '' --pairs 1 "
           "train.precision=fp32", "--model nano --warmup 1 --steps 1", 1200, slow=True),
+    # issue 44: parameters and optimizer on NVMe, the link's bytes a step of hpZ alone / all three against plain
+    Bench("two_nodes_nvme_hpz", "two_nodes.py", "--pair 'zero.hpz_partition_size=2' '' --pairs 1 train.precision=fp32 "
+          "offload.param.tier=nvme offload.optimizer.tier=nvme", "--model nano --warmup 1 --steps 1 "
+          "offload.param.tier=nvme offload.optimizer.tier=nvme", 1800, slow=True),
+    Bench("two_nodes_nvme_zeropp", "two_nodes.py", "--pair 'zero.hpz_partition_size=2 zero.quantized_weights=true "
+          "zero.quantized_gradients=true' '' --pairs 1 train.precision=fp32 offload.param.tier=nvme "
+          "offload.optimizer.tier=nvme", "--model nano --warmup 1 --steps 1 offload.param.tier=nvme "
+          "offload.optimizer.tier=nvme", 1800, slow=True),
+    # issue 44: 300 steps plain stage 3 and with qwZ, qgZ, all three: last-50 means within 1%; the loss plot
+    Bench("zeropp_losses", "zeropp_losses.py", "--steps 300 train.micro_batch_size=1 train.precision=fp32",
+          "--steps 3 --model nano train.precision=fp32", 7200, slow=True),
     # the 7b on one GPU under 24 GiB against no offload and FSDP2 (issue 43); quick: its logic on a CPU
     Bench("gpu_workstation", "gpu_workstation.py", "", "--preset nano --batch 2 --seq 64", 480, needs="cuda",
           slow=True),

@@ -174,23 +174,34 @@ def checks_table(runs: list[Run], anchors: Anchors) -> list[str]:
                             rec["target"], verdict(rec), rec["detail"]] for name, cpu, rec in rows])
 
 
-def formats_section(runs: list[Run]) -> list[str]:
-    """The loss curves of formats_accuracy.py's last run that recorded them; an older run recorded only its
-    last-50-step means, and its plot (drawn by the benchmark itself then) is kept as it is."""
-    ran = sorted((r for r in runs if r.bench.name == "formats_accuracy" and r.status == "ok"), key=lambda r: r.when)
+CURVES = {"formats_accuracy": ("formats_loss.png", "small preset, bf16: the optimizer state's formats",
+                               "The `small` preset in bf16 with each optimizer state format"),
+          "zeropp_losses": ("zeropp_loss.png", "small preset, stage 3, 2 nodes x 2 ranks, fp32: ZeRO++'s parts",
+                            "The `small` preset at stage 3 on two nodes (network namespaces) with each ZeRO++ part")}
+"""The benchmarks whose loss curves RESULTS.md plots: their plot's file, title and caption."""
+
+
+def curves_section(runs: list[Run], name: str) -> list[str]:
+    """The loss curves of benchmark ``name``'s last run that recorded them; a run that recorded only its
+    last-50-step means keeps the plot it drew itself then."""
+    png, title, caption = CURVES[name]
+    ran = sorted((r for r in runs if r.bench.name == name and (r.status == "ok" or _has_curves(r))),
+                 key=lambda r: r.when)  # a run that missed its bound still drew every curve
     if not ran:
-        return ["formats_accuracy.py has not run: no plot."]
-    with_curves = [r for r in ran if any(rec["kind"] == "curve" for rec in r.records)]
+        return [f"{name} has not run: no plot."]
+    with_curves = [r for r in ran if _has_curves(r)]
     if with_curves:
         run = with_curves[-1]
-        plot_curves({rec["title"]: rec["values"] for rec in run.records if rec["kind"] == "curve"},
-                    HERE / "formats_loss.png")
-        source = f"formats_accuracy.py on {run.cpu}, {run.when}: its recorded losses"
+        plot_curves({rec["title"]: rec["values"] for rec in run.records if rec["kind"] == "curve"}, HERE / png, title)
+        source = f"{run.bench.command} on {run.cpu}, {run.when}: its recorded losses"
     else:
-        source = (f"formats_accuracy.py on {ran[-1].cpu}, {ran[-1].when}, as it drew it then: that run recorded no "
+        source = (f"{ran[-1].bench.command} on {ran[-1].cpu}, {ran[-1].when}, as it drew it then: that run recorded no "
                   "curves, so the plot is redrawn from the records after its next run")
-    return [f"The `small` preset in bf16 with each optimizer state format ({source}; the last-50-step means are in "
-            "the checks above).", "", "![loss with each optimizer state format](formats_loss.png)"]
+    return [f"{caption} ({source}; the last-50-step means are in the checks above).", "", f"![{title}]({png})"]
+
+
+def _has_curves(run: Run) -> bool:
+    return any(rec["kind"] == "curve" for rec in run.records)
 
 
 def split_section(runs: list[Run], anchors: Anchors) -> list[str]:
@@ -248,7 +259,8 @@ def write_results(runs: list[Run], quick: bool = False) -> Path:
              "## Single-figure checks", "", *checks_table(runs, anchors), "",
              "## Peak RSS against depth", "", *rss_section(runs, anchors), "",
              "## Step-time split", "", *split_section(runs, anchors), "",
-             "## Optimizer state formats: loss curves", "", *formats_section(runs), "",
+             "## Optimizer state formats: loss curves", "", *curves_section(runs, "formats_accuracy"), "",
+             "## ZeRO++: loss curves", "", *curves_section(runs, "zeropp_losses"), "",
              "## Skipped, failed or partial", "", *notes_list(runs), ""]
     path = HERE / "RESULTS.md"
     path.write_text("\n".join(lines))
@@ -269,8 +281,8 @@ def _pyplot():
     return plt
 
 
-def plot_curves(curves: dict[str, list[float]], path: Path) -> None:
-    """Each format's loss against the step, smoothed over the last 10 steps (formats_accuracy.py's curves)."""
+def plot_curves(curves: dict[str, list[float]], path: Path, title: str) -> None:
+    """Each run's loss against the step, smoothed over the last 10 steps (loss_tails.py's curves)."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(8, 4.5))
     for name, values in curves.items():
@@ -278,7 +290,7 @@ def plot_curves(curves: dict[str, list[float]], path: Path) -> None:
         ax.plot(range(1, len(values) + 1), smooth, label=name, linewidth=1.2)
     ax.set_xlabel("step")
     ax.set_ylabel("loss (mean of the last 10 steps)")
-    ax.set_title("small preset, bf16: the optimizer state's formats")
+    ax.set_title(title)
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -9,8 +9,7 @@ during one leaves.
   extra time per save is (run - the round's run without saves) / saves. Judged per round: background /
   blocking <= 0.1, on the median of ``--rounds`` rounds (the order rotating); the runs without saves' own
   spread (max - min) is shown beside it, per save, since it bounds what a difference of two runs can say.
-  Issue 45 asks for 40 steps; results.py runs 20 (10 saves a run), which keeps its 15 runs near 20 minutes
-  on a 2-core machine shared with other work, under the same rule.
+  Issue 45 asks for 40 steps (20 saves a run), which results.py runs: 15 runs near 20 minutes on 2 cores.
 - ``inprocess``: the same comparison in one process, where the machine's drift between runs (other work on a
   shared machine) does not enter: the small GPT trained in blocks of ``--block`` steps, each block without
   saves, saving every 2 in the background or blocking (the last save waited for inside the block), the
