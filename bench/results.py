@@ -145,6 +145,15 @@ BENCHES = [
           "zero.quantized_gradients=true' '' --pairs 1 train.precision=fp32 offload.param.tier=nvme "
           "offload.optimizer.tier=nvme", "--model nano --warmup 1 --steps 1 offload.param.tier=nvme "
           "offload.optimizer.tier=nvme", 1800, slow=True),
+    # issue 44 in bf16 (a CPU with AVX512-BF16: the Xeon, a Zen 4 EPYC): the link's bytes a step, unshaped
+    Bench("two_nodes_bf16_hpz", "two_nodes.py", "--pair 'zero.hpz_partition_size=2' '' --pairs 1 "
+          "train.precision=bf16", "--model nano --warmup 1 --steps 1 train.precision=bf16", 1800, slow=True),
+    Bench("two_nodes_bf16_zeropp", "two_nodes.py", "--pair 'zero.hpz_partition_size=2 zero.quantized_weights=true "
+          "zero.quantized_gradients=true' '' --pairs 1 train.precision=bf16",
+          "--model nano --warmup 1 --steps 1 train.precision=bf16", 1800, slow=True),
+    Bench("two_nodes_bf16_zeropp_time", "two_nodes.py", "--pair 'zero.hpz_partition_size=2 zero.quantized_weights=true "
+          "zero.quantized_gradients=true' '' --pairs 5 --rate 200mbit --target 0.5 train.micro_batch_size=1 "
+          "train.precision=bf16", "--model nano --warmup 1 --steps 1 --pairs 1 train.precision=bf16", 3600, slow=True),
     # issue 44: 300 steps plain stage 3 and with qwZ, qgZ, all three: last-50 means within 1%; the loss plot
     Bench("zeropp_losses", "zeropp_losses.py", "--steps 300 train.micro_batch_size=1 train.precision=fp32",
           "--steps 3 --model nano train.precision=fp32", 7200, slow=True),
