@@ -113,6 +113,8 @@ BENCHES = [
     Bench("showcase_7b", "showcase_7b.py", "--steps 3", "--steps 1 --cases cap", 7200, slow=True),
     Bench("learns_7b", "showcase_7b.py", "--steps 6 --cases defaults", "--steps 1 --cases defaults", 7200,
           slow=True),
+    # the 7b's first step in plain PyTorch (AdamW, the defaults' first lr and the old one): the engine's reference
+    Bench("first_update_7b", "first_update.py", "--model 7b", "--model nano", 3600, slow=True),
     # issue 45: a save in the background against a blocking one (loop time), kills during such saves
     Bench("save_stall", "save_stall.py", "--only stall --rounds 5 --steps 40", "--only stall --rounds 1 --steps 4",
           3600, slow=True),
