@@ -38,8 +38,9 @@ fell to 4.6; yet the nano preset, started at a hundredth of its peak, spiked fro
 end of its warmup, and not from a tenth. Past 1B the first update must be smaller still: the 7b's
 first step at 1.21e-6 (a hundredth of its peak) took the loss of the batch it stepped on from 5.59 to
 13.6 and of the next from 6.04 to 15.3 (the engine's run: 5.59, 15.38), and the same first AdamW step
-computed in plain PyTorch on the same weights and batch does the same (``bench/first_update.py`` reruns
-it): a sign update of that size is no engine defect. So the warmup's
+computed in plain PyTorch on the same weights and batch does the same (``bench/first_update.py``,
+recorded as ``first_update_7b``: 13.66 and 15.38; at the 7b's first rate now, 1.52e-7, 4.70 and 5.458, the
+engine's second loss 5.458): a sign update of that size is no engine defect. So the warmup's
 start falls a decade per 30x in parameters: a tenth of the peak up to 10M parameters, a hundredth at
 300M, a thousandth from 9B on, log-linearly between (``min_lr``, also where the cosine ends; the 7b
 starts at 1.52e-7), and lasts longer the larger the model: ``warmup_steps`` (20, or one per 3M
