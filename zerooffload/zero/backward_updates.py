@@ -43,7 +43,8 @@ once: the non-finite check (a skip or a refusal, as above, after the updates in 
 unit marked UPDATED (its norm's tensor filled by the update, read only after the join), and the gradient
 handed over: at world size 1 the unit's own full gradient, lent (``Handoff.HELD``), at larger world sizes a
 copy of the reducer's part (its buffers are reused at once), rounded to the compute dtype where it is the
-window's whole gradient, exactly as the update would round it. The window joins the worker when the
+window's whole gradient, exactly as the update would round it; a part cast as it left the device
+(``Window._leaving``) is that rounding already, a tensor of its own, handed over as it is. The window joins the worker when the
 backward's reductions end; the update reads and writes only its own unit's block, gradient and weights,
 and the worker issues no collective (its all-gathers start at ``Publication.finish``), so the result is
 bitwise the synchronous one. A split master's update reads its weights from home there, never the gathered
@@ -134,10 +135,11 @@ class BackwardUpdates:
             self._held = list(self._opt_states)
 
     def take(self, unit: FlatUnit, shard: torch.Tensor, flags: torch.Tensor, loss_scale: float,
-             lent: bool = False) -> Handoff:
+             lent: bool = False, owned: bool = False) -> Handoff:
         """Update ``unit`` from its last reduced ``shard`` if it updates in backward now, given ``flags``: each
         slot's "had a gradient" count over ranks, then the non-finite count. ``lent``: the shard is the unit's
-        own full gradient, which the update may hold past this call (see [Note: updates off the autograd
+        own full gradient, which the update may hold past this call; ``owned``: the shard is a tensor of its
+        own, in the dtype the update reads, which no one else uses (see [Note: updates off the autograd
         thread])."""
         if self._states is None or not unit.placement.updates_in_backward:
             return Handoff.NOT_TAKEN
@@ -148,19 +150,21 @@ class BackwardUpdates:
         sumsq = torch.zeros((), dtype=torch.float64)
         # a tentative update's norm is the kept gradient's, read as the step reads it: the clip decides alike
         unit.mark_updated_in_backward(sumsq)
-        grad, release, handoff = self._hand_over(unit, shard, lent)
+        grad, release, handoff = self._hand_over(unit, shard, lent, owned)
         self.worker.submit(unit.name, partial(self._update, unit, position, grad, flags[:-1], 1.0 / loss_scale,
                                               sumsq), release)
         return handoff
 
-    def _hand_over(self, unit: FlatUnit, shard: torch.Tensor, lent: bool
+    def _hand_over(self, unit: FlatUnit, shard: torch.Tensor, lent: bool, owned: bool
                    ) -> tuple[torch.Tensor, Callable[[], None], Handoff]:
         """The gradient the update reads, what lets it go once the update ends, and the hand-off: the shard
-        itself in the autograd thread; for the worker, a lent shard, else a copy (see the note)."""
+        itself in the autograd thread; for the worker, a lent shard, an owned one, else a copy (see the note)."""
         if self.worker.depth == 0:
             return shard, _nothing, Handoff.TAKEN
         if lent:
             return shard, partial(unit.release_flat_grad, self.state.compute), Handoff.HELD
+        if owned:
+            return shard, _nothing, Handoff.TAKEN
         whole = not self.tentative and (unit.offloaded_grad is None or not unit.offloaded_grad.written)
         return shard.to(unit.compute_dtype if whole else shard.dtype, copy=True), _nothing, Handoff.TAKEN
 

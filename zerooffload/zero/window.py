@@ -161,11 +161,10 @@ class Window:
         whether a ``lent`` shard is kept by its update (which then releases it)."""
         if self.reason is not None:
             return False  # the window will not update: its gradients are not kept
-        if unit.grad_leaves:  # for the tier or for the update
-            shard = self._leaving(unit, shard)
-        handoff = self.updates.take(unit, shard, flags, self.scaler.scale, lent)
+        left = self._leaving(unit, shard) if unit.grad_leaves else shard  # for the tier or for the update
+        handoff = self.updates.take(unit, left, flags, self.scaler.scale, lent, owned=left is not shard)
         if handoff is Handoff.NOT_TAKEN:
-            unit.add_grad_shard(shard, self.state.compute)
+            unit.add_grad_shard(left, self.state.compute)
             if self.updates.closes_window:
                 unit.grad_sumsq()  # its part of the step's norm, read while the gradient is fresh
         if self.updates.skipped is not None:
@@ -177,7 +176,8 @@ class Window:
         part (or whole gradient) in the compute dtype, cast where it is (a sum over ranks is fp32: reduction's
         note), since where it goes it is rounded to that dtype anyway (the same rounding, bitwise); a later
         part of an accumulating window crosses as it is, so that adding it to the earlier parts rounds once,
-        as on the device; its trainable span's bytes counted, which is what crosses."""
+        as on the device; its trainable span's bytes counted, which is what crosses. A cast is a tensor of
+        its own (``take``'s ``owned``): the update worker need not copy it."""
         kept = unit.offloaded_grad
         if shard.dtype != unit.compute_dtype and (kept is None or not kept.written):
             shard = shard.to(unit.compute_dtype)
