@@ -60,7 +60,7 @@ def _save_killed(directory: str, tag: str, kind: str, number: int, when: str, re
 
         targets = {"rename": [(os, "replace"), (os, "rename")], "fsync": [(os, "fsync")], "mkdir": [(os, "mkdir")],
                    "remove": [(os, "unlink"), (os, "rmdir")],
-                   "latest": [(checkpoint_files, "_write_text_atomically")],
+                   "latest": [(checkpoint_files, "write_text_atomically")],
                    "rank file": [(checkpoint_files.ChecksummedWriter, "write")]}[kind]
         for owner, name in targets:
             setattr(owner, name, killing(getattr(owner, name)))

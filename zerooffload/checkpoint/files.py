@@ -56,7 +56,7 @@ from ..trace import profiled
 
 __all__ = ["CheckpointError", "ChecksummedWriter", "StagingRing", "MANIFEST", "LATEST", "begin_partial", "publish",
            "recover", "resolve_tag", "load_manifest_json", "write_manifest", "verify_file", "file_record", "fsync_dir",
-           "out_of_space", "read_latest", "refuse_links", "remove_tree"]
+           "out_of_space", "read_latest", "refuse_links", "remove_tree", "write_text_atomically"]
 
 logger = logging.getLogger(__name__)
 
@@ -89,7 +89,9 @@ def _write_durably(path: Path, data: bytes) -> None:
         os.fsync(f.fileno())
 
 
-def _write_text_atomically(path: Path, text: str) -> None:
+def write_text_atomically(path: Path, text: str) -> None:
+    """``text`` as ``path``, replaced whole (a temporary, fsynced, renamed; the directory fsynced); a link
+    at ``path`` is refused."""
     refuse_link(path)
     temporary = path.with_name(path.name + ".tmp")
     _write_durably(temporary, (text + "\n").encode())
@@ -431,7 +433,7 @@ def publish(partial: Path, tag: str) -> Path:
         fsync_dir(directory)
     os.replace(partial, final)
     fsync_dir(directory)
-    _write_text_atomically(directory / LATEST, tag)
+    write_text_atomically(directory / LATEST, tag)
     if set_aside:  # only what was set aside here, never a name someone else put there meanwhile
         shutil.rmtree(replaced)
     return final

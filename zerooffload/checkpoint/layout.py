@@ -10,7 +10,7 @@ import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -115,14 +115,16 @@ def read_manifest(directory: str | os.PathLike, tag: str | None = None, verify: 
     return Manifest(path, data)
 
 
-def first_verified(places: list[tuple[Path, str | None]]) -> tuple[int | None, list[CheckpointError]]:
+def first_verified(places: list[tuple[Path, str | None]], verify: Callable[[Path, str | None], Any] | None = None
+                   ) -> tuple[int | None, list[CheckpointError]]:
     """Which of ``places`` (a checkpoint directory and tag, None for ``latest``; newest first) is the first
-    whose manifest and files verify, None when none does, and why each one before it did not: a resume
-    takes the newest checkpoint that verifies and says in one line what it passed over."""
+    whose manifest and files verify (``verify``, by default ``read_manifest``: a CheckpointError says
+    why not), None when none does, and why each one before it did not: a resume takes the newest
+    checkpoint that verifies and says in one line what it passed over."""
     errors = []
     for index, (directory, tag) in enumerate(places):
         try:
-            read_manifest(directory, tag)
+            (verify or read_manifest)(directory, tag)
         except CheckpointError as error:
             errors.append(error)
             continue

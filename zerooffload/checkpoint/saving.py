@@ -114,13 +114,8 @@ def begin_save(engine: Trainable, directory: str | os.PathLike, tag: str | None 
     partial = begin_partial(directory, tag) if rank == 0 else directory / f"{tag}.partial"
     barrier(engine.comm)
     writers = _write_rank_files(engine, partial, ring)
-    everyone = all_gather_object(engine.comm, _optimizer_steps(engine))
-    manifest = None
-    if rank == 0:
-        steps: dict[str, float] = {}
-        for per_rank in everyone:  # a parameter may have pieces on several ranks, or on one only
-            steps.update(per_rank)
-        manifest = _manifest(engine, tag, steps, client_state)
+    steps = optimizer_steps(engine)
+    manifest = _manifest(engine, tag, steps, client_state) if rank == 0 else None
     return BegunSave(partial, tag, writers, manifest)
 
 
@@ -275,13 +270,17 @@ def _segments(engine: Trainable, state: "UnitOptimizerState") -> list[int]:
     return shard_segments(_unit_record(state.unit), len(state.moment_names), engine.config.optimizer.moments)
 
 
-def _optimizer_steps(engine: Trainable) -> dict[str, float]:
-    """The optimizer step count of each parameter this rank holds a piece of, by its first name."""
-    steps = {}
+def optimizer_steps(engine: Trainable) -> dict[str, float]:
+    """The optimizer step count of each trainable parameter, by its first name, from every rank (a
+    parameter may have pieces on several ranks, or on one only). Collective."""
+    mine = {}
     for state in engine.opt_states:
         for piece, tensor in state.pieces:
             step = engine.optimizer.state[tensor].get("step")
-            steps[state.unit.layout.slots[piece.slot_index].names[0]] = 0.0 if step is None else float(step)
+            mine[state.unit.layout.slots[piece.slot_index].names[0]] = 0.0 if step is None else float(step)
+    steps: dict[str, float] = {}
+    for per_rank in all_gather_object(engine.comm, mine):
+        steps.update(per_rank)
     return steps
 
 

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from ..checkpoint import CheckpointError, pruning, read_manifest, series
+from ..checkpoint import CheckpointError, first_verified, pruning, read_manifest, series
 from ..checkpoint.by_name import PARAM, NamedSource, Request
 from .trainer_files import MODEL_FILE, OPTIMIZER_FILE, read_digests
 
@@ -82,22 +82,23 @@ def newest_loadable(run_dir: Path, rank: int) -> str:
     if not folders:
         raise CheckpointError(f"no checkpoint-N folder in {run_dir} to resume from: train without "
                               "resume_from_checkpoint, or pass the output_dir of the run to continue")
-    errors = []
-    for folder in folders:
-        try:
-            if is_trainer_layout(folder):
-                read_digests(folder, verify=True)
-            else:
-                read_manifest(folder / ENGINE_DIR)
-        except CheckpointError as error:
-            errors.append(str(error))
-            continue
-        if errors and rank == 0:
-            print(f"zerooffload: warning: not resuming from {folders[0].name} ({errors[0]}); resuming from "
-                  f"{folder.name}, the newest checkpoint that verifies", file=sys.stderr)
-        return str(folder)
-    raise CheckpointError(f"no checkpoint in {run_dir} verifies: {folders[0].name}: {errors[0]}; "
-                          "train without resume_from_checkpoint, or restore the files")
+    found, errors = first_verified([(folder, None) for folder in folders], verify=_verify_folder)
+    if found is None:
+        raise CheckpointError(f"no checkpoint in {run_dir} verifies: {folders[0].name}: {errors[0]}; "
+                              "train without resume_from_checkpoint, or restore the files")
+    if errors and rank == 0:
+        print(f"zerooffload: warning: not resuming from {folders[0].name} ({errors[0]}); resuming from "
+              f"{folders[found].name}, the newest checkpoint that verifies", file=sys.stderr)
+    return str(folders[found])
+
+
+def _verify_folder(folder: Path, _tag: None) -> None:
+    """A checkpoint-N's files checked against its record: ours in the Trainer's layout (zerooffload.json; a
+    plain Trainer's has none, taken as it is), or the engine's manifest."""
+    if is_trainer_layout(folder):
+        read_digests(folder, verify=True)
+    else:
+        read_manifest(folder / ENGINE_DIR)
 
 
 def prune_checkpoints(run_dir: Path, limit: int | None, spare: set[str | None]) -> None:

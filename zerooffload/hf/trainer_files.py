@@ -37,8 +37,9 @@ import torch
 from torch.serialization import _get_storage_alignment, get_crc32_options
 
 from ..checkpoint import CheckpointError, SafetensorsEntry, write_safetensors
-from ..checkpoint.files import file_record, verify_file
-from ..comm import all_gather, all_gather_object, barrier, failing_together
+from ..checkpoint.files import file_record, verify_file, write_text_atomically
+from ..checkpoint.saving import optimizer_steps
+from ..comm import all_gather, barrier, failing_together
 from ..io.files import open_nofollow
 from ..training_state import Trainable
 
@@ -87,7 +88,7 @@ def save_trainer_files(engine: Trainable, folder: Path, groups: list[list[str]],
         optimizer.close()
     if writes:
         files = {name: file_record(folder / name) for name in (MODEL_FILE, OPTIMIZER_FILE)}
-        _write_json(folder / DIGESTS_FILE, {**record, "files": files})
+        write_text_atomically(folder / DIGESTS_FILE, json.dumps({**record, "files": files}, indent=1))
     barrier(engine.comm)
 
 
@@ -129,26 +130,10 @@ def read_digests(folder: Path, verify: bool) -> dict | None:
     return record
 
 
-def _write_json(path: Path, record: dict) -> None:
-    temporary = path.with_name(path.name + ".partial")
-    with open(open_nofollow(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666), "w") as f:
-        json.dump(record, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(temporary, path)
-
-
 def _updated(engine: Trainable, index: dict[str, int]) -> dict[int, tuple[tuple[int, ...], float]]:
     """optimizer.pt's index -> (shape, AdamW step) of each parameter updated at least once (torch's
-    AdamW keeps no state for the others); steps from every rank, whose pieces are spread."""
-    mine = {}
-    for state in engine.opt_states:
-        for piece, tensor in state.pieces:
-            step = engine.optimizer.state[tensor].get("step")
-            mine[state.unit.layout.slots[piece.slot_index].names[0]] = 0.0 if step is None else float(step)
-    steps: dict[str, float] = {}
-    for per_rank in all_gather_object(engine.comm, mine):
-        steps.update(per_rank)
+    AdamW keeps no state for the others). Collective."""
+    steps = optimizer_steps(engine)
     return {_index(slot.names, index): (tuple(slot.shape), steps[slot.names[0]])
             for unit in engine.units for slot in unit.layout.slots
             if slot.trainable and steps.get(slot.names[0], 0.0) > 0}
