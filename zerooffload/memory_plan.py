@@ -36,7 +36,7 @@ from .optim.optimizer import moment_names
 from .optim.state import state_bytes
 from .tiers import (BudgetError, Kind, MemoryPlan, Tier, check_plan, check_ram, make_tiers, stored_bytes, swap_bytes,
                     swap_free_bytes)
-from .zero.placement import STAGING, Placement, activations_leave_device, place, shard_count
+from .zero.placement import STAGING, Placement, UnitPlacement, activations_leave_device, place, shard_count
 from .zero.reduction import MAX_BUCKETS_IN_FLIGHT, REDUCE_DTYPE
 from .zero.unit_layout import UnitLayout, find_units
 
@@ -126,7 +126,7 @@ def _state_plan(layouts: list[UnitLayout], placement: Placement, config: Config,
                        world_size=world_size,
                        max_live_bytes=config.zero.max_live_size, prefetch_bytes=config.zero.prefetch_size,
                        stream_buffers=stream_depth(config.aio), grad_reads=grad_read_depth(config.aio),
-                       swap_stripes=len(config.nvme.paths))
+                       swap_stripes=len(config.nvme.paths), updates_in_flight=config.optimizer.updates_in_flight)
 
 
 def _placed(plan: MemoryPlan, activations: ActivationProfile | None, config: Config, device: torch.device
@@ -240,7 +240,7 @@ def memory_bytes(layouts: list[UnitLayout], placement: Placement, *, compute_byt
                  moment_dtype: str = "fp32",
                 bucket_bytes: int, world_size: int, max_live_bytes: int, prefetch_bytes: int,
                 stream_buffers: int = STREAM_BUFFERS, grad_reads: int = GRAD_READS,
-                swap_stripes: int = 1) -> MemoryPlan:
+                swap_stripes: int = 1, updates_in_flight: int = 0) -> MemoryPlan:
     """Bytes by tier and kind of ``placement`` ([Note: placement]): full parameters on the device but for
     partitioned units (a shard each on its home, plus at most ``max_live_bytes`` gathered on the device, and
     under hpZ a 1/``secondary_parts`` share of each as its secondary shard there, held through a pass);
@@ -249,8 +249,8 @@ def memory_bytes(layouts: list[UnitLayout], placement: Placement, *, compute_byt
     its grad home when kept for the step);
     an offloaded partitioned unit's shard in its block's master segment takes no space of its own;
     temporaries (``temporaries``) with ``stream_buffers`` host buffers per block stream or writer and
-    ``grad_reads`` for gradients read back (``block_stream``), each phase's on the device, all of them on
-    the host; on NVMe each block as the swap files over ``swap_stripes`` directories hold it
+    ``grad_reads`` for gradients read back (``block_stream``) and ``updates_in_flight`` gradients held by
+    the update worker, each phase's on the device, all of them on the host; on NVMe each block as the swap files over ``swap_stripes`` directories hold it
     (``tiers.stored_bytes``)."""
     units = list(zip(layouts, placement.units))
     device, staging = placement.compute, placement.staging
@@ -276,7 +276,8 @@ def memory_bytes(layouts: list[UnitLayout], placement: Placement, *, compute_byt
                                        if p.secondary_parts > 1) * compute_bytes
     buffers = temporaries(layouts, placement, compute_bytes=compute_bytes, moments=moments, moment_dtype=moment_dtype,
                           bucket_bytes=bucket_bytes, world_size=world_size, max_live_bytes=max_live_bytes,
-                          prefetch_bytes=prefetch_bytes, stream_buffers=stream_buffers, grad_reads=grad_reads)
+                          prefetch_bytes=prefetch_bytes, stream_buffers=stream_buffers, grad_reads=grad_reads,
+                          updates_in_flight=updates_in_flight)
     plan[device][Kind.BUFFER] = buffers.device
     plan[staging][Kind.BUFFER] += buffers.host
     return _drop_empty(plan, device)
@@ -285,7 +286,8 @@ def memory_bytes(layouts: list[UnitLayout], placement: Placement, *, compute_byt
 def temporaries(layouts: list[UnitLayout], placement: Placement, *, compute_bytes: int, moments: int,
                 moment_dtype: str = "fp32",
                 bucket_bytes: int, world_size: int, max_live_bytes: int, prefetch_bytes: int,
-                stream_buffers: int = STREAM_BUFFERS, grad_reads: int = GRAD_READS) -> Temporaries:
+                stream_buffers: int = STREAM_BUFFERS, grad_reads: int = GRAD_READS,
+                updates_in_flight: int = 0) -> Temporaries:
     """The bounds on each purpose's temporaries (``Temporaries``) for ``memory_bytes``'s arguments."""
     units = list(zip(layouts, placement.units))
     full = sum(u.padded_numel for u in layouts) * compute_bytes
@@ -322,6 +324,7 @@ def temporaries(layouts: list[UnitLayout], placement: Placement, *, compute_byte
         reduce_phase += min(full, _waiting_grads(layouts, compute_bytes, bucket_bytes, world_size))
         # all-gather inputs of the units updated in backward, until it ends
         reduce_phase += sum(u.shard_numel for u, p in gathered_after_step if p.updates_in_backward) * compute_bytes
+    reduce_phase += _held_by_updates(units, compute_bytes, world_size, updates_in_flight)
     # stage 1's reduced shards land in the full buffers themselves (partition's add_grad_shard)
     step_fp32 = 0 if compute_bytes == 4 else (shard - moved) * 4  # scaled fp32 gradients of one unit at most
     gather = sum(u.shard_numel for u, _ in gathered_after_step) * compute_bytes  # all-gather inputs, all at once
@@ -333,6 +336,19 @@ def temporaries(layouts: list[UnitLayout], placement: Placement, *, compute_byte
     return Temporaries(staged_shards=staged_shards, grad_stream=grad_stream, reduce=reduce_phase,
                        step=step_fp32 + gather, update_grad=largest_moved * 4,
                        block_stream=stream_buffers * largest_block if streams else 0)
+
+
+def _held_by_updates(units: list[tuple[UnitLayout, UnitPlacement]], compute_bytes: int, world_size: int,
+                     updates_in_flight: int) -> int:
+    """Gradients the update worker holds while backward goes on (backward_updates' [Note: updates off the
+    autograd thread]): up to ``updates_in_flight`` units' own full gradients at world size 1, lent; above it
+    a copy of each one's reduced shard, at most in the reduction dtype."""
+    in_backward = [u for u, p in units if p.updates_in_backward]
+    if not in_backward or updates_in_flight == 0:
+        return 0
+    if world_size == 1:
+        return updates_in_flight * max(u.padded_numel for u in in_backward) * compute_bytes
+    return updates_in_flight * max(u.shard_numel for u in in_backward) * max(compute_bytes, REDUCE_DTYPE.itemsize)
 
 
 def _waiting_grads(layouts: list[UnitLayout], compute_bytes: int, bucket_bytes: int, world_size: int) -> int:
