@@ -146,7 +146,8 @@ def _ram_peak(plan: MemoryPlan, config: Config, layouts: list[UnitLayout], place
                           bucket_bytes=config.zero.bucket_size,
                           world_size=world_size, max_live_bytes=config.zero.max_live_size,
                           prefetch_bytes=config.zero.prefetch_size, stream_buffers=stream_depth(config.aio),
-                          grad_reads=grad_read_depth(config.aio))
+                          grad_reads=grad_read_depth(config.aio),
+                          updates_in_flight=config.optimizer.updates_in_flight)
     saved = activations.bytes(config.train.activation_checkpointing) - activations.bound_excess if activations else 0
     first_update = 0
     if placement.updates_in_backward:  # its block read ahead, and its fp32 gradient
@@ -199,7 +200,8 @@ def _phases(config: Config, layouts: list[UnitLayout], placement: Placement, pro
 
 def _add_update(phase: _Phase, layout: UnitLayout, p: UnitPlacement, block: int, cb: int, probe: Probe) -> None:
     """One unit's update in ``phase`` (``p`` its placement): its elements, its optimizer ``block``
-    streamed in and out, its new weights written where they are read from and sent where they live."""
+    streamed in and out, a full gradient kept on the device read across the link, its new weights written
+    where they are read from and sent where they live."""
     phase.optimizer_elements += layout.trainable_in_shard(0)
     if p.updated_on_device and probe.device != "cpu":
         phase.device_updates += layout.trainable_in_shard(0)
@@ -208,6 +210,8 @@ def _add_update(phase: _Phase, layout: UnitLayout, p: UnitPlacement, block: int,
         phase.write += block
     if p.params_stream and not p.params_in_masters:
         phase.write += layout.shard_numel * cb  # the new weights' shard, written where they are read from
+    if p.keep_full_grad and not p.updated_on_device:  # stages 0–1: the update reads the device's gradient
+        phase.link += layout.trainable_in_shard(0) * cb
     if p.weights_cross_link:
         phase.link += layout.shard_numel * cb  # the new weights, from where the update ran to where they live
 
