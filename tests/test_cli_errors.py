@@ -136,7 +136,7 @@ def test_consolidate_a_corrupt_checkpoint_shows_the_traceback_with_debug_only(sa
     out = _corrupt_copy(saved, tmp_path, "rank00000.bin")
     args = ["checkpoint", "consolidate", str(out / "checkpoints"), str(tmp_path / "model.safetensors")]
     line = _one_line(_cli(*args), 1)
-    assert re.fullmatch(rf"zerooffload: checkpoint error: {out}/checkpoints/step00000002/rank00000\.bin: CRC-32 "
+    assert re.fullmatch(rf"zerooffload: checkpoint error: {out}/checkpoints/step00000002/rank00000\.bin: CRC32C "
                         r"0x[0-9a-f]+ but the manifest says 0x[0-9a-f]+: the file is corrupt; consolidate another "
                         r"tag with --tag NAME", line)
     for debug in (_cli("--debug", *args), _cli(*args, env={**_ENV, "ZEROOFFLOAD_DEBUG": "1"})):
@@ -160,7 +160,7 @@ def test_a_failed_rank_and_its_peer_each_print_one_line_under_torchrun(saved, tm
     kinds = {rank: "group" if text.startswith("stopped because rank ") else "own" for rank, text in lines}
     assert 1 <= len(lines) == len(kinds) and "own" in kinds.values(), run.stderr[-4000:]
     for _, text in lines:
-        assert re.fullmatch(r"(checkpoint error: |stopped because rank \d: CheckpointError: ).*rank00000\.bin: CRC-32 "
+        assert re.fullmatch(r"(checkpoint error: |stopped because rank \d: CheckpointError: ).*rank00000\.bin: CRC32C "
                             r".*the file is corrupt; (resume from another tag with --tag NAME, or start again "
                             r"without --resume|fix that rank's error \(its own line\) and run again)", text), text
     assert not re.search(r'File ".*/zerooffload/', run.stderr)  # torchrun's own traceback aside

@@ -1,12 +1,14 @@
-"""The two native extensions as setup.py builds them: ``zerooffload._aio`` (async I/O) and
-``zerooffload._cpu_adam`` (the fused Adam pass), each optional and each on its own.
+"""The three native extensions as setup.py builds them: ``zerooffload._aio`` (async I/O),
+``zerooffload._cpu_adam`` (the fused Adam pass) and ``zerooffload._quantize`` (ZeRO++'s wire code), each
+optional and each on its own.
 
-The slow tests rebuild both from ``native/`` with setup.py itself (a copy of it and of ``native/`` in a
+The slow tests rebuild them from ``native/`` with setup.py itself (a copy of it and of ``native/`` in a
 temporary directory, a real compiler run) under CFLAGS that a portable build uses: plain x86-64 with
 AVX switched off (the vector levels must still be there, by target attribute and run-time dispatch),
 and ``-DZO_ADAM_SCALAR_ONLY``, which compiles cpu_adam.c as on a machine that is not x86 (no
-<immintrin.h>, scalar only). A fresh interpreter then loads the two built files in place of the
-installed ones and checks that io_uring moves bytes and that the Adam pass matches torch.
+<immintrin.h>, scalar only). A fresh interpreter then loads the built files in place of the
+installed ones and checks that io_uring moves bytes, that the Adam pass matches torch and that the wire
+code decodes within its bound.
 
 Where an aarch64 cross compiler is installed, every source is also compiled for aarch64 (the build that
 failed on <immintrin.h> before the split); and the sdist must carry every source and header of native/.
@@ -57,7 +59,7 @@ def _build(tmp_path: Path, cflags: str) -> tuple[dict[str, Path], str]:
     log = done.stdout + done.stderr
     assert done.returncode == 0, log
     built = {p.name.split(".")[0]: p for p in (lib / "zerooffload").glob("*.so")}
-    assert set(built) == {"_aio", "_cpu_adam"}, log
+    assert set(built) == {"_aio", "_cpu_adam", "_quantize"}, log
     return built, log
 
 
@@ -70,12 +72,13 @@ for name, path in json.loads(sys.argv[1]).items():  # the built files stand in f
     sys.modules[spec.name] = module
 
 import torch
-from zerooffload import _aio, _cpu_adam
+from zerooffload import _aio, _cpu_adam, _quantize
+from zerooffload.comm.quantize import BLOCK, decode, encode, native_level, wire_bytes
 from zerooffload.config import AioConfig
 from zerooffload.io import AsyncIO, aligned_empty, open_file
 from zerooffload.optim import fused_adam_step, simd_level
 
-report = {"files": [_aio.__file__, _cpu_adam.__file__], "uring": _aio.uring_supported(), "level": simd_level()}
+report = {"files": [_aio.__file__, _cpu_adam.__file__, _quantize.__file__], "uring": _aio.uring_supported(), "level": simd_level()}
 if report["uring"]:
     data = torch.randint(0, 256, (3 * 4096 + 5,), dtype=torch.uint8)
     back = aligned_empty(data.numel())
@@ -101,6 +104,12 @@ for name, ours, theirs in (("param", p, ref.detach()), ("exp_avg", m, state["exp
                            ("exp_avg_sq", v, state["exp_avg_sq"])):
     torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6, msg=lambda s: f"{name}: {s}")
 report["adam"] = "matches torch"
+
+x = torch.randn(3 * BLOCK + 7)
+wire = torch.empty(wire_bytes(x.numel()), dtype=torch.uint8)
+back = decode(encode(x, wire), torch.empty_like(x))
+bound = torch.cat([b.abs().max().expand(b.numel()) for b in x.split(BLOCK)]) / 127 / 2
+report["quantize"] = {"level": native_level(), "within_bound": bool(((back - x).abs() <= bound * (1 + 1e-6)).all())}
 print(json.dumps(report))
 """
 
@@ -111,8 +120,8 @@ def _check(built: dict[str, Path], **env: str) -> dict:
                           capture_output=True, text=True, env=run_env, cwd=REPO, timeout=300)
     assert done.returncode == 0, done.stderr
     report = json.loads(done.stdout.splitlines()[-1])
-    assert report["files"] == [str(built["_aio"]), str(built["_cpu_adam"])]  # not the installed ones
-    assert report["adam"] == "matches torch"
+    assert report["files"] == [str(built[name]) for name in ("_aio", "_cpu_adam", "_quantize")]  # not installed
+    assert report["adam"] == "matches torch" and report["quantize"]["within_bound"]
     from zerooffload import _aio
 
     assert report["uring"] is _aio.uring_supported()  # as the installed build sees this kernel
