@@ -9,12 +9,12 @@ the quantization changes.
 Judged: each ZeRO++ run's mean loss over its last 50 steps within 1% of plain stage 3's (loss_tails.py);
 every curve is recorded, so ``results.py --report`` redraws the plot from the records. With ``--seeds N``
 each run is made at ``train.seed`` 0 .. N-1 (another init and data order each) and judged by its curve's
-mean over the seeds: one seed's 300 steps at micro-batch 1 is one trajectory, and two trajectories that a
-small perturbation set apart stay apart by about a percent (each seed's ratios are printed and recorded
-beside the judgement). hpZ alone is not
-run here: it is bitwise plain stage 3 (tests/test_two_nodes.py, tests/test_zeropp.py).
+mean over the seeds: one seed's 300 steps at micro-batch 1 is one trajectory, and the seed alone moves a
+part's ratio by up to 2.5 points (each seed's ratios are printed and recorded beside the judgement).
+hpZ alone is not run here: it is bitwise plain stage 3 (tests/test_two_nodes.py, tests/test_zeropp.py).
 
-    sudo python bench/zeropp_losses.py [--steps 300] [--seeds 1] [--model small] [--rate 200mbit] [--plot FILE] [key=value ...]
+    sudo python bench/zeropp_losses.py [--steps 300] [--seeds 1] [--model small] [--rate 200mbit]
+                                       [--plot FILE] [key=value ...]
 
 It needs root, as two_nodes.py does; without it one line says so and it exits with status 2.
 """

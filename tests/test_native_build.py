@@ -78,7 +78,8 @@ from zerooffload.config import AioConfig
 from zerooffload.io import AsyncIO, aligned_empty, open_file
 from zerooffload.optim import fused_adam_step, simd_level
 
-report = {"files": [_aio.__file__, _cpu_adam.__file__, _quantize.__file__], "uring": _aio.uring_supported(), "level": simd_level()}
+report = {"files": [_aio.__file__, _cpu_adam.__file__, _quantize.__file__], "uring": _aio.uring_supported(),
+          "level": simd_level()}
 if report["uring"]:
     data = torch.randint(0, 256, (3 * 4096 + 5,), dtype=torch.uint8)
     back = aligned_empty(data.numel())

@@ -250,8 +250,8 @@ def memory_bytes(layouts: list[UnitLayout], placement: Placement, *, compute_byt
     an offloaded partitioned unit's shard in its block's master segment takes no space of its own;
     temporaries (``temporaries``) with ``stream_buffers`` host buffers per block stream or writer and
     ``grad_reads`` for gradients read back (``block_stream``) and ``updates_in_flight`` gradients held by
-    the update worker, each phase's on the device, all of them on the host; on NVMe each block as the swap files over ``swap_stripes`` directories hold it
-    (``tiers.stored_bytes``)."""
+    the update worker, each phase's on the device, all of them on the host; on NVMe each block as the swap
+    files over ``swap_stripes`` directories hold it (``tiers.stored_bytes``)."""
     units = list(zip(layouts, placement.units))
     device, staging = placement.compute, placement.staging
     plan: MemoryPlan = {name: {k: 0 for k in Kind} for name in placement.tiers()}
