@@ -44,11 +44,11 @@ unit marked UPDATED (its norm's tensor filled by the update, read only after the
 handed over: at world size 1 the unit's own full gradient, lent (``Handoff.HELD``), at larger world sizes a
 copy of the reducer's part (its buffers are reused at once), rounded to the compute dtype where it is the
 window's whole gradient, exactly as the update would round it; a part cast as it left the device
-(``Window._leaving``) is that rounding already, a tensor of its own, handed over as it is. The window joins the worker when the
-backward's reductions end; the update reads and writes only its own unit's block, gradient and weights,
-and the worker issues no collective (its all-gathers start at ``Publication.finish``), so the result is
-bitwise the synchronous one. A split master's update reads its weights from home there, never the gathered
-copy, which backward may free under it.
+(``Window._leaving``) is that rounding already, a tensor of its own, handed over as it is. The window joins
+the worker when the backward's reductions end; the update reads and writes only its own unit's block,
+gradient and weights, and the worker issues no collective (its all-gathers start at ``Publication.finish``),
+so the result is bitwise the synchronous one. A split master's update reads its weights from home there,
+never the gathered copy, which backward may free under it.
 """
 from __future__ import annotations
 
