@@ -2,7 +2,7 @@
 """Does ZeRO++ train as well as plain stage 3 (issue 44)? The ``small`` preset at stage 3 for ``--steps``
 steps on two nodes x 2 ranks over a real link (two_nodes.py's network namespaces), once plain and once
 with each of qwZ alone, qgZ alone and all three parts (hpZ, qwZ, qgZ), the losses from each run's
-summary.json. Every run uses two_nodes.py's keys (``zero.prefetch_size=4MiB zero.max_live_size=16MiB``, so
+summary.json (each step's the global batch's: the 4 ranks' mean, not rank 0's one sequence). Every run uses two_nodes.py's keys (``zero.prefetch_size=4MiB zero.max_live_size=16MiB``, so
 backward gathers again and hpZ has something to do) and the same data, so the curves differ only by what
 the quantization changes.
 

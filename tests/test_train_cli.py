@@ -372,7 +372,8 @@ def _worker_pid(launcher_pid: int, rank: int) -> int | None:
 
 def test_sigterm_to_one_rank_under_torchrun_stops_both_at_the_same_step(tmp_path, start):
     """Only rank 1 gets SIGTERM; the ranks agree on the step, save together (no deadlock) and stop. Also
-    CI's run of ``train`` under torchrun: two ranks at stage 3 (the summary says so, its losses finite)."""
+    CI's run of ``train`` under torchrun: two ranks at stage 3 (the summary says so), whose reported loss is
+    the global batch's: step 0's equals one process's on the same 8 rows (not rank 0's 4 rows alone)."""
     torchrun = shutil.which("torchrun") or pytest.skip("torchrun not on PATH")
     run = start([torchrun, "--standalone", "--nproc-per-node", "2", *_TRAIN[1:], "--steps", "1000",
                  "--save-every", "1", "zero.stage=3"], tmp_path / "out")
@@ -388,6 +389,9 @@ def test_sigterm_to_one_rank_under_torchrun_stops_both_at_the_same_step(tmp_path
     summary = json.loads((run.out / "summary.json").read_text())
     assert summary["steps"] == done and summary["world_size"] == 2 and summary["stage"] == 3
     assert len(summary["losses"]) == done and all(0 < loss < 6 for loss in summary["losses"])
+    _train_cli(["train.micro_batch_size=8", "--steps", "1", "zero.stage=3"], tmp_path / "one")
+    whole = json.loads((tmp_path / "one" / "summary.json").read_text())["losses"][0]
+    assert abs(summary["losses"][0] - whole) <= 1e-5 * whole, (summary["losses"][0], whole)
 
 
 # ------------------------------------------------------------------------------ resume, tags, progress

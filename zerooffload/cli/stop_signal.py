@@ -4,8 +4,8 @@
 SIGTERM (a scheduler preempting the job; torchrun passes it on to its ranks) and SIGINT (Ctrl-C) stop
 the run at the end of the current optimizer step, not wherever the signal lands: the handler only
 records the signal, so no step, I/O request or collective is cut in half. Once per optimizer step the
-ranks combine what they received with one tiny control all-reduce, so every rank stops after the same
-step: the checkpoint that follows is a collective and would deadlock if one rank went on training.
+ranks combine what they received with one tiny control all-reduce (which also averages the step's loss
+over them), so every rank stops after the same step: the checkpoint that follows is a collective and would deadlock if one rank went on training.
 With ``--save-every`` that checkpoint holds the steps done (the same ``next_step`` client state and
 directory as the periodic saves, so ``--resume`` continues exactly); summary.json is written as at a
 normal end; rank 0 prints one line saying what was kept; the exit status is 128 + the signal number
@@ -58,8 +58,10 @@ class StopOnSignal:
             os.write(2, f"\nzerooffload: {signal.Signals(signum).name} ignored: already stopping at the end of "
                         "this step\n".encode())
 
-    def agreed(self, comm: Comm) -> signal.Signals | None:
-        """The signal that stops every rank after this step, or None; collective when several ranks run.
+    def agreed(self, comm: Comm, loss: float) -> tuple[signal.Signals | None, float]:
+        """The signal that stops every rank after this step, or None, and the step's loss averaged over
+        the ranks (each rank's ``loss`` is its own micro-batches'; the mean is the global batch's, the
+        loss a run reports); collective when several ranks run: one all-reduce carries both.
 
         Each rank reads its flag once, and ranks sum one count per signal, so all of them see the same
         counts and take the same decision (a sum of 0/1 flags is nonzero exactly when their MAX is 1);
@@ -67,8 +69,8 @@ class StopOnSignal:
         """
         mine = self.received
         if comm.world_size == 1:
-            return mine
-        counts = torch.tensor([float(mine == s) for s in self.SIGNALS], dtype=torch.float64)
-        counts = control_all_reduce(comm, counts.to(comm.device)).cpu().tolist()
-        return mine or next((s for s, n in zip(self.SIGNALS, counts) if n > 0), None)
+            return mine, loss
+        values = torch.tensor([loss, *(float(mine == s) for s in self.SIGNALS)], dtype=torch.float64)
+        total, *counts = control_all_reduce(comm, values.to(comm.device)).cpu().tolist()
+        return mine or next((s for s, n in zip(self.SIGNALS, counts) if n > 0), None), total / comm.world_size
 

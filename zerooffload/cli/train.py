@@ -133,7 +133,8 @@ class _Run:
     shape: dict[str, int] = field(default_factory=dict)
     """``_run_shape``: saved with every checkpoint, compared by ``--resume``."""
     losses: list[float] = field(default_factory=list)
-    """Rank 0's loss of every step from step 0 (the resumed ones from the checkpoint: see [Note: resuming])."""
+    """The loss of every step from step 0, the global batch's (the ranks' mean: ``StopOnSignal.agreed``); the
+    resumed ones from the checkpoint (see [Note: resuming])."""
     seconds: float = 0.0
     """Wall time of this process's steps."""
     step_seconds: list[float] = field(default_factory=list)
@@ -198,16 +199,16 @@ def _loop(args, engine, config: Config, corpus: ByteCorpus, checkpoints: Path, s
             engine.backward(loss)
             engine.step()
             window_loss += loss.item() / accum
+        elapsed = time.perf_counter() - step_start
+        run.stopped_by, window_loss = stop.agreed(engine.comm, window_loss)
         run.losses.append(window_loss)
         run.last_step = step + 1
-        elapsed = time.perf_counter() - step_start
         run.step_seconds.append(elapsed)
         run.phases.append(dict(engine.stats.phase_seconds))
         run.redone.append(engine.stats.undone_updates > 0)
         run.tiers.add(engine.stats)
         progress.update(run.last_step, {"loss": f"{window_loss:.3f}", "tok_s": f"{run.tokens_per_step / elapsed:,.0f}",
                                         "step_s": f"{elapsed:.3f}", **engine_postfix(engine.stats)})
-        run.stopped_by = stop.agreed(engine.comm)
         if args.save_every and (run.stopped_by is not None or run.last_step % args.save_every == 0
                                 or run.last_step == args.steps):
             _save(engine, checkpoints, run, args.keep_last, background=config.train.async_save)
