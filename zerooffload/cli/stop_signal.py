@@ -5,7 +5,8 @@ SIGTERM (a scheduler preempting the job; torchrun passes it on to its ranks) and
 the run at the end of the current optimizer step, not wherever the signal lands: the handler only
 records the signal, so no step, I/O request or collective is cut in half. Once per optimizer step the
 ranks combine what they received with one tiny control all-reduce (which also averages the step's loss
-over them), so every rank stops after the same step: the checkpoint that follows is a collective and would deadlock if one rank went on training.
+over them), so every rank stops after the same step: the checkpoint that follows is a collective and
+would deadlock if one rank went on training.
 With ``--save-every`` that checkpoint holds the steps done (the same ``next_step`` client state and
 directory as the periodic saves, so ``--resume`` continues exactly); summary.json is written as at a
 normal end; rank 0 prints one line saying what was kept; the exit status is 128 + the signal number
