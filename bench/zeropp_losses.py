@@ -10,7 +10,7 @@ Judged: each ZeRO++ run's mean loss over its last 50 steps within 1% of plain st
 every curve is recorded, so ``results.py --report`` redraws the plot from the records. With ``--seeds N``
 each run is made at ``train.seed`` 0 .. N-1 (another init and data order each) and judged by its curve's
 mean over the seeds: one seed's 300 steps at micro-batch 1 is one trajectory, and the seed alone moves a
-part's ratio by up to 2.5 points (each seed's ratios are printed and recorded beside the judgement).
+part's ratio by whole points (each seed's ratios are printed and recorded beside the judgement).
 hpZ alone is not run here: it is bitwise plain stage 3 (tests/test_two_nodes.py, tests/test_zeropp.py).
 
     sudo python bench/zeropp_losses.py [--steps 300] [--seeds 1] [--model small] [--rate 200mbit]
