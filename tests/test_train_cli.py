@@ -394,6 +394,19 @@ def test_sigterm_to_one_rank_under_torchrun_stops_both_at_the_same_step(tmp_path
     assert abs(summary["losses"][0] - whole) <= 1e-5 * whole, (summary["losses"][0], whole)
 
 
+def test_a_run_without_saves_does_not_count_a_save_staging_ring(tmp_path):
+    """A save in the background stages the state in host memory the plan counts (``train.save_staging``);
+    a run without ``--save-every`` never saves, so under a host budget that fits its states but not that
+    ring it trains, while the same run saving every step is refused in one line naming the host tier."""
+    tight = ["--model", "nano", "--steps", "1", "memory.host_budget=16MiB", "offload.optimizer.tier=host"]
+    trained = _train_cli(tight, tmp_path / "no-saves")
+    assert json.loads((tmp_path / "no-saves" / "summary.json").read_text())["steps"] == 1, trained.stderr[-2000:]
+    refused = subprocess.run([*_TRAIN, *tight, "--save-every", "1", "--out", str(tmp_path / "saves")],
+                             capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert refused.returncode != 0 and "the host tier needs" in refused.stderr, refused.stderr[-2000:]
+    assert "memory.host_budget is 16777216 bytes" in refused.stderr and "Traceback" not in refused.stderr
+
+
 # ------------------------------------------------------------------------------ resume, tags, progress
 def _train_cli(args: list[str], out: Path) -> subprocess.CompletedProcess:
     return _completed([*_TRAIN, *args], out)

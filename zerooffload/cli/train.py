@@ -59,7 +59,11 @@ def run_training(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    """A run with the user's layout, or the default one in its swap folder (train_config's note)."""
+    """A run with the user's layout, or the default one in its swap folder (train_config's note). A run
+    without ``--save-every`` never saves, so none in the background: its staging ring is neither counted
+    by the plan nor made (``train.async_save`` off; the 7b under 5 GiB budgets fits only without it)."""
+    if not args.save_every:
+        args.overrides = [*args.overrides, "train.async_save=false"]
     checkpoints = Path(args.out) / "checkpoints"
     tag = resume_tag(checkpoints, args.tag) if args.resume else None  # nothing to resume from: refused first
     if not default_layout(args.config, args.plan, args.overrides):

@@ -42,7 +42,8 @@ class TrainConfig(Section):
                                     "(engine.save_checkpoint(..., blocking=False)); false: each save returns once "
                                     "its checkpoint is published")
     save_staging: int = option("1GiB", "host memory a non-blocking save copies the state into while its writes "
-                                       "land (at most this rank's checkpoint data file; the memory plan counts it); "
+                                       "land (at most this rank's checkpoint data file; the memory plan counts it, but "
+                                       "not for a train run without --save-every, which never saves); "
                                        "past it the save waits for its oldest writes before it returns",
                                size=True, min=4096)
 
