@@ -2,9 +2,9 @@
 """Does ZeRO++ train as well as plain stage 3 (issue 44)? The ``small`` preset at stage 3 for ``--steps``
 steps on two nodes x 2 ranks over a real link (two_nodes.py's network namespaces), once plain and once
 with each of qwZ alone, qgZ alone and all three parts (hpZ, qwZ, qgZ), the losses from each run's
-summary.json (each step's the global batch's: the 4 ranks' mean, not rank 0's one sequence). Every run uses two_nodes.py's keys (``zero.prefetch_size=4MiB zero.max_live_size=16MiB``, so
-backward gathers again and hpZ has something to do) and the same data, so the curves differ only by what
-the quantization changes.
+summary.json (each step's the global batch's: the 4 ranks' mean, not rank 0's one sequence). Every run
+uses two_nodes.py's keys (``zero.prefetch_size=4MiB zero.max_live_size=16MiB``, so backward gathers again
+and hpZ has something to do) and the same data, so the curves differ only by what the quantization changes.
 
 Judged: each ZeRO++ run's mean loss over its last 50 steps within 1% of plain stage 3's (loss_tails.py);
 every curve is recorded, so ``results.py --report`` redraws the plot from the records. With ``--seeds N``

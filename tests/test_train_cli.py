@@ -401,8 +401,7 @@ def test_a_run_without_saves_does_not_count_a_save_staging_ring(tmp_path):
     tight = ["--model", "nano", "--steps", "1", "memory.host_budget=16MiB", "offload.optimizer.tier=host"]
     trained = _train_cli(tight, tmp_path / "no-saves")
     assert json.loads((tmp_path / "no-saves" / "summary.json").read_text())["steps"] == 1, trained.stderr[-2000:]
-    refused = subprocess.run([*_TRAIN, *tight, "--save-every", "1", "--out", str(tmp_path / "saves")],
-                             capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    refused = run_in_process(*_TRAIN[3:], *tight, "--save-every", "1", "--out", str(tmp_path / "saves"))
     assert refused.returncode != 0 and "the host tier needs" in refused.stderr, refused.stderr[-2000:]
     assert "memory.host_budget is 16777216 bytes" in refused.stderr and "Traceback" not in refused.stderr
 
