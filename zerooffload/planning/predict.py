@@ -9,7 +9,7 @@ their peak together is lined up by phase (``ram_peak_bytes``): the steady state,
 the start of backward (the activations, the gathered units, hpZ's secondary shards and the staged
 shards, and where units update in backward the whole block stream with one fp32 gradient: its blocks
 are read ahead before backward's first gradients and flow while most activations still wait, a
-stage 3 NVMe bf16 run measuring 0.71 of its peak RSS when one block was counted) and the step (its
+stage 3 NVMe bf16 run measuring 0.71-0.73 of its peak RSS when one block was counted) and the step (its
 temporaries and the host buffers optimizer blocks stream through).
 Time follows the engine's schedule, phase by phase ([Note: phases] in telemetry), per rank and optimizer step:
 - *forward*, per micro-batch: the measured compute ([Note: measured compute]); stage 3's partitioned
@@ -151,12 +151,13 @@ def _ram_peak(plan: MemoryPlan, config: Config, layouts: list[UnitLayout], place
                           grad_reads=grad_read_depth(config.aio),
                           updates_in_flight=config.optimizer.updates_in_flight)
     saved = activations.bytes(config.train.activation_checkpointing) - activations.bound_excess if activations else 0
-    updates = 0
-    if placement.updates_in_backward:  # the stream's blocks (read ahead, updating, written back), a gradient
-        updates = buffers.block_stream + buffers.update_grad
+    # the stream's blocks (read ahead, updating, written back) and one fp32 gradient: held in the step, and
+    # from backward's start where units update in backward (see the note)
+    updates = buffers.block_stream + buffers.update_grad
     compute = plan[placement.compute]
-    backward_start = saved + compute[Kind.GATHERED] + compute[Kind.SECONDARY] + buffers.staged_shards + updates
-    step = buffers.step + buffers.grad_stream + buffers.update_grad + buffers.block_stream
+    backward_start = saved + compute[Kind.GATHERED] + compute[Kind.SECONDARY] + buffers.staged_shards + (
+        updates if placement.updates_in_backward else 0)
+    step = buffers.step + buffers.grad_stream + updates
     return steady + max(backward_start, step)
 
 
