@@ -1,7 +1,8 @@
 """Checkpoints saved in the background (``save_checkpoint(blocking=False)``, async_save's [Note: saving in
 the background]): the same files as a blocking save, byte for byte; training on while they are written
 resumes bitwise; a real write error (EFBIG) surfaces at the next engine call as one line; a second save
-and ``close()`` wait for the first. Kills at random moments of a run saving so: bench/save_stall.py."""
+and ``close()`` wait for the first; the saves' thread runs in idle time. Kills at random moments of a run
+saving so: bench/save_stall.py."""
 from __future__ import annotations
 
 import os
@@ -55,17 +56,18 @@ def _trainable() -> torch.nn.Module:
 
 
 def save_both_ways(base: dict, root: str, trainable: bool = False) -> dict | None:
-    """Every rank: two steps, a save loaded back, a step, then a blocking save into root/blocking and a
-    non-blocking one of the same state into root/background; rank 0 returns both tags' files."""
+    """Every rank: two steps, a save loaded back, a step, then a non-blocking save into root/background (the
+    step's updates may still run: with the state in memory the saves' thread waits for them) and a blocking
+    one of the same state into root/blocking; rank 0 returns both tags' files."""
     root_path = Path(root)
     with zo.initialize(_trainable() if trainable else make_model(), _config(base, root_path)) as engine:
         _train(engine, 0, 2)
         engine.save_checkpoint(root_path / "first")
         engine.load_checkpoint(root_path / "first")  # its blocks rewritten whole from the checkpoint
         _train(engine, 2, 3)
-        engine.save_checkpoint(root_path / "blocking", tag="t")
         handle = engine.save_checkpoint(root_path / "background", tag="t", blocking=False)
         assert isinstance(handle, SaveHandle) and handle.wait() == root_path / "background" / "t" and handle.done()
+        engine.save_checkpoint(root_path / "blocking", tag="t")
         stored = sum(state.block.nbytes for state in engine.opt_states  # TinyLM's root unit has frozen parameters
                      if all(slot.trainable for slot in state.unit.layout.slots))
     if dist.is_initialized() and dist.get_rank() != 0:
@@ -96,11 +98,32 @@ def test_a_non_blocking_save_writes_the_blocking_saves_bytes(tmp_path, monkeypat
     assert sum(copies) == both["stored"] if kernel_copies else not copies  # every block without frozen parameters
 
 
-def test_at_world_2_a_non_blocking_save_writes_the_blocking_saves_bytes(tmp_path, rank_pools):
-    """Two ranks: their files gathered and published on the saves' own group, the same bytes."""
-    both = rank_pools(2).run(save_both_ways, COMPACT_NVME, str(tmp_path))[0]
+@pytest.mark.parametrize("base, trainable", [(COMPACT_NVME, False), (HOST, True)],
+                         ids=["nvme-split-int8", "host-fp32-written-in-place"])
+def test_at_world_2_a_non_blocking_save_writes_the_blocking_saves_bytes(tmp_path, rank_pools, base, trainable):
+    """Two ranks: their files (and, written in place, their optimizer steps, read once the step's updates
+    ran) gathered and published on the saves' own group, the same bytes."""
+    both = rank_pools(2).run(save_both_ways, base, str(tmp_path), trainable)[0]
     assert {"rank00000.bin", "rank00001.bin"} <= both["background"].keys()
     assert both["blocking"] == both["background"]
+
+
+def test_a_save_in_the_background_waits_for_the_steps_updates_still_running(tmp_path, make_engine, monkeypatch):
+    """The step's updates run beside what follows the step (step_updates' note), here slowed so that each is
+    still running when the save is called: the saves' thread waits for them, so the background save holds
+    the updated state and step counts, the bytes a blocking save (which joins them first) then writes."""
+    import time
+
+    from zerooffload.zero.update_worker import UpdateWorker
+
+    execute = UpdateWorker._execute
+    monkeypatch.setattr(UpdateWorker, "_execute", lambda self, update: (time.sleep(0.05), execute(self, update)))
+    engine = make_engine(_trainable(), _config(HOST, tmp_path))  # every shard written from where it lies
+    _train(engine, 0, 2)
+    assert engine._updater.step_updates.running  # the step's updates are not yet joined
+    engine.save_checkpoint(tmp_path / "background", tag="t", blocking=False).wait()
+    engine.save_checkpoint(tmp_path / "blocking", tag="t")
+    assert _files(tmp_path / "background" / "t") == _files(tmp_path / "blocking" / "t")
 
 
 @pytest.mark.parametrize("base, staging", [(HOST, "1GiB"), (HOST, 8192), (FP32_NVME, "1GiB")],
@@ -165,3 +188,16 @@ def test_a_second_save_waits_for_the_first_and_close_waits_for_the_last(tmp_path
     engine.close()
     assert second.done() and read_latest(tmp_path / "ckpt") == "b"
     assert zo.checkpoint.read_manifest(tmp_path / "ckpt", "b").data["tag"] == "b"  # verified: complete
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="SCHED_IDLE is Linux's")
+def test_the_saves_thread_runs_in_idle_time_and_training_keeps_its_class(tmp_path, make_engine):
+    """threads' [Note: work in idle time]: the saves' thread alone is in SCHED_IDLE."""
+    import threading
+
+    engine = make_engine(make_model(), _config(HOST, tmp_path))
+    _train(engine, 0, 1)
+    engine.save_checkpoint(tmp_path / "ckpt", blocking=False).wait()
+    saves = [thread for thread in threading.enumerate() if thread.name == "zerooffload-save"]
+    assert len(saves) == 1 and os.sched_getscheduler(saves[0].native_id) == os.SCHED_IDLE
+    assert os.sched_getscheduler(0) == os.SCHED_OTHER

@@ -248,8 +248,7 @@ class Engine:
         ``directory/latest`` at it, atomically; collective. ``client_state``: JSON-serializable.
         ``blocking=False``: returns a handle (``wait()``, ``done()``) while the files are written
         (checkpoint.async_save's [Note: saving in the background])."""
-        self._updater.step_updates.join()  # the step's updates land before anything is read (step_updates' note)
-        return self.saves.save(directory, tag, client_state, blocking)
+        return self.saves.save(directory, tag, client_state, blocking, self._updater.step_updates)
 
     @_engine_call
     def load_checkpoint(self, directory: str | os.PathLike, tag: str | None = None, *,

@@ -12,13 +12,24 @@ as zerooffload loads: a 1-minute load average of at least half the CPUs. libgomp
 once, when torch loads, so this runs first thing in ``import zerooffload``; a setting of the user's
 (GOMP_SPINCOUNT or OMP_WAIT_POLICY in the environment) is never overridden, and nothing changes
 when torch was imported first. ``train.threads`` sets torch's thread count (0: torch's default).
+
+[Note: work in idle time]
+Work beside training that has seconds to finish, a checkpoint saved in the background, runs on a thread
+of the lowest scheduling class (Linux ``SCHED_IDLE``): it gets a core only when no other thread of the
+machine wants it. On a machine whose cores all run torch's threads, a normal thread's few milliseconds of
+CRC and write submission preempt one of them, and the other waits for it at the parallel region's end, so
+the step loses more than the thread ran. In idle time it runs in the step's gaps (Python between kernels,
+waits for the link or the disk) instead. It is not starved: the class keeps a small share of a busy core
+(CFS weight 3 against a normal thread's 1024), and what waits for it (the next state-changing engine
+call, the end of the run) blocks a training thread, which frees a core. Where the class does not exist
+(not Linux) the thread keeps its priority.
 """
 from __future__ import annotations
 
 import os
 import sys
 
-__all__ = ["choose_openmp_wait", "openmp_wait", "set_threads"]
+__all__ = ["choose_openmp_wait", "in_idle_time", "openmp_wait", "set_threads"]
 
 SHORT_SPIN = "10000"
 """GOMP_SPINCOUNT under contention: a short spin, then sleep (see the note)."""
@@ -55,3 +66,15 @@ def set_threads(threads: int) -> None:
         import torch
 
         torch.set_num_threads(threads)
+
+
+def in_idle_time() -> bool:
+    """Let the calling thread run only on cores nothing else wants ([Note: work in idle time]); whether
+    the system has that class."""
+    if not hasattr(os, "SCHED_IDLE"):
+        return False
+    try:
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # 0: this thread alone (Linux: per thread)
+    except OSError:
+        return False
+    return True

@@ -4,19 +4,26 @@ its state is copied into, and the engine's saves (at most one in flight, its err
 [Note: saving in the background]
 ``engine.save_checkpoint(..., blocking=False)`` takes the state at the step boundary it is called at
 and returns a ``SaveHandle`` (``wait()``, ``done()``, ``path``) while the files are written:
+- *The step's updates* (step_updates' [Note: the step beside the next forward]) may still be running
+  when the save is called. Where every part of this rank's file is written from where it lies (each
+  optimizer block in host memory, stored as the checkpoint stores it: see below), the saves' thread
+  waits for them before it reads anything (``StepUpdates.handoff``), so they still run beside the next
+  forward, as in a step without a save, and the parameters' optimizer steps are read with the state;
+  otherwise (a blocking save, state on NVMe, a part to convert) the call joins them first.
 - *On the calling thread* (``saving.begin_save``): ``<tag>.partial`` is made and its files opened
-  (preallocated), the manifest's values (optimizer steps, schedule, scaler, counters, client state),
+  (preallocated), the manifest's values (schedule, scaler, counters, client state),
   the RNG states and the module's buffers are taken, and the parts of this rank's data file are named:
   the master and moment shards of every unit. A block on NVMe that holds its checkpoint segments byte
   for byte (fp32 master and moments, no padding past the parameters) is left for a copy in the kernel;
   state held in memory (optimizer blocks resident: host or device) is left where it is for now; other
   state on NVMe is read block by block as a blocking save reads it (``ShardedState.visit``) and copied
   into the *staging ring* (``StagingRing``) as each block is loaded, its writes started at once.
-- *On the saves' thread* (one per engine, ``_run_tasks``): blocks on NVMe left for it are copied from
-  the swap file to the rank file (``os.copy_file_range``), their CRC32C joined from the digests the swap
-  store took as it wrote them (``SwapStore.copy_out``: never from bytes nobody read back); resident
-  state is copied into the ring piece by piece, each piece's O_DIRECT write started as it is copied;
-  when the ring is full the copy waits for its oldest writes to land. Then ``staged`` is set: until then the engine's next call that
+- *On the saves' thread* (one per engine, ``_run_tasks``, run in the machine's idle time: threads'
+  [Note: work in idle time]): blocks on NVMe left for it are copied from the swap file to the rank file
+  (``os.copy_file_range``), their CRC32C joined from the digests the swap store took as it wrote them
+  (``SwapStore.copy_out``: never from bytes nobody read back); resident state is copied into the ring
+  piece by piece, each piece's O_DIRECT write started as it is copied; when the ring is full the copy
+  waits for its oldest writes to land. Then ``staged`` is set: until then the engine's next call that
   may change the state (``backward``, ``step``, ``load_checkpoint``, ``gathered``: ``Saves.check``)
   waits for it, so past the ring's room the next update waits for the writes; forward does not wait.
   Each piece's CRC32C is taken when its write ends (in file order: they end oldest first). Then the
@@ -44,16 +51,20 @@ import os
 import queue
 import threading
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
 import torch
 import torch.distributed as dist
 
 from ..comm import Comm
 from ..memory_plan import save_staging_bytes
+from ..threads import in_idle_time
 from ..training_state import Trainable
 from .files import ALIGN, StagingRing
 from .saving import BegunSave, begin_save, save_checkpoint
+
+if TYPE_CHECKING:
+    from ..zero.step_updates import StepUpdates
 
 __all__ = ["SaveHandle", "Saves"]
 
@@ -110,14 +121,17 @@ class Saves:
         """Tasks of the saves' thread (``_run_tasks``), started at the first save in the background."""
         self._thread: threading.Thread | None = None
 
-    def save(self, directory: str | os.PathLike, tag: str | None, client_state: dict | None,
-             blocking: bool) -> Path | SaveHandle:
+    def save(self, directory: str | os.PathLike, tag: str | None, client_state: dict | None, blocking: bool,
+             updates: "StepUpdates") -> Path | SaveHandle:
+        """``updates``: the step's, which may still run beside what follows the step (step_updates' note):
+        joined before anything is read, or waited for by the saves' thread (``begin_save``; see the note)."""
         self.wait()
         if blocking:
+            updates.join()
             path = save_checkpoint(self.engine, directory, tag, client_state)
             self.engine.window.last_checkpoint = str(path)
             return path
-        begun = begin_save(self.engine, directory, tag, client_state, ring=self._staging())
+        begun = begin_save(self.engine, directory, tag, client_state, ring=self._staging(), updates=updates)
         self._previous, self.engine.window.last_checkpoint = self.engine.window.last_checkpoint, str(begun.path)
         if self._worker is None:  # one thread for every save: starting one costs the caller a GIL switch
             self._worker = queue.SimpleQueue()
@@ -201,6 +215,8 @@ _CHANGES_STATE = frozenset({"backward", "step", "load_checkpoint", "gathered"})
 
 
 def _run_tasks(tasks: queue.SimpleQueue) -> None:
-    """The saves' thread: each task in turn (a task records its own failure), until a None says stop."""
+    """The saves' thread: each task in turn (a task records its own failure), until a None says stop; in
+    the machine's idle time (threads' [Note: work in idle time])."""
+    in_idle_time()
     while (task := tasks.get()) is not None:
         task()

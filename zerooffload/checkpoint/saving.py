@@ -11,7 +11,7 @@ import json
 import os
 import threading
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 from torch import nn
@@ -37,6 +37,7 @@ if TYPE_CHECKING:
     from ..comm import Comm
     from ..optim.state import UnitOptimizerState
     from ..zero.partition import FlatUnit
+    from ..zero.step_updates import StepUpdates
 
 __all__ = ["BegunSave", "RankWriters", "begin_save", "default_tag", "persistent_buffers", "rank_file_bytes",
            "save_checkpoint"]
@@ -84,15 +85,16 @@ class BegunSave:
             files, failure = self.writers.close(), None
         except (OSError, CheckpointError) as error:
             files, failure = {}, error
-        everyone = all_gather_object(comm, (files, None if failure is None else str(failure)))
+        everyone = all_gather_object(comm, (files, None if failure is None else str(failure), self.writers.steps))
         if failure is not None:
             raise failure
-        failed = [(rank, message) for rank, (_, message) in enumerate(everyone) if message is not None]
+        failed = [(rank, message) for rank, (_, message, _) in enumerate(everyone) if message is not None]
         if failed:
             raise CheckpointError(f"{self.partial}: rank {failed[0][0]} could not write its files ({failed[0][1]}); "
                                   "nothing was published, the previous checkpoint is unchanged")
         if comm.rank == 0:
-            self.manifest["files"] = {name: f for per_rank, _ in everyone for name, f in per_rank.items()}
+            self.manifest["files"] = {name: f for per_rank, _, _ in everyone for name, f in per_rank.items()}
+            self.manifest["steps"] = {name: step for _, _, steps in everyone for name, step in steps.items()}
             write_manifest(self.partial, self.manifest)
             publish(self.partial, self.tag)
         barrier(comm)
@@ -100,11 +102,14 @@ class BegunSave:
 
 
 def begin_save(engine: Trainable, directory: str | os.PathLike, tag: str | None = None,
-               client_state: dict | None = None, ring: StagingRing | None = None) -> BegunSave:
+               client_state: dict | None = None, ring: StagingRing | None = None,
+               updates: "StepUpdates | None" = None) -> BegunSave:
     """Take ``engine``'s state at this step boundary: check the tag, make ``<tag>.partial``, start
     this rank's data files' writes (staged in ``ring`` when given, which bounds what is left in flight;
-    else written through a few buffers before this returns) and gather the manifest's values;
-    collective over the engine's group (on the calling thread)."""
+    else written through a few buffers before this returns) and take the manifest's values; collective
+    over the engine's group (on the calling thread). ``updates``: the step's, which may still run: joined
+    here, or waited for before the state is read where every part is written from where it lies
+    (async_save's note)."""
     directory = Path(directory)
     tag = tag or default_tag(engine.window.global_steps)
     _check_tag(tag)
@@ -113,9 +118,8 @@ def begin_save(engine: Trainable, directory: str | os.PathLike, tag: str | None 
     rank = engine.comm.rank
     partial = begin_partial(directory, tag) if rank == 0 else directory / f"{tag}.partial"
     barrier(engine.comm)
-    writers = _write_rank_files(engine, partial, ring)
-    steps = optimizer_steps(engine)
-    manifest = _manifest(engine, tag, steps, client_state) if rank == 0 else None
+    writers = _write_rank_files(engine, partial, ring, updates)
+    manifest = _manifest(engine, tag, client_state) if rank == 0 else None
     return BegunSave(partial, tag, writers, manifest)
 
 
@@ -131,10 +135,14 @@ class RankWriters:
     (``deferred``: views of resident state, which stays as it is until ``staged`` is set), writes the RNG
     states, waits for every write, fsyncs and gives the records (name -> size and CRC32C). Out of room: a
     ``CheckpointError`` naming the directory and the bytes, and this rank's files removed (the previous
-    checkpoint stays)."""
+    checkpoint stays). ``steps``: this rank's parameters' optimizer steps (``local_steps``), taken with
+    the state: at once, or once ``updates_ran`` said the step's updates ran (``begin_save``)."""
 
-    def __init__(self, partial: Path, rank: int, size: int, aio: AsyncIO):
+    def __init__(self, partial: Path, rank: int, size: int, aio: AsyncIO, engine: Trainable,
+                 updates_ran: Callable[[], bool] | None):
         self.partial, self.rank, self.size, self.aio = partial, rank, size, aio
+        self._engine, self._updates_ran = engine, updates_ran
+        self.steps: dict[str, float] = {} if updates_ran is not None else local_steps(engine)
         self.writers: list[ChecksummedWriter] = []
         self.files: dict[str, dict] = {}
         self.deferred: list[tuple[torch.Tensor | Block, int, Any]] = []
@@ -167,6 +175,12 @@ class RankWriters:
 
     def _stage(self) -> None:
         try:
+            if self._updates_ran is not None:
+                if not self._updates_ran():
+                    raise CheckpointError(f"{self.partial}: the step's updates failed before this save read the "
+                                          "state (their error is raised by the engine's next call); nothing was "
+                                          "published, the previous checkpoint is unchanged")
+                self.steps = local_steps(self._engine)
             for part, nbytes, at in self.deferred:
                 if isinstance(part, Block) and part.resident:
                     self.writers[0].write_from(part.data, at)
@@ -197,25 +211,31 @@ class RankWriters:
                     (self.partial / name).unlink()
 
 
-def _write_rank_files(engine: Trainable, partial: Path, ring: StagingRing | None) -> RankWriters:
+def _write_rank_files(engine: Trainable, partial: Path, ring: StagingRing | None,
+                      updates: "StepUpdates | None") -> RankWriters:
     """Start this rank's files in ``partial`` (``RankWriters``): its unit shards (units it holds a shard
     of), then rank 0's buffers. With a ``ring`` (a save in the background), blocks on NVMe stored as they
     are saved are left for ``close`` to copy in the kernel, and so are the other shards when their blocks
     are resident, to copy into the ring (the engine's next call that may change them waits for it:
-    ``Saves.check``); the rest is copied here, each block while it is loaded."""
+    ``Saves.check``); the rest is copied here, each block while it is loaded. Where every shard is written
+    from where it lies, the step's ``updates`` are waited for by the saves' thread, else joined here."""
     rank = engine.comm.rank
     size = rank_file_bytes(engine)
-    writers = RankWriters(partial, rank, size, AsyncIO(engine.config.aio))
     mine = [state for state in engine.opt_states if rank < state.unit.layout.shards]
     copied = [state for state in mine if ring is not None and _saved_as_stored(engine, state)]
     staged = [state for state in mine if state not in copied]
     later = ring is not None and all(state.block.resident for state in staged)
+    in_place = not staged and all(state.block.resident for state in copied)
+    updates_ran = updates.handoff() if updates is not None and in_place else None
+    if updates is not None and updates_ran is None:
+        updates.join()
+    writers = RankWriters(partial, rank, size, AsyncIO(engine.config.aio), engine, updates_ran)
     try:
         depth = checkpoint_depth(engine.config.aio)
         writer = ChecksummedWriter(partial / rank_file(rank, "bin"), writers.aio, size, writes_in_flight=depth,
                                    ring=ring)
         writers.writers.append(writer)
-        loaded = engine.state_dicts.visit(write=False, states=staged)
+        loaded = engine.state_dicts.visit(write=False, states=staged) if staged else iter(())  # visit joins
         for state in mine:  # in file order
             if state in copied and state.block.resident:  # one range: the segments lie as in the block
                 writers.deferred.append((state.block, 0, writer.reserve(state.block.nbytes)))
@@ -270,21 +290,27 @@ def _segments(engine: Trainable, state: "UnitOptimizerState") -> list[int]:
     return shard_segments(_unit_record(state.unit), len(state.moment_names), engine.config.optimizer.moments)
 
 
-def optimizer_steps(engine: Trainable) -> dict[str, float]:
-    """The optimizer step count of each trainable parameter, by its first name, from every rank (a
-    parameter may have pieces on several ranks, or on one only). Collective."""
+def local_steps(engine: Trainable) -> dict[str, float]:
+    """The optimizer step count of each trainable parameter this rank holds a piece of, by its first name."""
     mine = {}
     for state in engine.opt_states:
         for piece, tensor in state.pieces:
             step = engine.optimizer.state[tensor].get("step")
             mine[state.unit.layout.slots[piece.slot_index].names[0]] = 0.0 if step is None else float(step)
+    return mine
+
+
+def optimizer_steps(engine: Trainable) -> dict[str, float]:
+    """``local_steps`` from every rank (a parameter may have pieces on several ranks, or on one only).
+    Collective."""
     steps: dict[str, float] = {}
-    for per_rank in all_gather_object(engine.comm, mine):
+    for per_rank in all_gather_object(engine.comm, local_steps(engine)):
         steps.update(per_rank)
     return steps
 
 
-def _manifest(engine: Trainable, tag: str, steps: dict[str, float], client_state: dict | None) -> dict:
+def _manifest(engine: Trainable, tag: str, client_state: dict | None) -> dict:
+    """The manifest's values at the call; its ``steps`` and ``files`` are filled as the save finishes."""
     optimizer = engine.optimizer
     return {
         "format": FORMAT, "version": VERSION, "tag": tag, "world_size": engine.comm.world_size,
@@ -292,7 +318,7 @@ def _manifest(engine: Trainable, tag: str, steps: dict[str, float], client_state
         "moments": list(engine.opt_states[0].moment_names) if engine.opt_states else [],
         "moment_format": engine.config.optimizer.moments,
         "units": [_unit_record(u) for u in engine.units],
-        "steps": steps,
+        "steps": {},
         "groups": [{k: v for k, v in g.items() if k != "params" and _jsonable(v)} for g in optimizer.param_groups],
         "scheduler": None if engine.lr_scheduler is None else _scheduler_state(engine.lr_scheduler),
         "scaler": engine.scaler.state(),

@@ -130,6 +130,14 @@ class UpdateWorker:
         if update.state is not UpdateState.DONE:
             self._raise_failure()
 
+    def ended(self, update: _Update) -> bool:
+        """On any thread: wait until ``update`` (and so every one before it) is no longer SUBMITTED, without
+        raising or taking a failure (the owner's next wait or join raises it); whether it ended DONE."""
+        with self._cond:
+            while update in self._queue:
+                self._cond.wait()
+        return update.state is UpdateState.DONE
+
     def join(self) -> None:
         """Wait until no update is SUBMITTED and the thread ended; raise the first failure, if any."""
         self._stop()
