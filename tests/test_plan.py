@@ -308,6 +308,7 @@ def test_models_by_every_name(cache, tmp_path):
         load_model("no-such-model")
 
 
+@pytest.mark.slow  # 13 s of train runs: bench/peaks_check.py judges the same bound; the suite stays under 6 minutes
 def test_the_predicted_ram_peak_holds_the_blocks_updates_stream_through_in_backward(cache, tmp_path):
     """Stage 3 on NVMe in bf16 updates units in backward, so up to the block stream's depth of optimizer
     blocks (read ahead, updating, written back) are held beside backward's activations: a prediction
