@@ -26,6 +26,7 @@ call, the end of the run) blocks a training thread, which frees a core. Where th
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 
@@ -68,13 +69,9 @@ def set_threads(threads: int) -> None:
         torch.set_num_threads(threads)
 
 
-def in_idle_time() -> bool:
-    """Let the calling thread run only on cores nothing else wants ([Note: work in idle time]); whether
-    the system has that class."""
-    if not hasattr(os, "SCHED_IDLE"):
-        return False
-    try:
-        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # 0: this thread alone (Linux: per thread)
-    except OSError:
-        return False
-    return True
+def in_idle_time() -> None:
+    """Let the calling thread run only on cores nothing else wants ([Note: work in idle time]), where the
+    system has that class."""
+    if hasattr(os, "SCHED_IDLE"):
+        with contextlib.suppress(OSError):
+            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # 0: this thread alone (Linux: per thread)

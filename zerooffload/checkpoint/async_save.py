@@ -127,8 +127,7 @@ class Saves:
         joined before anything is read, or waited for by the saves' thread (``begin_save``; see the note)."""
         self.wait()
         if blocking:
-            updates.join()
-            path = save_checkpoint(self.engine, directory, tag, client_state)
+            path = save_checkpoint(self.engine, directory, tag, client_state, updates)
             self.engine.window.last_checkpoint = str(path)
             return path
         begun = begin_save(self.engine, directory, tag, client_state, ring=self._staging(), updates=updates)

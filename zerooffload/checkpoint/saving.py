@@ -63,9 +63,10 @@ def _unit_record(unit: "FlatUnit") -> dict:
 
 # ---------------------------------------------------------------------------------------------- save
 def save_checkpoint(engine: Trainable, directory: str | os.PathLike, tag: str | None = None,
-                    client_state: dict | None = None) -> Path:
-    """Write ``engine``'s full training state (see the note); collective: every rank calls it."""
-    return begin_save(engine, directory, tag, client_state).finish(engine.comm)
+                    client_state: dict | None = None, updates: "StepUpdates | None" = None) -> Path:
+    """Write ``engine``'s full training state (see the note); collective: every rank calls it.
+    ``updates``: the step's, joined before anything is read (``begin_save``)."""
+    return begin_save(engine, directory, tag, client_state, updates=updates).finish(engine.comm)
 
 
 class BegunSave:
@@ -135,14 +136,14 @@ class RankWriters:
     (``deferred``: views of resident state, which stays as it is until ``staged`` is set), writes the RNG
     states, waits for every write, fsyncs and gives the records (name -> size and CRC32C). Out of room: a
     ``CheckpointError`` naming the directory and the bytes, and this rank's files removed (the previous
-    checkpoint stays). ``steps``: this rank's parameters' optimizer steps (``local_steps``), taken with
-    the state: at once, or once ``updates_ran`` said the step's updates ran (``begin_save``)."""
+    checkpoint stays). ``steps``: this rank's parameters' optimizer steps (``local_steps``), read with the
+    deferred parts, once ``updates_ran`` (if given) said the step's updates ran (``begin_save``)."""
 
     def __init__(self, partial: Path, rank: int, size: int, aio: AsyncIO, engine: Trainable,
                  updates_ran: Callable[[], bool] | None):
         self.partial, self.rank, self.size, self.aio = partial, rank, size, aio
         self._engine, self._updates_ran = engine, updates_ran
-        self.steps: dict[str, float] = {} if updates_ran is not None else local_steps(engine)
+        self.steps: dict[str, float] = {}
         self.writers: list[ChecksummedWriter] = []
         self.files: dict[str, dict] = {}
         self.deferred: list[tuple[torch.Tensor | Block, int, Any]] = []
@@ -175,12 +176,11 @@ class RankWriters:
 
     def _stage(self) -> None:
         try:
-            if self._updates_ran is not None:
-                if not self._updates_ran():
-                    raise CheckpointError(f"{self.partial}: the step's updates failed before this save read the "
-                                          "state (their error is raised by the engine's next call); nothing was "
-                                          "published, the previous checkpoint is unchanged")
-                self.steps = local_steps(self._engine)
+            if self._updates_ran is not None and not self._updates_ran():
+                raise CheckpointError(f"{self.partial}: the step's updates failed before this save read the "
+                                      "state (their error is raised by the engine's next call); nothing was "
+                                      "published, the previous checkpoint is unchanged")
+            self.steps = local_steps(self._engine)  # the state does not change before ``staged`` is set
             for part, nbytes, at in self.deferred:
                 if isinstance(part, Block) and part.resident:
                     self.writers[0].write_from(part.data, at)
@@ -225,9 +225,10 @@ def _write_rank_files(engine: Trainable, partial: Path, ring: StagingRing | None
     copied = [state for state in mine if ring is not None and _saved_as_stored(engine, state)]
     staged = [state for state in mine if state not in copied]
     later = ring is not None and all(state.block.resident for state in staged)
-    in_place = not staged and all(state.block.resident for state in copied)
-    updates_ran = updates.handoff() if updates is not None and in_place else None
-    if updates is not None and updates_ran is None:
+    updates_ran = None
+    if updates is not None and not staged and all(state.block.resident for state in copied):
+        updates_ran = updates.handoff()  # every shard written from where it lies, by the saves' thread
+    elif updates is not None:
         updates.join()
     writers = RankWriters(partial, rank, size, AsyncIO(engine.config.aio), engine, updates_ran)
     try:

@@ -134,8 +134,7 @@ class UpdateWorker:
         """On any thread: wait until ``update`` (and so every one before it) is no longer SUBMITTED, without
         raising or taking a failure (the owner's next wait or join raises it); whether it ended DONE."""
         with self._cond:
-            while update in self._queue:
-                self._cond.wait()
+            self._wait_while(lambda: update in self._queue, counted=False)
         return update.state is UpdateState.DONE
 
     def join(self) -> None:
@@ -161,16 +160,18 @@ class UpdateWorker:
         self._thread.join()
         self._thread, self._stopping = None, False
 
-    def _wait_while(self, condition: Callable[[], bool]) -> None:
-        """Wait (holding ``_cond``) while ``condition()``; the wait counts as time the updates did not hide."""
+    def _wait_while(self, condition: Callable[[], bool], counted: bool = True) -> None:
+        """Wait (holding ``_cond``) while ``condition()``; ``counted``: a training thread's wait, time the
+        updates did not hide (``wait_seconds``, the trace), not another thread's (``ended``)."""
         if not condition():
             return
         start = time.perf_counter()
         while condition():
             self._cond.wait()
         end = time.perf_counter()
-        self.wait_seconds += end - start
-        RECORDER.complete("wait: updates", "waits", start, end)
+        if counted:
+            self.wait_seconds += end - start
+            RECORDER.complete("wait: updates", "waits", start, end)
 
     def _raise_failure(self) -> None:
         error, self._error = self._error, None
