@@ -66,17 +66,18 @@ def _train(work: Path, model: str, steps: int, layout: list[str], *extra: str, c
     return done
 
 
-def _loop_seconds(work: Path, layout: list[str], steps: int, side: str | None) -> float:
-    """One run's loop seconds (summary.json), in a fresh --out (and swap folder) removed after."""
+def _run_once(work: Path, layout: list[str], steps: int, side: str | None) -> tuple[dict, int]:
+    """One run's summary.json and its last checkpoint's bytes, in a fresh --out (and swap folder) removed
+    after."""
     shutil.rmtree(work, ignore_errors=True)
     (work / "swap").mkdir(parents=True)
     saves = [] if side is None else ["--save-every", "2", side]
     _train(work, "small", steps, [*layout, f"nvme.path={work / 'swap'}"], *saves)
-    seconds = json.loads((work / "out" / "summary.json").read_text())["seconds"]
+    summary = json.loads((work / "out" / "summary.json").read_text())
     tags = sorted((work / "out" / "checkpoints").glob("step*")) if side else []
-    _loop_seconds.checkpoint_bytes = sum(p.stat().st_size for p in tags[-1].rglob("*") if p.is_file()) if tags else 0
+    checkpoint = sum(p.stat().st_size for p in tags[-1].rglob("*") if p.is_file()) if tags else 0
     shutil.rmtree(work, ignore_errors=True)
-    return seconds
+    return summary, checkpoint
 
 
 def _per_save(times: dict[str, list[float]], saves: int) -> dict[str, list[float]]:
@@ -90,15 +91,16 @@ def stall(args: argparse.Namespace, root: Path, name: str, layout: list[str], st
     saves = steps // 2
     work = root / name
     print(f"\n{name}: {steps} steps, a save every 2 ({saves} saves), {rounds} rounds (loop seconds)", flush=True)
-    checkpoint = {}
+    checkpoint, held = {}, {}
 
-    def measure(side: str | None):
+    def measure(label: str, side: str | None):
         def once() -> float:
-            seconds = _loop_seconds(work, layout, steps, side)
-            checkpoint["bytes"] = checkpoint.get("bytes") or _loop_seconds.checkpoint_bytes
-            return seconds
+            summary, checkpoint["bytes"] = _run_once(work, layout, steps, side)
+            held.setdefault(label, []).append(summary["saves"]["held_seconds"] / saves)
+            return summary["seconds"]
         return once
-    times = rotating_rounds(rounds, {label: measure(side) for label, side in SIDES.items()})
+    times = rotating_rounds(rounds, {label: measure(label, side) for label, side in SIDES.items()})
+    del held["no saves"]
     extra = _per_save(times, saves)
     ratios = [b / k for b, k in zip(extra["in the background"], extra["blocking"])]
     spread = (max(times["no saves"]) - min(times["no saves"])) / saves
@@ -109,7 +111,10 @@ def stall(args: argparse.Namespace, root: Path, name: str, layout: list[str], st
           f"{max(times['no saves']):.2f} s; their spread per save {spread:.4f} s")
     print(f"background / blocking per round: {' '.join(f'{r:.3f}' for r in ratios)}; median "
           f"{statistics.median(ratios):.3f}", flush=True)
-    return {"times": times, "extra": extra, "ratios": ratios, "spread": spread, "saves": saves,
+    for side, values in held.items():
+        print(f"{side}: the saves held the loop (summary.json) {min(values) * 1e3:.1f} / "
+              f"{statistics.median(values) * 1e3:.1f} / {max(values) * 1e3:.1f} ms a save", flush=True)
+    return {"times": times, "extra": extra, "ratios": ratios, "spread": spread, "saves": saves, "held": held,
             "checkpoint_bytes": checkpoint.get("bytes", 0)}
 
 
@@ -270,6 +275,12 @@ def main() -> None:
                    f"{host['spread'] * 1e3:.0f} ms a save)", names=["in the background", "blocking"],
                    unit="s per save", target=0.1, ratios=host["ratios"], times=host["extra"],
                    met=statistics.median(host["ratios"]) <= 0.1)
+            record("pairs", title=f"small GPT, stage 1, optimizer on the host, fp32, {args.steps} steps, a save every "
+                   "2: what the saves held the loop for, as train reports it (summary.json's saves.held_seconds; "
+                   "the saves' own threads' CPU not in it), in the background against blocking",
+                   names=["in the background", "blocking"], unit="s per save", target=None,
+                   ratios=[b / k for b, k in zip(host["held"]["in the background"], host["held"]["blocking"])],
+                   times=host["held"], met=None)
         if "inprocess" in parts:
             met &= statistics.median(in_process(args, root)["ratios"]) <= 0.1
         if "nvme" in parts:

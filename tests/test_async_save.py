@@ -111,19 +111,25 @@ def test_at_world_2_a_non_blocking_save_writes_the_blocking_saves_bytes(tmp_path
 def test_a_save_in_the_background_waits_for_the_steps_updates_still_running(tmp_path, make_engine, monkeypatch):
     """The step's updates run beside what follows the step (step_updates' note), here slowed so that each is
     still running when the save is called: the saves' thread waits for them, so the background save holds
-    the updated state and step counts, the bytes a blocking save (which joins them first) then writes."""
+    the updated state and step counts, the bytes a blocking save (which joins them first) then writes. Its
+    writes start on the updates' worker as the last update ends (not in the saves' idle-time thread)."""
+    import threading
     import time
 
+    from zerooffload.checkpoint.files import ChecksummedWriter
     from zerooffload.zero.update_worker import UpdateWorker
 
-    execute = UpdateWorker._execute
+    execute, write_from, writers = UpdateWorker._execute, ChecksummedWriter.write_from, set()
     monkeypatch.setattr(UpdateWorker, "_execute", lambda self, update: (time.sleep(0.05), execute(self, update)))
+    monkeypatch.setattr(ChecksummedWriter, "write_from", lambda self, *args: (
+        writers.add(threading.current_thread().name), write_from(self, *args)))
     engine = make_engine(_trainable(), _config(HOST, tmp_path))  # every shard written from where it lies
     _train(engine, 0, 2)
     assert engine._updater.step_updates.running  # the step's updates are not yet joined
     engine.save_checkpoint(tmp_path / "background", tag="t", blocking=False).wait()
     engine.save_checkpoint(tmp_path / "blocking", tag="t")
     assert _files(tmp_path / "background" / "t") == _files(tmp_path / "blocking" / "t")
+    assert writers == {"zerooffload-update"}
 
 
 @pytest.mark.parametrize("base, staging", [(HOST, "1GiB"), (HOST, 8192), (FP32_NVME, "1GiB")],
@@ -201,3 +207,29 @@ def test_the_saves_thread_runs_in_idle_time_and_training_keeps_its_class(tmp_pat
     saves = [thread for thread in threading.enumerate() if thread.name == "zerooffload-save"]
     assert len(saves) == 1 and os.sched_getscheduler(saves[0].native_id) == os.SCHED_IDLE
     assert os.sched_getscheduler(0) == os.SCHED_OTHER
+
+
+def test_train_reports_what_its_saves_held_the_loop_for(tmp_path, monkeypatch):
+    """summary.json's ``saves``: blocking saves hold the loop at least as long as their calls took (timed
+    here, around the engine's own method) and not much longer (room made, the prune waited for)."""
+    import json
+
+    from cli_helpers import run_in_process
+    from zerooffload.engine import Engine
+
+    calls, save = [], Engine.save_checkpoint
+
+    def timed(self, *args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return save(self, *args, **kwargs)
+        finally:
+            calls.append(time.perf_counter() - start)
+    monkeypatch.setattr(Engine, "save_checkpoint", timed)
+    out = tmp_path / "out"
+    run = run_in_process("train", "--steps", "3", "--save-every", "1", "--out", str(out), "train.async_save=false",
+                         "train.micro_batch_size=4")
+    saves = json.loads((out / "summary.json").read_text())["saves"]
+    assert run.returncode == 0 and len(calls) == saves["count"] == 3 and not saves["in_background"], run.stderr
+    assert sum(calls) <= saves["held_seconds"] <= sum(calls) + 0.5, (calls, saves)
+    assert f"saves: 3 blocking; they held the loop {saves['held_seconds']:.2f} s" in run.stdout

@@ -6,10 +6,12 @@ its state is copied into, and the engine's saves (at most one in flight, its err
 and returns a ``SaveHandle`` (``wait()``, ``done()``, ``path``) while the files are written:
 - *The step's updates* (step_updates' [Note: the step beside the next forward]) may still be running
   when the save is called. Where every part of this rank's file is written from where it lies (each
-  optimizer block in host memory, stored as the checkpoint stores it: see below), the saves' thread
-  waits for them before it reads anything (``StepUpdates.handoff``), so they still run beside the next
-  forward, as in a step without a save, and the parameters' optimizer steps are read with the state;
-  otherwise (a blocking save, state on NVMe, a part to convert) the call joins them first.
+  optimizer block in host memory, stored as the checkpoint stores it: see below), their worker starts
+  this rank's writes right after the last of them (``StepUpdates.handoff``, ``RankWriters.hand_off``:
+  the parameters' optimizer steps read, each block's CRC32C taken and its O_DIRECT write submitted from
+  where it lies), so they still run beside the next forward, as in a step without a save, and the
+  writes land while it runs; otherwise (a blocking save, state on NVMe, a part to convert) the call
+  joins them first.
 - *On the calling thread* (``saving.begin_save``): ``<tag>.partial`` is made and its files opened
   (preallocated), the manifest's values (schedule, scaler, counters, client state),
   the RNG states and the module's buffers are taken, and the parts of this rank's data file are named:
@@ -23,7 +25,8 @@ and returns a ``SaveHandle`` (``wait()``, ``done()``, ``path``) while the files 
   (``os.copy_file_range``), their CRC32C joined from the digests the swap store took as it wrote them
   (``SwapStore.copy_out``: never from bytes nobody read back); resident state is copied into the ring
   piece by piece, each piece's O_DIRECT write started as it is copied; when the ring is full the copy
-  waits for its oldest writes to land. Then ``staged`` is set: until then the engine's next call that
+  waits for its oldest writes to land; writes started from where the state lies are waited for. Then
+  ``staged`` is set: until then the engine's next call that
   may change the state (``backward``, ``step``, ``load_checkpoint``, ``gathered``: ``Saves.check``)
   waits for it, so past the ring's room the next update waits for the writes; forward does not wait.
   Each piece's CRC32C is taken when its write ends (in file order: they end oldest first). Then the
@@ -50,6 +53,7 @@ import contextlib
 import os
 import queue
 import threading
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterator
 
@@ -120,6 +124,9 @@ class Saves:
         self._worker: queue.SimpleQueue | None = None
         """Tasks of the saves' thread (``_run_tasks``), started at the first save in the background."""
         self._thread: threading.Thread | None = None
+        self.waited_seconds = 0.0
+        """Time engine calls that may change the state waited for a save in the background to copy it
+        (``check``): what saves held the caller for beyond ``save_checkpoint`` and the waits for their end."""
 
     def save(self, directory: str | os.PathLike, tag: str | None, client_state: dict | None, blocking: bool,
              updates: "StepUpdates") -> Path | SaveHandle:
@@ -149,8 +156,10 @@ class Saves:
     def check(self, call: str) -> None:
         """At every engine call: one that may change the state waits until a save in the background has
         copied it (``SaveHandle.staged``); a save that ended is settled, its error raised (once)."""
-        if self.pending is not None and call in _CHANGES_STATE:
+        if self.pending is not None and call in _CHANGES_STATE and not self.pending.staged.is_set():
+            start = time.perf_counter()
             self.pending.staged.wait()
+            self.waited_seconds += time.perf_counter() - start
         if self.pending is not None and self.pending.done():
             self.wait()
 

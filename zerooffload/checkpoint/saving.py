@@ -137,21 +137,27 @@ class RankWriters:
     states, waits for every write, fsyncs and gives the records (name -> size and CRC32C). Out of room: a
     ``CheckpointError`` naming the directory and the bytes, and this rank's files removed (the previous
     checkpoint stays). ``steps``: this rank's parameters' optimizer steps (``local_steps``), read with the
-    deferred parts, once ``updates_ran`` (if given) said the step's updates ran (``begin_save``)."""
+    deferred parts. Where every part is written from where it lies, ``write_in_place`` starts those writes
+    where the step's updates end (``begin_save``), and ``close`` waits for it first."""
 
-    def __init__(self, partial: Path, rank: int, size: int, aio: AsyncIO, engine: Trainable,
-                 updates_ran: Callable[[], bool] | None):
+    def __init__(self, partial: Path, rank: int, size: int, aio: AsyncIO, engine: Trainable):
         self.partial, self.rank, self.size, self.aio = partial, rank, size, aio
-        self._engine, self._updates_ran = engine, updates_ran
+        self._engine = engine
         self.steps: dict[str, float] = {}
         self.writers: list[ChecksummedWriter] = []
         self.files: dict[str, dict] = {}
         self.deferred: list[tuple[torch.Tensor | Block, int, Any]] = []
         """(part, bytes, range) of the rank file left for ``close``: a part of resident state to copy into
-        the ring, or a block on NVMe whose stored bytes are its segments, copied in the kernel into its
-        segments' ranges (``ChecksummedWriter.reserve``; async_save's note)."""
+        the ring or to write from where it lies, or a block on NVMe whose stored bytes are its segments,
+        copied in the kernel into its segments' ranges (``ChecksummedWriter.reserve``; async_save's note)."""
         self.staged = threading.Event()
         """Set once nothing of the live state is read any more: the state may change."""
+        self._handed_off: threading.Event | None = None
+        """Where ``write_in_place`` runs where the step's updates end (``hand_off``), not in ``close``: set
+        once it started the writes (or failed: ``_in_place_failure``)."""
+        self._in_place_failure: BaseException | None = None
+        self._written_in_place = False
+        """Some part is written from the live state: ``staged`` waits until those writes landed."""
         self.rng = {"cpu": torch.get_rng_state()}
         if torch.cuda.is_available():
             self.rng["cuda"] = torch.cuda.get_rng_state_all()
@@ -174,25 +180,56 @@ class RankWriters:
                 raise
             raise clear from error
 
-    def _stage(self) -> None:
+    def hand_off(self, updates: "StepUpdates") -> None:
+        """Every deferred part is written from where it lies: its writes start where the step's
+        ``updates`` end (on their worker, right after the last: ``StepUpdates.handoff``), not on the saves'
+        thread, which runs in idle time and would start them only when training next waits."""
+        self._handed_off = threading.Event()
         try:
-            if self._updates_ran is not None and not self._updates_ran():
+            updates.handoff(self.write_in_place)
+        except BaseException:  # an earlier update's failure, raised as the prepared ones were handed over
+            self._handed_off = None
+            raise
+
+    def write_in_place(self, updates_ran: bool) -> None:
+        """Read the steps and start the deferred parts' writes, from where they lie (the CRC32C taken here);
+        never raises: a failure is kept for ``close``."""
+        try:
+            if not updates_ran:
                 raise CheckpointError(f"{self.partial}: the step's updates failed before this save read the "
                                       "state (their error is raised by the engine's next call); nothing was "
                                       "published, the previous checkpoint is unchanged")
-            self.steps = local_steps(self._engine)  # the state does not change before ``staged`` is set
-            for part, nbytes, at in self.deferred:
-                if isinstance(part, Block) and part.resident:
-                    self.writers[0].write_from(part.data, at)
-                elif isinstance(part, Block):
-                    self.writers[0].copy_in(part, at)
-                else:
-                    self.writers[0].write(part, nbytes, at)
-            if any(isinstance(part, Block) and part.resident for part, _, _ in self.deferred):
+            self._write_deferred()
+        except BaseException as error:  # raised by close, on the saves' thread
+            self._in_place_failure = error
+        finally:
+            self._handed_off.set()
+
+    def _stage(self) -> None:
+        try:
+            if self._handed_off is None:
+                self._write_deferred()
+            elif self._handed_off.wait() and self._in_place_failure is not None:
+                raise self._in_place_failure
+            if self._written_in_place:
                 self.writers[0].landed()  # written from the live state: it may change once they landed
         finally:
             self.deferred = []
             self.staged.set()
+
+    def _write_deferred(self) -> None:
+        """The steps read, and every deferred part's write started (the state does not change before
+        ``staged`` is set)."""
+        self.steps = local_steps(self._engine)
+        deferred, self.deferred = self.deferred, []
+        for part, nbytes, at in deferred:
+            if isinstance(part, Block) and part.resident:
+                self.writers[0].write_from(part.data, at)
+                self._written_in_place = True
+            elif isinstance(part, Block):
+                self.writers[0].copy_in(part, at)
+            else:
+                self.writers[0].write(part, nbytes, at)
 
     def _close(self, writer: ChecksummedWriter) -> None:
         self.files[writer.path.name] = writer.close()
@@ -218,19 +255,18 @@ def _write_rank_files(engine: Trainable, partial: Path, ring: StagingRing | None
     are saved are left for ``close`` to copy in the kernel, and so are the other shards when their blocks
     are resident, to copy into the ring (the engine's next call that may change them waits for it:
     ``Saves.check``); the rest is copied here, each block while it is loaded. Where every shard is written
-    from where it lies, the step's ``updates`` are waited for by the saves' thread, else joined here."""
+    from where it lies, the step's ``updates`` start those writes as they end (``hand_off``), else they are
+    joined here."""
     rank = engine.comm.rank
     size = rank_file_bytes(engine)
     mine = [state for state in engine.opt_states if rank < state.unit.layout.shards]
     copied = [state for state in mine if ring is not None and _saved_as_stored(engine, state)]
     staged = [state for state in mine if state not in copied]
     later = ring is not None and all(state.block.resident for state in staged)
-    updates_ran = None
-    if updates is not None and not staged and all(state.block.resident for state in copied):
-        updates_ran = updates.handoff()  # every shard written from where it lies, by the saves' thread
-    elif updates is not None:
+    in_place = ring is not None and not staged and all(state.block.resident for state in copied)
+    if updates is not None and not in_place:
         updates.join()
-    writers = RankWriters(partial, rank, size, AsyncIO(engine.config.aio), engine, updates_ran)
+    writers = RankWriters(partial, rank, size, AsyncIO(engine.config.aio), engine)
     try:
         depth = checkpoint_depth(engine.config.aio)
         writer = ChecksummedWriter(partial / rank_file(rank, "bin"), writers.aio, size, writes_in_flight=depth,
@@ -260,6 +296,8 @@ def _write_rank_files(engine: Trainable, partial: Path, ring: StagingRing | None
             writers.writers.append(buffers)
             for _, buffer in persistent_buffers(engine.module):
                 buffers.write(buffer)
+        if in_place and updates is not None:
+            writers.hand_off(updates)
     except BaseException as error:
         writers.abandon()
         clear = out_of_space(error, partial, size) if isinstance(error, OSError) else None

@@ -160,6 +160,10 @@ class _Run:
     """Rank 0's prune after each save, while the steps go on (run_checkpoints' [Note: pruning])."""
     unpruned: bool = False
     """Whether the last save is yet to be pruned after."""
+    saves: int = 0
+    save_seconds: float = 0.0
+    """Time the loop spent in its saves' calls: room made, the save started (a blocking one whole), waits
+    for the last one and its prune; ``engine.saves.waited_seconds`` adds the engine's own waits for them."""
 
 
 def _train(args, engine, config: Config, corpus: ByteCorpus, resumed: tuple[int, list[float], dict],
@@ -179,8 +183,9 @@ def _train(args, engine, config: Config, corpus: ByteCorpus, resumed: tuple[int,
             _saved(engine, checkpoints, run, args.keep_last)
             run.pruner.wait()
         raise
-    _saved(engine, checkpoints, run, args.keep_last)  # the loop's time includes the last save's writes
-    run.pruner.wait()
+    with _holding(run):  # the loop's time includes the last save's writes
+        _saved(engine, checkpoints, run, args.keep_last)
+        run.pruner.wait()
     progress.close()
     run.seconds = time.perf_counter() - started
     return run
@@ -215,11 +220,24 @@ def _loop(args, engine, config: Config, corpus: ByteCorpus, checkpoints: Path, s
                                         "step_s": f"{elapsed:.3f}", **engine_postfix(engine.stats)})
         if args.save_every and (run.stopped_by is not None or run.last_step % args.save_every == 0
                                 or run.last_step == args.steps):
-            _save(engine, checkpoints, run, args.keep_last, background=config.train.async_save)
+            with _holding(run):
+                _save(engine, checkpoints, run, args.keep_last, background=config.train.async_save)
+            run.saves += 1
         elif run.pending is not None and run.pending.done():  # published: prune now, not at the next save
-            _saved(engine, checkpoints, run, args.keep_last)
+            with _holding(run):
+                _saved(engine, checkpoints, run, args.keep_last)
         if run.stopped_by is not None:
             break
+
+
+@contextlib.contextmanager
+def _holding(run: _Run):
+    """The block's wall time is the loop's time spent on saves (``run.save_seconds``)."""
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        run.save_seconds += time.perf_counter() - start
 
 
 def _run_shape(args: argparse.Namespace, config: Config, world: int) -> dict[str, int]:
@@ -294,7 +312,9 @@ def _summary(args, engine, run: _Run, model_config) -> dict:
             "precision": engine.config.train.precision, "seconds": round(run.seconds, 2),
             "tokens_per_second": round(run.tokens_per_step * (run.last_step - run.first_step) / run.seconds),
             "first_loss_mean": first, "last_loss_mean": last, "loss_ratio": last / first, "window": window,
-            "skipped_steps": engine.window.skipped_steps, "peak_bytes": dict(report.peaks), "losses": losses}
+            "skipped_steps": engine.window.skipped_steps, "peak_bytes": dict(report.peaks), "losses": losses,
+            "saves": {"count": run.saves, "in_background": engine.config.train.async_save,
+                      "held_seconds": round(run.save_seconds + engine.saves.waited_seconds, 4)}}
 
 
 def _print_summary(s: dict) -> None:
@@ -304,3 +324,7 @@ def _print_summary(s: dict) -> None:
           f"on {s['world_size']} rank(s), ZeRO stage {s['stage']}, {s['precision']}")
     print(f"loss: mean of first {s['window']} steps {s['first_loss_mean']:.3f} -> last {s['window']} "
           f"{s['last_loss_mean']:.3f} (x{s['loss_ratio']:.2f}); {s['tokens_per_second']:,} tokens/s")
+    if saves := s["saves"]["count"]:
+        how = "in the background" if s["saves"]["in_background"] else "blocking"
+        print(f"saves: {saves} {how}; they held the loop {s['saves']['held_seconds']:.2f} s "
+              f"({s['saves']['held_seconds'] / saves * 1e3:.1f} ms a save)")

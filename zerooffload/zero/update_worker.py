@@ -26,6 +26,8 @@ A DONE, FAILED or DROPPED update has let go of what it held (``release``: its un
   raises nothing, so the error being raised stays the one to see;
 - *no collectives*: ranks must issue collectives in one order, which only the autograd thread decides, so a
   worker's all-gathers wait for ``Publication.finish`` (publication's ``off_thread``).
+A reader of the updated state on another thread (a save in the background) asks to run right after one
+update (``after``): on the worker, told whether it ran, never taking the owner's failure.
 The thread lives from a backward's first submission to its join or abandon: none outlives its backward.
 The step's updates run on a worker of their own, the same way (step_updates' [Note: the step beside the next
 forward]): there ``wait_for`` waits for one unit's update, and its thread lives until the next join.
@@ -38,7 +40,7 @@ import enum
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -67,6 +69,8 @@ class _Update:
     run: Callable[[], None]
     release: Callable[[], None]
     state: UpdateState = UpdateState.SUBMITTED
+    followers: list[Callable[[bool], None]] = field(default_factory=list)
+    """Run on the worker once it ended (``UpdateWorker.after``)."""
 
 
 class UpdateWorker:
@@ -130,12 +134,15 @@ class UpdateWorker:
         if update.state is not UpdateState.DONE:
             self._raise_failure()
 
-    def ended(self, update: _Update) -> bool:
-        """On any thread: wait until ``update`` (and so every one before it) is no longer SUBMITTED, without
-        raising or taking a failure (the owner's next wait or join raises it); whether it ended DONE."""
+    def after(self, update: _Update, then: Callable[[bool], None]) -> None:
+        """Run ``then(done)`` once ``update`` (and so every one before it) ended, ``done`` whether it ended DONE:
+        on the worker thread right after it, or here and now if it ended already. ``then`` must not raise (it
+        would end the worker); it takes no failure from the owner, whose next wait or join raises it."""
         with self._cond:
-            self._wait_while(lambda: update in self._queue, counted=False)
-        return update.state is UpdateState.DONE
+            if update in self._queue:
+                update.followers.append(then)
+                return
+        then(update.state is UpdateState.DONE)
 
     def join(self) -> None:
         """Wait until no update is SUBMITTED and the thread ended; raise the first failure, if any."""
@@ -160,18 +167,17 @@ class UpdateWorker:
         self._thread.join()
         self._thread, self._stopping = None, False
 
-    def _wait_while(self, condition: Callable[[], bool], counted: bool = True) -> None:
-        """Wait (holding ``_cond``) while ``condition()``; ``counted``: a training thread's wait, time the
-        updates did not hide (``wait_seconds``, the trace), not another thread's (``ended``)."""
+    def _wait_while(self, condition: Callable[[], bool]) -> None:
+        """Wait (holding ``_cond``) while ``condition()``: time the updates did not hide (``wait_seconds``,
+        the trace)."""
         if not condition():
             return
         start = time.perf_counter()
         while condition():
             self._cond.wait()
         end = time.perf_counter()
-        if counted:
-            self.wait_seconds += end - start
-            RECORDER.complete("wait: updates", "waits", start, end)
+        self.wait_seconds += end - start
+        RECORDER.complete("wait: updates", "waits", start, end)
 
     def _raise_failure(self) -> None:
         error, self._error = self._error, None
@@ -193,7 +199,10 @@ class UpdateWorker:
             self._execute(update)
             with self._cond:
                 self._queue.popleft()
+                followers, update.followers = update.followers, []
                 self._cond.notify_all()
+            for then in followers:
+                then(update.state is UpdateState.DONE)
 
     def _execute(self, update: _Update) -> None:
         """Run one update (or drop it after a failure or an abandon), then release what it held."""
