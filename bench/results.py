@@ -159,6 +159,10 @@ BENCHES = [
     # issue 44: 300 steps plain stage 3 and with qwZ, qgZ, all three, 6 seeds: last-50 means within 1%; the loss plot
     Bench("zeropp_losses", "zeropp_losses.py", "--steps 300 --seeds 6 train.micro_batch_size=1 train.precision=fp32",
           "--steps 3 --seeds 2 --model nano train.precision=fp32", 7200, slow=True),
+    # issue 44: qwZ alone against plain stage 3 again, at six other seeds (6-11): the replication of its 0.9877
+    Bench("zeropp_losses_qwz_seeds_6_11", "zeropp_losses.py", "--steps 300 --first-seed 6 --seeds 6 --runs qwZ "
+          "train.micro_batch_size=1 train.precision=fp32",
+          "--steps 3 --first-seed 6 --seeds 2 --runs qwZ --model nano train.precision=fp32", 4800, slow=True),
     # the 7b on one GPU under 24 GiB against no offload and FSDP2 (issue 43); quick: its logic on a CPU
     Bench("gpu_workstation", "gpu_workstation.py", "", "--preset nano --batch 2 --seq 64", 480, needs="cuda",
           slow=True),

@@ -13,7 +13,8 @@ mean over the seeds: one seed's 300 steps at micro-batch 1 is one trajectory, an
 part's ratio by whole points (each seed's ratios are printed and recorded beside the judgement).
 hpZ alone is not run here: it is bitwise plain stage 3 (tests/test_two_nodes.py, tests/test_zeropp.py).
 
-    sudo python bench/zeropp_losses.py [--steps 300] [--seeds 1] [--model small] [--rate 200mbit]
+    sudo python bench/zeropp_losses.py [--steps 300] [--seeds 1] [--first-seed 0] [--runs qwZ,qgZ,...]
+                                       [--model small] [--rate 200mbit]
                                        [--plot FILE] [key=value ...]
 
 It needs root, as two_nodes.py does; without it one line says so and it exits with status 2.
@@ -46,6 +47,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--seeds", type=int, default=1, help="runs of each at train.seed 0 .. N-1, judged on the mean")
+    parser.add_argument("--first-seed", type=int, default=0, help="seeds FIRST .. FIRST+N-1 instead (a replication)")
+    parser.add_argument("--runs", default=",".join(list(RUNS)[1:]),
+                        help="the ZeRO++ runs beside plain stage 3, comma-separated (default: all three)")
     parser.add_argument("--model", default="small")
     parser.add_argument("--rate", default=None, help="shape the link with tc tbf (e.g. 200mbit); unshaped without")
     parser.add_argument("--timeout", type=float, default=3 * 3600, help="seconds one run may take")
@@ -57,19 +61,23 @@ def main() -> int:
               file=sys.stderr)
         return 2
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))  # the link is deleted
-    by_seed: dict[str, list[list[float]]] = {name: [] for name in RUNS}
+    runs = {name: keys for name, keys in RUNS.items() if name == "plain stage 3" or name in args.runs.split(",")}
+    if len(runs) < 2:
+        parser.error(f"--runs {args.runs!r}: expected some of {', '.join(list(RUNS)[1:])}")
+    by_seed: dict[str, list[list[float]]] = {name: [] for name in runs}
     with two_nodes(args.rate) as link, tempfile.TemporaryDirectory(prefix="zo-zeropp-losses-") as tmp:
-        for seed in range(args.seeds):
-            for name, keys in RUNS.items():
+        seeds = range(args.first_seed, args.first_seed + args.seeds)
+        for seed in seeds:
+            for name, keys in runs.items():
                 print(f"{name}, seed {seed}: {args.steps} steps", flush=True)
                 command = ["-m", "zerooffload", "train", "--model", args.model, *BASE, *args.overrides, *keys,
                            f"train.seed={seed}"]
                 by_seed[name].append(train(link, command, args.steps, Path(tmp) / "out", args.timeout)["losses"])
-    seeds = f", mean of seeds 0-{args.seeds - 1}" if args.seeds > 1 else ""
+    named = f", mean of seeds {seeds[0]}-{seeds[-1]}" if args.seeds > 1 else f", seed {seeds[0]}" if seeds[0] else ""
     title = (f"{args.model}, stage 3, 2 nodes x 2 ranks, {' '.join(args.overrides) or 'defaults'}, {args.steps} steps"
-             f"{seeds}: last-{TAIL}-step mean loss")
+             f"{named}: last-{TAIL}-step mean loss")
     if args.seeds > 1:
-        each_seed(by_seed, title)
+        each_seed(by_seed, title, seeds)
     curves = {name: [statistics.fmean(step) for step in zip(*runs)] for name, runs in by_seed.items()}
     failed = judge_tails(curves, title, BOUND, TAIL)
     if args.plot:
@@ -78,11 +86,10 @@ def main() -> int:
     return 1 if failed else 0
 
 
-def each_seed(by_seed: dict[str, list[list[float]]], title: str) -> None:
+def each_seed(by_seed: dict[str, list[list[float]]], title: str, seeds: range) -> None:
     """Print and record each seed's last-``TAIL``-step mean of every run over plain stage 3's at that seed
     (shown beside the judgement, which reads the mean over seeds)."""
     reference, *others = by_seed
-    seeds = range(len(by_seed[reference]))
     print(f"\n| run | {' | '.join(f'seed {s}' for s in seeds)} |\n|---|{'---|' * len(seeds)}")
     for name in others:
         ratios = [statistics.fmean(run[-TAIL:]) / statistics.fmean(plain[-TAIL:])
