@@ -153,8 +153,8 @@ class RankWriters:
         self.staged = threading.Event()
         """Set once nothing of the live state is read any more: the state may change."""
         self._handed_off: threading.Event | None = None
-        """Where ``write_in_place`` runs where the step's updates end (``hand_off``), not in ``close``: set
-        once it started the writes (or failed: ``_in_place_failure``)."""
+        """Set once ``write_in_place``, run where the step's updates end (``hand_off``), started the writes
+        or failed (``_in_place_failure``); None when ``close`` starts them."""
         self._in_place_failure: BaseException | None = None
         self._written_in_place = False
         """Some part is written from the live state: ``staged`` waits until those writes landed."""
