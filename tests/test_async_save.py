@@ -197,15 +197,17 @@ def test_a_second_save_waits_for_the_first_and_close_waits_for_the_last(tmp_path
 
 
 @pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="SCHED_IDLE is Linux's")
-def test_the_saves_thread_runs_in_idle_time_and_training_keeps_its_class(tmp_path, make_engine):
-    """threads' [Note: work in idle time]: the saves' thread alone is in SCHED_IDLE."""
+def test_a_save_publishes_in_idle_time_and_stages_at_training_priority(tmp_path, make_engine):
+    """threads' [Note: work in idle time]: the thread that publishes (what nothing waits for) alone is in
+    SCHED_IDLE; the one that stages (what the next backward may wait for) and training keep their class."""
     import threading
 
     engine = make_engine(make_model(), _config(HOST, tmp_path))
     _train(engine, 0, 1)
     engine.save_checkpoint(tmp_path / "ckpt", blocking=False).wait()
-    saves = [thread for thread in threading.enumerate() if thread.name == "zerooffload-save"]
-    assert len(saves) == 1 and os.sched_getscheduler(saves[0].native_id) == os.SCHED_IDLE
+    named = {thread.name: thread for thread in threading.enumerate()}
+    assert os.sched_getscheduler(named["zerooffload-publish"].native_id) == os.SCHED_IDLE
+    assert os.sched_getscheduler(named["zerooffload-save"].native_id) == os.SCHED_OTHER
     assert os.sched_getscheduler(0) == os.SCHED_OTHER
 
 

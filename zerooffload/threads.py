@@ -14,15 +14,18 @@ once, when torch loads, so this runs first thing in ``import zerooffload``; a se
 when torch was imported first. ``train.threads`` sets torch's thread count (0: torch's default).
 
 [Note: work in idle time]
-Work beside training that has seconds to finish, a checkpoint saved in the background, runs on a thread
-of the lowest scheduling class (Linux ``SCHED_IDLE``): it gets a core only when no other thread of the
-machine wants it. On a machine whose cores all run torch's threads, a normal thread's few milliseconds of
-CRC and write submission preempt one of them, and the other waits for it at the parallel region's end, so
-the step loses more than the thread ran. In idle time it runs in the step's gaps (Python between kernels,
-waits for the link or the disk) instead. It is not starved: the class keeps a small share of a busy core
-(CFS weight 3 against a normal thread's 1024), and what waits for it (the next state-changing engine
-call, the end of the run) blocks a training thread, which frees a core. Where the class does not exist
-(not Linux) the thread keeps its priority.
+Work beside training that nothing waits for and that has seconds to finish (a checkpoint's publication:
+its writes landed, fsync, manifest, rename) runs on a thread of the lowest scheduling class (Linux
+``SCHED_IDLE``): it gets a core only when no other thread of the machine wants it. On a machine whose
+cores all run torch's threads, a normal thread's few milliseconds preempt one of them, and the other
+waits for it at the parallel region's end, so the step loses more than the thread ran. In idle time it
+runs in the step's gaps (Python between kernels, waits for the link or the disk) instead. Work that
+training will wait for must not be there: a blocked training thread does not free a core for it while
+torch's other threads spin and the step's I/O threads run (a save's copy of NVMe state, in idle time,
+held the loop 332 ms a save, at normal priority 77 ms), so a save stages the state on a thread
+of normal priority and publishes it on one in idle time (async_save's note). The class keeps a small
+share of a busy core (CFS weight 3 against a normal thread's 1024), so the idle thread is never starved
+for good. Where the class does not exist (not Linux) the thread keeps its priority.
 """
 from __future__ import annotations
 

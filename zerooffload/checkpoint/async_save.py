@@ -20,8 +20,8 @@ and returns a ``SaveHandle`` (``wait()``, ``done()``, ``path``) while the files 
   state held in memory (optimizer blocks resident: host or device) is left where it is for now; other
   state on NVMe is read block by block as a blocking save reads it (``ShardedState.visit``) and copied
   into the *staging ring* (``StagingRing``) as each block is loaded, its writes started at once.
-- *On the saves' thread* (one per engine, ``_run_tasks``, run in the machine's idle time: threads'
-  [Note: work in idle time]): blocks on NVMe left for it are copied from the swap file to the rank file
+- *On the saves' staging thread* (``zerooffload-save``, one per engine, at normal priority: the
+  engine's next calls may wait for it): blocks on NVMe left for it are copied from the swap file to the rank file
   (``os.copy_file_range``), their CRC32C joined from the digests the swap store took as it wrote them
   (``SwapStore.copy_out``: never from bytes nobody read back); resident state is copied into the ring
   piece by piece, each piece's O_DIRECT write started as it is copied; when the ring is full the copy
@@ -29,8 +29,9 @@ and returns a ``SaveHandle`` (``wait()``, ``done()``, ``path``) while the files 
   ``staged`` is set: until then the engine's next call that
   may change the state (``backward``, ``step``, ``load_checkpoint``, ``gathered``: ``Saves.check``)
   waits for it, so past the ring's room the next update waits for the writes; forward does not wait.
-  Each piece's CRC32C is taken when its write ends (in file order: they end oldest first). Then the
-  writes are waited for and the files fsynced, every rank's file records (or its error) gathered, rank
+  Each piece's CRC32C is taken when its write ends (in file order: they end oldest first). Then, on
+  the saves' publishing thread (``zerooffload-publish``, in the machine's idle time: threads' [Note:
+  work in idle time]; nothing waits for it before the next save or the end), the writes are waited for and the files fsynced, every rank's file records (or its error) gathered, rank
   0 writes the manifest and its digest and publishes the tag (files' [Note: publishing a tag]), and a
   barrier closes it. At world size > 1 those collectives run on a gloo group made for the saves at
   the first one (``Saves._comm``), never on the engine's group, whose direct-exchange tags come from
@@ -77,7 +78,7 @@ class SaveHandle:
     """A checkpoint being finished in the background (see the note): ``done()`` says whether it ended,
     ``wait()`` waits and returns its path or raises its error."""
 
-    def __init__(self, begun: BegunSave, comm: Comm, worker: "queue.SimpleQueue"):
+    def __init__(self, begun: BegunSave, comm: Comm, stager: "_TaskThread", publisher: "_TaskThread"):
         self.path: Path = begun.path
         self.staged = begun.writers.staged
         """Set once the save reads nothing of the live state any more (``Saves.check``)."""
@@ -85,7 +86,7 @@ class SaveHandle:
         self._error: BaseException | None = None
         self.reported = False
         """Whether its error was raised already (by ``wait``): the engine does not raise it again."""
-        worker.put(lambda: self._finish(begun, comm))
+        stager.put(lambda: (begun.writers.stage(), publisher.put(lambda: self._finish(begun, comm))))
 
     def _finish(self, begun: BegunSave, comm: Comm) -> None:
         try:
@@ -121,9 +122,9 @@ class Saves:
         self._previous: str | None = None
         """The checkpoint the engine named before the save in flight (``window.last_checkpoint``), its
         fallback if that one fails."""
-        self._worker: queue.SimpleQueue | None = None
-        """Tasks of the saves' thread (``_run_tasks``), started at the first save in the background."""
-        self._thread: threading.Thread | None = None
+        self._threads: tuple[_TaskThread, _TaskThread] | None = None
+        """The saves' two threads, started at the first save in the background: one stages the state (what
+        the engine's next calls may wait for), one in idle time publishes it (what nothing waits for)."""
         self.waited_seconds = 0.0
         """Time engine calls that may change the state waited for a save in the background to copy it
         (``check``): what saves held the caller for beyond ``save_checkpoint`` and the waits for their end."""
@@ -131,7 +132,8 @@ class Saves:
     def save(self, directory: str | os.PathLike, tag: str | None, client_state: dict | None, blocking: bool,
              updates: "StepUpdates") -> Path | SaveHandle:
         """``updates``: the step's, which may still run beside what follows the step (step_updates' note):
-        joined before anything is read, or waited for by the saves' thread (``begin_save``; see the note)."""
+        joined before anything is read, or left to start the writes as they end (``begin_save``; see the
+        note)."""
         self.wait()
         if blocking:
             path = save_checkpoint(self.engine, directory, tag, client_state, updates)
@@ -139,12 +141,9 @@ class Saves:
             return path
         begun = begin_save(self.engine, directory, tag, client_state, ring=self._staging(), updates=updates)
         self._previous, self.engine.window.last_checkpoint = self.engine.window.last_checkpoint, str(begun.path)
-        if self._worker is None:  # one thread for every save: starting one costs the caller a GIL switch
-            self._worker = queue.SimpleQueue()
-            self._thread = threading.Thread(target=_run_tasks, args=(self._worker,), name="zerooffload-save",
-                                            daemon=True)
-            self._thread.start()
-        self.pending = SaveHandle(begun, self._comm(), self._worker)
+        if self._threads is None:  # the same two for every save: starting one costs the caller a GIL switch
+            self._threads = (_TaskThread("zerooffload-save", idle=False), _TaskThread("zerooffload-publish", idle=True))
+        self.pending = SaveHandle(begun, self._comm(), *self._threads)
         return self.pending
 
     def load(self, directory: str | os.PathLike, tag: str | None, verify: bool) -> dict | None:
@@ -187,18 +186,18 @@ class Saves:
             failure: BaseException | None = error
         else:
             failure = None
-        self._stop_thread()
+        self._stop_threads()
         yield
         if failure is not None:
             raise failure
 
-    def _stop_thread(self) -> None:
-        """End the saves' thread once its last task has returned, so that no save code runs while the
+    def _stop_threads(self) -> None:
+        """End the saves' threads once their last tasks have returned, so that no save code runs while the
         process exits (a thread inside torch at interpreter exit can abort it: see the engine's close)."""
-        if self._thread is not None:
-            self._worker.put(None)
-            self._thread.join()
-            self._thread, self._worker = None, None
+        if self._threads is not None:
+            for thread in self._threads:
+                thread.stop()
+            self._threads = None
 
     def _staging(self) -> StagingRing:
         """The ring, made at the first non-blocking save: ``train.save_staging`` bytes, no more than this
@@ -222,9 +221,25 @@ _CHANGES_STATE = frozenset({"backward", "step", "load_checkpoint", "gathered"})
 """Engine calls that may change what a save reads (masters, moments, weights): forward does not."""
 
 
-def _run_tasks(tasks: queue.SimpleQueue) -> None:
-    """The saves' thread: each task in turn (a task records its own failure), until a None says stop; in
-    the machine's idle time (threads' [Note: work in idle time])."""
-    in_idle_time()
-    while (task := tasks.get()) is not None:
-        task()
+class _TaskThread:
+    """One thread running tasks in turn (a task records its own failure), in the machine's idle time or
+    not (threads' [Note: work in idle time])."""
+
+    def __init__(self, name: str, idle: bool):
+        self._tasks: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, args=(idle,), name=name, daemon=True)
+        self._thread.start()
+
+    def put(self, task: Callable[[], object]) -> None:
+        self._tasks.put(task)
+
+    def stop(self) -> None:
+        """Once the tasks put before have returned."""
+        self._tasks.put(None)
+        self._thread.join()
+
+    def _run(self, idle: bool) -> None:
+        if idle:
+            in_idle_time()
+        while (task := self._tasks.get()) is not None:
+            task()

@@ -132,8 +132,9 @@ def _check_tag(tag: str) -> None:
 
 
 class RankWriters:
-    """This rank's data files being written into ``partial``. ``close`` stages the parts left for it
-    (``deferred``: views of resident state, which stays as it is until ``staged`` is set), writes the RNG
+    """This rank's data files being written into ``partial``. ``stage`` (a save's staging thread, else
+    ``close``) writes the parts left for it (``deferred``: views of resident state, which stays as it is
+    until ``staged`` is set); ``close`` writes the RNG
     states, waits for every write, fsyncs and gives the records (name -> size and CRC32C). Out of room: a
     ``CheckpointError`` naming the directory and the bytes, and this rank's files removed (the previous
     checkpoint stays). ``steps``: this rank's parameters' optimizer steps (``local_steps``), read with the
@@ -154,8 +155,9 @@ class RankWriters:
         """Set once nothing of the live state is read any more: the state may change."""
         self._handed_off: threading.Event | None = None
         """Set once ``write_in_place``, run where the step's updates end (``hand_off``), started the writes
-        or failed (``_in_place_failure``); None when ``close`` starts them."""
-        self._in_place_failure: BaseException | None = None
+        or failed (``_failure``); None when ``stage`` starts them."""
+        self._failure: BaseException | None = None
+        """A failure of the staging (``stage``, ``write_in_place``: off the thread that closes), for ``close``."""
         self._written_in_place = False
         """Some part is written from the live state: ``staged`` waits until those writes landed."""
         self.rng = {"cpu": torch.get_rng_state()}
@@ -166,7 +168,9 @@ class RankWriters:
         try:
             with self.aio:
                 try:
-                    self._stage()
+                    self.stage()
+                    if self._failure is not None:
+                        raise self._failure
                     rng_path = self.partial / rank_file(self.rank, "pt")
                     torch.save(self.rng, rng_path)
                     self.files[rng_path.name] = file_record(rng_path)
@@ -200,19 +204,25 @@ class RankWriters:
                                       "state (their error is raised by the engine's next call); nothing was "
                                       "published, the previous checkpoint is unchanged")
             self._write_deferred()
-        except BaseException as error:  # raised by close, on the saves' thread
-            self._in_place_failure = error
+        except BaseException as error:  # raised by close
+            self._failure = error
         finally:
             self._handed_off.set()
 
-    def _stage(self) -> None:
+    def stage(self) -> None:
+        """Once (later calls return at once): the deferred parts written or copied, those written from the
+        live state landed, then ``staged`` set; never raises: a failure is kept for ``close``."""
+        if self.staged.is_set():
+            return
         try:
             if self._handed_off is None:
                 self._write_deferred()
-            elif self._handed_off.wait() and self._in_place_failure is not None:
-                raise self._in_place_failure
+            elif self._handed_off.wait() and self._failure is not None:
+                return
             if self._written_in_place:
                 self.writers[0].landed()  # written from the live state: it may change once they landed
+        except BaseException as error:
+            self._failure = error
         finally:
             self.deferred = []
             self.staged.set()
