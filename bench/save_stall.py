@@ -95,7 +95,8 @@ def stall(args: argparse.Namespace, root: Path, name: str, layout: list[str], st
 
     def measure(label: str, side: str | None):
         def once() -> float:
-            summary, checkpoint["bytes"] = _run_once(work, layout, steps, side)
+            summary, written = _run_once(work, layout, steps, side)
+            checkpoint["bytes"] = max(written, checkpoint.get("bytes", 0))  # a run without saves wrote none
             held.setdefault(label, []).append(summary["saves"]["held_seconds"] / saves)
             return summary["seconds"]
         return once

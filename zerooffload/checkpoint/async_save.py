@@ -21,19 +21,19 @@ and returns a ``SaveHandle`` (``wait()``, ``done()``, ``path``) while the files 
   state on NVMe is read block by block as a blocking save reads it (``ShardedState.visit``) and copied
   into the *staging ring* (``StagingRing``) as each block is loaded, its writes started at once.
 - *On the saves' staging thread* (``zerooffload-save``, one per engine, at normal priority: the
-  engine's next calls may wait for it): blocks on NVMe left for it are copied from the swap file to the rank file
-  (``os.copy_file_range``), their CRC32C joined from the digests the swap store took as it wrote them
-  (``SwapStore.copy_out``: never from bytes nobody read back); resident state is copied into the ring
-  piece by piece, each piece's O_DIRECT write started as it is copied; when the ring is full the copy
-  waits for its oldest writes to land; writes started from where the state lies are waited for. Then
-  ``staged`` is set: until then the engine's next call that
-  may change the state (``backward``, ``step``, ``load_checkpoint``, ``gathered``: ``Saves.check``)
-  waits for it, so past the ring's room the next update waits for the writes; forward does not wait.
-  Each piece's CRC32C is taken when its write ends (in file order: they end oldest first). Then, on
-  the saves' publishing thread (``zerooffload-publish``, in the machine's idle time: threads' [Note:
-  work in idle time]; nothing waits for it before the next save or the end), the writes are waited for and the files fsynced, every rank's file records (or its error) gathered, rank
-  0 writes the manifest and its digest and publishes the tag (files' [Note: publishing a tag]), and a
-  barrier closes it. At world size > 1 those collectives run on a gloo group made for the saves at
+  engine's next calls may wait for it): blocks on NVMe left for it are copied from the swap file to
+  the rank file (``os.copy_file_range``), their CRC32C joined from the digests the swap store took as
+  it wrote them (``SwapStore.copy_out``: never from bytes nobody read back); resident state is copied
+  into the ring piece by piece, each piece's O_DIRECT write started as it is copied; when the ring is
+  full the copy waits for its oldest writes to land; writes started from where the state lies are
+  waited for. Then ``staged`` is set: until then the engine's next call that may change the state
+  (``backward``, ``step``, ``load_checkpoint``, ``gathered``: ``Saves.check``) waits for it, so past
+  the ring's room the next update waits for the writes; forward does not wait. Each piece's CRC32C is
+  taken when its write ends (in file order: they end oldest first). Then, on the saves' publishing
+  thread (``zerooffload-publish``, in the machine's idle time: threads' [Note: work in idle time];
+  nothing waits for it before the next save or the end), the writes are waited for and the files
+  fsynced, every rank's file records (or its error) gathered, rank 0 writes the manifest and its
+  digest and publishes the tag (files' [Note: publishing a tag]), and a barrier closes it. At world size > 1 those collectives run on a gloo group made for the saves at
   the first one (``Saves._comm``), never on the engine's group, whose direct-exchange tags come from
   one sequence on the training thread.
 - *The ring* is host memory of ``train.save_staging`` bytes at most, never more than this rank's state

@@ -11,7 +11,7 @@ import json
 import os
 import threading
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -186,8 +186,8 @@ class RankWriters:
 
     def hand_off(self, updates: "StepUpdates") -> None:
         """Every deferred part is written from where it lies: its writes start where the step's
-        ``updates`` end (on their worker, right after the last: ``StepUpdates.handoff``), not on the saves'
-        thread, which runs in idle time and would start them only when training next waits."""
+        ``updates`` end (on their worker, right after the last: ``StepUpdates.handoff``), so they land
+        while the next forward runs and the stage only waits for them."""
         self._handed_off = threading.Event()
         try:
             updates.handoff(self.write_in_place)
