@@ -112,7 +112,7 @@ def test_a_save_in_the_background_waits_for_the_steps_updates_still_running(tmp_
     """The step's updates run beside what follows the step (step_updates' note), here slowed so that each is
     still running when the save is called: the saves' thread waits for them, so the background save holds
     the updated state and step counts, the bytes a blocking save (which joins them first) then writes. Its
-    writes start on the updates' worker as the last update ends (not in the saves' idle-time thread)."""
+    writes start on the saves' staging thread (not in the saves' idle-time thread, nor on the caller's)."""
     import threading
     import time
 
@@ -129,7 +129,7 @@ def test_a_save_in_the_background_waits_for_the_steps_updates_still_running(tmp_
     engine.save_checkpoint(tmp_path / "background", tag="t", blocking=False).wait()
     engine.save_checkpoint(tmp_path / "blocking", tag="t")
     assert _files(tmp_path / "background" / "t") == _files(tmp_path / "blocking" / "t")
-    assert writers == {"zerooffload-update"}
+    assert writers == {"zerooffload-save"}
 
 
 @pytest.mark.parametrize("base, staging", [(HOST, "1GiB"), (HOST, 8192), (FP32_NVME, "1GiB")],

@@ -98,22 +98,27 @@ def test_abandon_waits_for_the_running_update_and_drops_the_rest():
     assert ran == ["running"] and released == ["running", "queued"] and not _worker_threads()
 
 
-def test_after_runs_on_the_worker_once_the_update_ended_or_at_once_if_it_had():
-    """``after``: what a reader of the updated state runs (a save's writes) follows the update on the worker,
-    told whether it ran; the owner's failure stays the owner's to raise."""
+def test_ended_waits_on_another_thread_for_the_update_and_says_whether_it_ran():
+    """``ended``: a reader of the updated state (a save's staging thread) waits for one update, told whether
+    it ran; the owner's failure stays the owner's to raise."""
     worker, seen, gate = UpdateWorker(2, torch.device("cpu")), [], threading.Event()
     good = worker.submit("good", lambda: gate.wait(5), lambda: seen.append("released good"))
     bad = worker.submit("bad", lambda: 1 / 0, lambda: seen.append("released bad"))
-    worker.after(good, lambda done: seen.append(("after good", done, threading.current_thread().name)))
-    worker.after(bad, lambda done: seen.append(("after bad", done, threading.current_thread().name)))
-    assert seen == []  # the first update is held at the gate: nothing followed it yet
+    readers = [threading.Thread(target=lambda u=u, n=n: seen.append((n, worker.ended(u)))) for u, n in
+               ((good, "good ended"), (bad, "bad ended"))]
+    for reader in readers:
+        reader.start()
+    time.sleep(0.1)
+    assert seen == []  # the first update is held at the gate: neither reader returned
     gate.set()
-    with pytest.raises(ZeroDivisionError):
+    for reader in readers:
+        reader.join(5)
+    assert ("good ended", True) in seen and ("bad ended", False) in seen
+    assert seen.index("released good") < seen.index(("good ended", True))
+    assert seen.index("released bad") < seen.index(("bad ended", False))
+    with pytest.raises(ZeroDivisionError):  # not taken by the readers
         worker.join()
-    assert seen == ["released good", ("after good", True, "zerooffload-update"),
-                    "released bad", ("after bad", False, "zerooffload-update")]
-    worker.after(good, lambda done: seen.append(("at once", done, threading.current_thread().name)))
-    assert seen[-1] == ("at once", True, threading.current_thread().name)
+    assert worker.ended(good) is True  # ended already: at once
 
 
 # ---------------------------------------------------------------------------------------------- the engine

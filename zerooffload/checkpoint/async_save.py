@@ -6,12 +6,12 @@ its state is copied into, and the engine's saves (at most one in flight, its err
 and returns a ``SaveHandle`` (``wait()``, ``done()``, ``path``) while the files are written:
 - *The step's updates* (step_updates' [Note: the step beside the next forward]) may still be running
   when the save is called. Where every part of this rank's file is written from where it lies (each
-  optimizer block in host memory, stored as the checkpoint stores it: see below), their worker starts
-  this rank's writes right after the last of them (``StepUpdates.handoff``, ``RankWriters.hand_off``:
-  the parameters' optimizer steps read, each block's CRC32C taken and its O_DIRECT write submitted from
-  where it lies), so they still run beside the next forward, as in a step without a save, and the
-  writes land while it runs; otherwise (a blocking save, state on NVMe, a part to convert) the call
-  joins them first.
+  optimizer block in host memory, stored as the checkpoint stores it: see below), the saves' staging
+  thread waits for the last of them and then starts this rank's writes (``StepUpdates.last_update``,
+  ``RankWriters.after_updates``: the parameters' optimizer steps read, each block's CRC32C taken and its
+  O_DIRECT write submitted from where it lies), so they still run beside the next forward, as in a
+  step without a save, and the writes land while it runs; otherwise (a blocking save, state on NVMe, a
+  part to convert) the call joins them first.
 - *On the calling thread* (``saving.begin_save``): ``<tag>.partial`` is made and its files opened
   (preallocated), the manifest's values (schedule, scaler, counters, client state),
   the RNG states and the module's buffers are taken, and the parts of this rank's data file are named:

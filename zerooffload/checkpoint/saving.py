@@ -11,7 +11,7 @@ import json
 import os
 import threading
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 from torch import nn
@@ -138,8 +138,8 @@ class RankWriters:
     states, waits for every write, fsyncs and gives the records (name -> size and CRC32C). Out of room: a
     ``CheckpointError`` naming the directory and the bytes, and this rank's files removed (the previous
     checkpoint stays). ``steps``: this rank's parameters' optimizer steps (``local_steps``), read with the
-    deferred parts. Where every part is written from where it lies, ``write_in_place`` starts those writes
-    where the step's updates end (``begin_save``), and ``close`` waits for it first."""
+    deferred parts. Where every part is written from where it lies, ``stage`` first waits for the step's
+    updates to end (``after_updates``)."""
 
     def __init__(self, partial: Path, rank: int, size: int, aio: AsyncIO, engine: Trainable):
         self.partial, self.rank, self.size, self.aio = partial, rank, size, aio
@@ -153,11 +153,11 @@ class RankWriters:
         copied in the kernel into its segments' ranges (``ChecksummedWriter.reserve``; async_save's note)."""
         self.staged = threading.Event()
         """Set once nothing of the live state is read any more: the state may change."""
-        self._handed_off: threading.Event | None = None
-        """Set once ``write_in_place``, run where the step's updates end (``hand_off``), started the writes
-        or failed (``_failure``); None when ``stage`` starts them."""
+        self.after_updates: Callable[[], bool] = lambda: True
+        """Waits until the step's updates that write the deferred parts' state ended; whether every one ran
+        (``StepUpdates.last_update``; ``begin_save``)."""
         self._failure: BaseException | None = None
-        """A failure of the staging (``stage``, ``write_in_place``: off the thread that closes), for ``close``."""
+        """A failure of the staging (``stage``: off the thread that closes), for ``close``."""
         self._written_in_place = False
         """Some part is written from the live state: ``staged`` waits until those writes landed."""
         self.rng = {"cpu": torch.get_rng_state()}
@@ -184,41 +184,17 @@ class RankWriters:
                 raise
             raise clear from error
 
-    def hand_off(self, updates: "StepUpdates") -> None:
-        """Every deferred part is written from where it lies: its writes start where the step's
-        ``updates`` end (on their worker, right after the last: ``StepUpdates.handoff``), so they land
-        while the next forward runs and the stage only waits for them."""
-        self._handed_off = threading.Event()
-        try:
-            updates.handoff(self.write_in_place)
-        except BaseException:  # an earlier update's failure, raised as the prepared ones were handed over
-            self._handed_off = None
-            raise
-
-    def write_in_place(self, updates_ran: bool) -> None:
-        """Read the steps and start the deferred parts' writes, from where they lie (the CRC32C taken here);
-        never raises: a failure is kept for ``close``."""
-        try:
-            if not updates_ran:
-                raise CheckpointError(f"{self.partial}: the step's updates failed before this save read the "
-                                      "state (their error is raised by the engine's next call); nothing was "
-                                      "published, the previous checkpoint is unchanged")
-            self._write_deferred()
-        except BaseException as error:  # raised by close
-            self._failure = error
-        finally:
-            self._handed_off.set()
-
     def stage(self) -> None:
         """Once (later calls return at once): the deferred parts written or copied, those written from the
         live state landed, then ``staged`` set; never raises: a failure is kept for ``close``."""
         if self.staged.is_set():
             return
         try:
-            if self._handed_off is None:
-                self._write_deferred()
-            elif self._handed_off.wait() and self._failure is not None:
-                return
+            if not self.after_updates():
+                raise CheckpointError(f"{self.partial}: the step's updates failed before this save read the "
+                                      "state (their error is raised by the engine's next call); nothing was "
+                                      "published, the previous checkpoint is unchanged")
+            self._write_deferred()
             if self._written_in_place:
                 self.writers[0].landed()  # written from the live state: it may change once they landed
         except BaseException as error:
@@ -265,8 +241,9 @@ def _write_rank_files(engine: Trainable, partial: Path, ring: StagingRing | None
     are saved are left for ``close`` to copy in the kernel, and so are the other shards when their blocks
     are resident, to copy into the ring (the engine's next call that may change them waits for it:
     ``Saves.check``); the rest is copied here, each block while it is loaded. Where every shard is written
-    from where it lies, the step's ``updates`` start those writes as they end (``hand_off``), else they are
-    joined here."""
+    from where it lies, ``stage`` waits for the step's ``updates`` to end (``RankWriters.after_updates``)
+    and starts those writes then, so the updates still run beside the next forward; else they are joined
+    here."""
     rank = engine.comm.rank
     size = rank_file_bytes(engine)
     mine = [state for state in engine.opt_states if rank < state.unit.layout.shards]
@@ -307,7 +284,7 @@ def _write_rank_files(engine: Trainable, partial: Path, ring: StagingRing | None
             for _, buffer in persistent_buffers(engine.module):
                 buffers.write(buffer)
         if in_place and updates is not None:
-            writers.hand_off(updates)
+            writers.after_updates = updates.last_update()
     except BaseException as error:
         writers.abandon()
         clear = out_of_space(error, partial, size) if isinstance(error, OSError) else None

@@ -26,8 +26,8 @@ for). The rules:
   checkpoints' saves and loads, ``full_state_dict``, ``gathered`` and the state dicts, all collective, join
   them (``join``: every update, the rest of the all-gathers, the last optimizer block stored); ``close``
   waits for them and drops the all-gathers not started. A save in the background that writes the state
-  from where it lies in host memory starts its writes on the worker right after the last update
-  (``handoff``: async_save's note), so the updates still run beside the next forward;
+  from where it lies in host memory has its staging thread wait for the last update and start its writes
+  then (``last_update``: async_save's note), so the updates still run beside the next forward;
 - *a failure* drops the updates after it (they are never run), and its very exception (an ``AioError``'s one
   line naming file and offset) is raised by the next wait or join: in the next engine call that uses the
   state or the weights. The weights are then part-updated, as a step failing half-way leaves them;
@@ -132,18 +132,18 @@ class StepUpdates:
             raise
         self._end()
 
-    def handoff(self, then: Callable[[bool], None]) -> None:
-        """In place of ``join``, for a reader of the optimizer state (a save in the background writing it from
-        where it lies): the prepared updates handed to the worker, and ``then(ran)`` run on the worker right
-        after the last of them (``ran``: every one ran; a failure is left for this thread's next wait or join),
-        or here and now when none is left. ``then`` must not raise. The round stays running: the next
-        forward's waits and the next backward's join go on as without it."""
+    def last_update(self) -> Callable[[], bool]:
+        """In place of ``join``, for a reader of the optimizer state on another thread (a save in the
+        background writing it from where it lies): the prepared updates handed to the worker, and a wait,
+        for that thread, until the last of them ended, returning whether every one ran (a failure is left
+        for this thread's next wait or join). The round stays running: the next forward's waits and the
+        next backward's join go on as without it."""
         if self.running:
             self.start()
         if not self.running or not self._submitted:
-            then(True)
-            return
-        self.worker.after(next(reversed(self._submitted.values())), then)
+            return lambda: True
+        last = next(reversed(self._submitted.values()))
+        return lambda: self.worker.ended(last)
 
     def close(self) -> None:
         """The engine closes: wait for the updates (a failure raises, after), drop the all-gathers not started."""

@@ -26,8 +26,8 @@ A DONE, FAILED or DROPPED update has let go of what it held (``release``: its un
   raises nothing, so the error being raised stays the one to see;
 - *no collectives*: ranks must issue collectives in one order, which only the autograd thread decides, so a
   worker's all-gathers wait for ``Publication.finish`` (publication's ``off_thread``).
-A reader of the updated state on another thread (a save in the background) asks to run right after one
-update (``after``): on the worker, told whether it ran, never taking the owner's failure.
+A reader of the updated state on another thread (a save in the background) waits until one update ended
+(``ended``): told whether it ran, never taking the owner's failure.
 The thread lives from a backward's first submission to its join or abandon: none outlives its backward.
 The step's updates run on a worker of their own, the same way (step_updates' [Note: the step beside the next
 forward]): there ``wait_for`` waits for one unit's update, and its thread lives until the next join.
@@ -40,7 +40,7 @@ import enum
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -69,8 +69,6 @@ class _Update:
     run: Callable[[], None]
     release: Callable[[], None]
     state: UpdateState = UpdateState.SUBMITTED
-    followers: list[Callable[[bool], None]] = field(default_factory=list)
-    """Run on the worker once it ended (``UpdateWorker.after``)."""
 
 
 class UpdateWorker:
@@ -134,15 +132,14 @@ class UpdateWorker:
         if update.state is not UpdateState.DONE:
             self._raise_failure()
 
-    def after(self, update: _Update, then: Callable[[bool], None]) -> None:
-        """Run ``then(done)`` once ``update`` (and so every one before it) ended, ``done`` whether it ended DONE:
-        on the worker thread right after it, or here and now if it ended already. ``then`` must not raise (it
-        would end the worker); it takes no failure from the owner, whose next wait or join raises it."""
+    def ended(self, update: _Update) -> bool:
+        """Wait, on any thread, until ``update`` (and so every one before it) ended; whether it ended DONE.
+        For a reader of the updated state (a save's staging thread): it raises nothing and takes no failure
+        from the owner, whose next wait or join raises it, and its wait is not the owner's (``wait_seconds``)."""
         with self._cond:
-            if update in self._queue:
-                update.followers.append(then)
-                return
-        then(update.state is UpdateState.DONE)
+            while update in self._queue:
+                self._cond.wait()
+        return update.state is UpdateState.DONE
 
     def join(self) -> None:
         """Wait until no update is SUBMITTED and the thread ended; raise the first failure, if any."""
@@ -199,10 +196,7 @@ class UpdateWorker:
             self._execute(update)
             with self._cond:
                 self._queue.popleft()
-                followers, update.followers = update.followers, []
                 self._cond.notify_all()
-            for then in followers:
-                then(update.state is UpdateState.DONE)
 
     def _execute(self, update: _Update) -> None:
         """Run one update (or drop it after a failure or an abandon), then release what it held."""
