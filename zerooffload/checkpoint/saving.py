@@ -185,8 +185,9 @@ class RankWriters:
             raise clear from error
 
     def stage(self) -> None:
-        """Once (later calls return at once): the deferred parts written or copied, those written from the
-        live state landed, then ``staged`` set; never raises: a failure is kept for ``close``."""
+        """Once (later calls return at once): the step's updates ended (``after_updates``; failed ones
+        fail the save), the deferred parts written or copied, those written from the live state landed,
+        then ``staged`` set; never raises: a failure is kept for ``close``."""
         if self.staged.is_set():
             return
         try:
