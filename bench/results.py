@@ -168,6 +168,9 @@ BENCHES = [
     Bench("zeropp_losses_qwz_seeds_0_11", "zeropp_losses.py", "--steps 300 --seeds 12 --runs qwZ "
           "train.micro_batch_size=1 train.precision=fp32",
           "--steps 3 --seeds 2 --runs qwZ --model nano train.precision=fp32", 7000, slow=True),
+    # issue 44: the loss in bf16 (this Zen 4 EPYC has AVX512-BF16, as the Xeon the issue names does), 8 seeds
+    Bench("zeropp_losses_bf16", "zeropp_losses.py", "--steps 300 --seeds 8 train.micro_batch_size=1 "
+          "train.precision=bf16", "--steps 3 --seeds 2 --model nano train.precision=bf16", 9000, slow=True),
     # the 7b on one GPU under 24 GiB against no offload and FSDP2 (issue 43); quick: its logic on a CPU
     Bench("gpu_workstation", "gpu_workstation.py", "", "--preset nano --batch 2 --seq 64", 480, needs="cuda",
           slow=True),

@@ -177,7 +177,10 @@ def checks_table(runs: list[Run], anchors: Anchors) -> list[str]:
 CURVES = {"formats_accuracy": ("formats_loss.png", "small preset, bf16: the optimizer state's formats",
                                "The `small` preset in bf16 with each optimizer state format"),
           "zeropp_losses": ("zeropp_loss.png", "small preset, stage 3, 2 nodes x 2 ranks, fp32: ZeRO++'s parts",
-                            "The `small` preset at stage 3 on two nodes (network namespaces) with each ZeRO++ part")}
+                            "The `small` preset at stage 3 on two nodes (network namespaces) with each ZeRO++ part"),
+          "zeropp_losses_bf16": ("zeropp_loss_bf16.png",
+                                 "small preset, stage 3, 2 nodes x 2 ranks, bf16: ZeRO++'s parts",
+                                 "The same in bf16, on a CPU with AVX512-BF16")}
 """The benchmarks whose loss curves RESULTS.md plots: their plot's file, title and caption."""
 
 
@@ -261,6 +264,7 @@ def write_results(runs: list[Run], quick: bool = False) -> Path:
              "## Step-time split", "", *split_section(runs, anchors), "",
              "## Optimizer state formats: loss curves", "", *curves_section(runs, "formats_accuracy"), "",
              "## ZeRO++: loss curves", "", *curves_section(runs, "zeropp_losses"), "",
+             *curves_section(runs, "zeropp_losses_bf16"), "",
              "## Skipped, failed or partial", "", *notes_list(runs), ""]
     path = HERE / "RESULTS.md"
     path.write_text("\n".join(lines))
