@@ -21,6 +21,8 @@ import textwrap
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from pairs import resolution
+
 if TYPE_CHECKING:
     from results import Run
 
@@ -158,10 +160,14 @@ def pairs_table(runs: list[Run], anchors: Anchors) -> list[str]:
     if not rows:
         return ["No comparisons recorded."]
     return [("Ratio = ours / theirs (time) per pair or round, the two sides interleaved; judged on the median. "
-             "A target of — means none is set."), ""] + markdown_table(
-        ["benchmark", "cpu", "comparison", "ours / theirs", "ratio min / median / max", "target", "verdict"],
+             "A target of — means none is set. The median's interval holds the true median ratio with the "
+             "coverage shown, whatever the noise's distribution (the order statistics' interval, "
+             "`pairs.median_interval`); where it holds the target, the verdict could go either way."), ""] + markdown_table(
+        ["benchmark", "cpu", "comparison", "ours / theirs", "ratio min / median / max",
+         "the median's interval (coverage)", "target", "verdict"],
         [[anchors.cell(name, name, cpu, rec["title"]), cpu, rec["title"], f"{rec['names'][0]} / {rec['names'][1]}",
-          spread(rec["ratios"]), "—" if rec["target"] is None else f"≤ {rec['target']:.2f}", verdict(rec)]
+          spread(rec["ratios"]), resolution(rec["ratios"], rec["target"]),
+          "—" if rec["target"] is None else f"≤ {rec['target']:.2f}", verdict(rec)]
          for name, cpu, rec in rows])
 
 

@@ -13,11 +13,12 @@ from pathlib import Path
 
 
 BENCH = Path(__file__).resolve().parent.parent / "bench"
+sys.path.insert(0, str(BENCH))  # results_report imports its sibling pairs, as it does when results.py runs it
 
 
 def regenerate(tmp_path: Path) -> Path:
     """``--report`` run on a copy of bench/'s report inputs, as on a clean clone (nothing else of bench/)."""
-    for name in ("results.py", "results_report.py", "results_runs.json", "formats_loss.png"):
+    for name in ("results.py", "results_report.py", "pairs.py", "results_runs.json", "formats_loss.png"):
         shutil.copy(BENCH / name, tmp_path / name)
     done = subprocess.run([sys.executable, "results.py", "--report"], cwd=tmp_path, capture_output=True, text=True,
                           timeout=120)
