@@ -64,7 +64,7 @@ def median_interval(values: list[float]) -> tuple[float, float, float] | None:
     return best
 
 
-def resolution(values: list[float], target: float) -> str:
+def resolution(values: list[float], target: float | None) -> str:
     """The median's interval as text, and whether it settles ``target`` (None: no target): a median on one
     side of the target whose interval holds it is a verdict the machine's noise could flip."""
     interval = median_interval(values)
