@@ -55,9 +55,10 @@ def median_interval(values: list[float]) -> tuple[float, float, float] | None:
     the median with probability 1/2 (coverage 1 - 2 P[Binomial(n, 1/2) < k]). Returns (low, high,
     coverage), or None when even min..max covers too little (under 5 values)."""
     n, ordered = len(values), sorted(values)
-    best = None
+    best, below = None, 0  # below: the ways fewer than k of n values fall under the median
     for k in range(1, n // 2 + 1):
-        coverage = 1 - 2 * sum(math.comb(n, i) for i in range(k)) / 2 ** n
+        below += math.comb(n, k - 1)
+        coverage = 1 - 2 * below / 2 ** n
         if coverage < MEDIAN_CONFIDENCE:
             break
         best = (ordered[k - 1], ordered[n - k], coverage)

@@ -162,7 +162,8 @@ def pairs_table(runs: list[Run], anchors: Anchors) -> list[str]:
     return [("Ratio = ours / theirs (time) per pair or round, the two sides interleaved; judged on the median. "
              "A target of — means none is set. The median's interval holds the true median ratio with the "
              "coverage shown, whatever the noise's distribution (the order statistics' interval, "
-             "`pairs.median_interval`); where it holds the target, the verdict could go either way."), ""] + markdown_table(
+             "`pairs.median_interval`); where it holds the target, the verdict could go either way."), ""
+            ] + markdown_table(
         ["benchmark", "cpu", "comparison", "ours / theirs", "ratio min / median / max",
          "the median's interval (coverage)", "target", "verdict"],
         [[anchors.cell(name, name, cpu, rec["title"]), cpu, rec["title"], f"{rec['names'][0]} / {rec['names'][1]}",
