@@ -204,7 +204,7 @@ class NvmeConfig(Section):
                                        "an existing swap directory (never created; files go in its zerooffload-swap/), "
                                        "or a list to stripe over")
     checksum: bool = option(True, "verify every swapped-in block against the CRC32C taken when it was written "
-                                "(off: saves about one more read of the bytes a step moves, ~5% of a ZeRO-3 NVMe "
+                                "(off: saves about one more read of the bytes a step moves, ~6% of a ZeRO-3 NVMe "
                                 "step on 2 cores, and a damaged swap file is trained on)")
     max_bytes: int = option(0, "cap on the swap files' bytes on this machine (all its ranks, each an even share), "
                                "preallocated space included: refused at start, plan keeps under it, and a write that "
