@@ -195,6 +195,33 @@ def test_deepspeed_defaults_where_they_change_training():
     assert torch_adamw.optimizer.weight_decay == 0.01  # torch.optim.AdamW's default
 
 
+def test_what_a_config_switches_off_is_not_reported_as_ignored():
+    """DeepSpeed-Chat's training config (its ``get_train_ds_config``) turns sections off with ``enabled``
+    false and leaves switches at DeepSpeed's false: nothing is lost, so nothing is listed as ignored. The
+    same keys switched on are ignored, and say zerooffload's own way where it has one."""
+    chat = {"train_batch_size": 32, "train_micro_batch_size_per_gpu": 4, "gradient_clipping": 1.0,
+            "zero_optimization": {"stage": 3, "offload_param": {"device": "none"}},
+            "prescale_gradients": False, "wall_clock_breakdown": False,
+            "hybrid_engine": {"enabled": False, "max_out_tokens": 512, "inference_tp_size": 1},
+            "tensorboard": {"enabled": False, "output_path": "step3_tensorboard/", "job_name": "actor"},
+            "activation_checkpointing": {"partition_activations": False, "cpu_checkpointing": False,
+                                         "number_checkpoints": None}}
+    _, warning = _load(chat)
+    assert "not supported" not in warning, warning
+    assert "hybrid_engine (enabled: false)" in warning and "tensorboard (enabled: false)" in warning
+    assert "prescale_gradients" in warning and "activation_checkpointing.cpu_checkpointing" in warning
+    on = {**chat, "prescale_gradients": True, "tensorboard": {**chat["tensorboard"], "enabled": True},
+          "activation_checkpointing": {"cpu_checkpointing": True}}
+    _, warning = _load(on)
+    ignored = warning.split("; ")[0]
+    assert ignored.startswith("DeepSpeed config keys not supported, ignored (5): ")
+    assert "prescale_gradients" in ignored and "tensorboard.job_name" in ignored
+    assert ("activation_checkpointing.cpu_checkpointing (zerooffload checkpoints every unit with "
+            "train.activation_checkpointing and keeps the checkpoints on the host with offload.activations.tier = "
+            "host)") in ignored
+    assert "hybrid_engine (enabled: false)" in warning
+
+
 def test_second_spellings_deepspeed_also_reads():
     config, warning = _load({
         "bfloat16": {"enabled": True},

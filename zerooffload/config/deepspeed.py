@@ -16,7 +16,9 @@
 - Every other key is kept in one of three lists, reported together in one ``DeepSpeedConfigWarning``
   with the ``"auto"`` values: *not needed* (DeepSpeed tuning knobs our design makes unnecessary),
   *approximated* (mapped with a difference the user should know), *not supported* (ignored, with a
-  "did you mean" for near misses). Nothing is dropped silently.
+  "did you mean" for near misses, or zerooffload's own way of that feature: ``INSTEAD``). Nothing is
+  dropped silently. What the config switches off (a section whose ``enabled`` is false, a switch DeepSpeed
+  leaves off set to false: ``OFF_BY_DEFAULT``) asks for nothing, so it is listed as not needed.
 
 [Note: "auto" and absent keys]
 ``"auto"`` is a request to the Hugging Face Trainer or Accelerate to fill the value in; DeepSpeed's own
@@ -39,8 +41,9 @@ import warnings
 from functools import reduce
 from typing import Any
 
-from .deepspeed_keys import (ALIASES, DEEPSPEED_DEFAULTS, DIRECT, ELEMENTS, NOT_NEEDED, OFFLOAD_DEVICES, OPTIMIZERS,
-                             PREFIX_ALIASES, SCHEDULERS, SIZES, SPECIAL, TARGETS, Z, ZERO_PP)
+from .deepspeed_keys import (ALIASES, DEEPSPEED_DEFAULTS, DIRECT, ELEMENTS, INSTEAD, NOT_NEEDED, OFF_BY_DEFAULT,
+                             OFFLOAD_DEVICES, OPTIMIZERS, PREFIX_ALIASES, SCHEDULERS, SIZES, SPECIAL, TARGETS, Z,
+                             ZERO_PP)
 from .values import ConfigError, dtype_bytes, format_size
 
 __all__ = ["DeepSpeedConfigWarning", "is_deepspeed", "from_deepspeed"]
@@ -369,8 +372,10 @@ def _resolved_autos(m: _Mapping, config: Any) -> list[str]:
 def _warn(m: _Mapping, config: Any) -> None:
     mapped = set(DIRECT) | set(ELEMENTS) | SPECIAL
     keys = [k for k in m.written if k not in mapped and not (k in m.auto and k in TARGETS)]
-    not_needed = sorted(m.name(k) for k in keys if k in NOT_NEEDED) + m.unused
-    unsupported = m.ignored + sorted(_near_miss(m.name(k), mapped | NOT_NEEDED) for k in keys if k not in NOT_NEEDED)
+    off = _switched_off(m, keys)
+    keys = [k for k in keys if k not in off]
+    not_needed = sorted([m.name(k) for k in keys if k in NOT_NEEDED] + list(set(off.values()))) + m.unused
+    unsupported = m.ignored + sorted(_unsupported(m.name(k), mapped | NOT_NEEDED) for k in keys if k not in NOT_NEEDED)
     autos = _resolved_autos(m, config)
     parts = [f"{title} ({len(items)}): {', '.join(items)}" for title, items in (
         ("not supported, ignored", unsupported), ("approximated", m.approximated),
@@ -398,6 +403,22 @@ def _size(nbytes: int) -> str:
     return str(binary)
 
 
-def _near_miss(key: str, known: set[str]) -> str:
+def _switched_off(m: _Mapping, keys: list[str]) -> dict[str, str]:
+    """Keys that ask for nothing, each with how the warning lists it: a switch DeepSpeed leaves off, set
+    to false, under its own name; every key of a section whose ``enabled`` is false, as the section."""
+    sections = [k[:-len("enabled")] for k in m.ds if k.endswith(".enabled") and m.ds[k] is False]
+    off = {k: m.name(k) for k in keys if k in OFF_BY_DEFAULT and m.ds.get(k) is False}
+    for key in keys:
+        section = next((s for s in sections if key.startswith(s)), None)
+        if section is not None:
+            off[key] = f"{m.name(section + 'enabled')[:-len('.enabled')]} (enabled: false)"
+    return off
+
+
+def _unsupported(key: str, known: set[str]) -> str:
+    """An ignored key with what to use instead: zerooffload's own way, or the known key it nearly is."""
+    instead = next((text for prefix, text in INSTEAD.items() if key.startswith(prefix)), None)
+    if instead:
+        return f"{key} ({instead})"
     hint = difflib.get_close_matches(key, known, n=1, cutoff=0.9)
     return f"{key} (did you mean {hint[0]}?)" if hint else key

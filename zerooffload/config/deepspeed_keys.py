@@ -5,8 +5,9 @@ elements to bytes, by value, or accepted as not needed; DeepSpeed's own defaults
 """
 from __future__ import annotations
 
-__all__ = ["ALIASES", "DEEPSPEED_DEFAULTS", "DIRECT", "ELEMENTS", "NOT_NEEDED", "OFFLOAD_DEVICES", "OPTIMIZERS",
-           "PREFIX_ALIASES", "SCHEDULERS", "SIZES", "SPECIAL", "TARGETS", "Z", "ZERO_PP"]
+__all__ = ["ALIASES", "DEEPSPEED_DEFAULTS", "DIRECT", "ELEMENTS", "INSTEAD", "NOT_NEEDED", "OFF_BY_DEFAULT",
+           "OFFLOAD_DEVICES", "OPTIMIZERS", "PREFIX_ALIASES", "SCHEDULERS", "SIZES", "SPECIAL", "TARGETS", "Z",
+           "ZERO_PP"]
 
 Z = "zero_optimization."
 DIRECT = {
@@ -67,6 +68,14 @@ NOT_NEEDED = {
         "buffer_count", "buffer_size", "max_in_cpu", "pin_memory", "pipeline", "pipeline_read", "pipeline_write",
         "fast_init", "super_offload", "cpuadam_cores_perc")),
 }
+_ACTIVATIONS = "activation_checkpointing."
+OFF_BY_DEFAULT = {"prescale_gradients", "sparse_gradients", *(_ACTIVATIONS + k for k in (
+    "partition_activations", "cpu_checkpointing", "contiguous_memory_optimization", "synchronize_checkpoint_boundary",
+    "profile"))}
+"""DeepSpeed switches that are off unless asked for: set to false, they ask for nothing zerooffload lacks."""
+INSTEAD = {_ACTIVATIONS: "zerooffload checkpoints every unit with train.activation_checkpointing and keeps the "
+                         "checkpoints on the host with offload.activations.tier = host"}
+"""Key prefixes of DeepSpeed features zerooffload does its own way: said beside such a key when it is ignored."""
 ZERO_PP = {
     Z + "zero_quantized_weights": "zero.quantized_weights",
     Z + "zero_hpz_partition_size": "zero.hpz_partition_size",
