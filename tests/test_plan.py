@@ -235,6 +235,14 @@ def test_a_model_too_large_is_refused_once_naming_the_nearest_layout(cache):
     assert message.count("the run needs") == 1 and message.count("(") == message.count(")"), message
 
 
+def _assert_columns_line_up(header: str, rows: list[str]) -> None:
+    """Each row's step time sits under the header's "step s", its layout ending before it, however long."""
+    column = header.index("  step s")
+    assert rows and max(len(row.split("  ")[1]) for row in rows) >= 60  # long layouts are among them
+    for row in rows:
+        assert row[column - 1] == " " and float(row[column:column + 8]) > 0, (header, row)
+
+
 def test_compact_moments_only_when_no_lossless_layout_fits_under_the_swap_cap(cache, evaluator):
     """nano on NVMe (pinned): the swap holds ~12 bytes per parameter with fp32 moments, ~8 with bf16.
     A cap of 10 takes bf16, and says why; a cap of 14 keeps fp32; fp32 pinned under a cap of 10 is refused."""
@@ -251,8 +259,9 @@ def test_compact_moments_only_when_no_lossless_layout_fits_under_the_swap_cap(ca
     overrides, _ = best_layout(compact)  # what train --plan auto applies to the user's config
     assert Config.load(_config(cache), overrides=overrides).optimizer.moments == "bf16"
     assert all("nvme.max_bytes" in c.refusal for c in compact.refused if c.config.optimizer.moments == "fp32")
-    assert format_plan(compact, 3).splitlines()[1].startswith("no layout of the formats before fits: these keep an "
-                                                              "fp32 master, bf16 moments")
+    table = format_plan(compact, 8).splitlines()
+    assert table[1].startswith("no layout of the formats before fits: these keep an fp32 master, bf16 moments")
+    _assert_columns_line_up(table[2], table[3:3 + min(8, len(compact.fitting))])
     assert planned(14).best.config.optimizer.moments == "fp32"
     with pytest.raises(zo.ConfigError, match=r"the swap files need [\d,]+ bytes on this machine but nvme.max_bytes"):
         planned(10, 'optimizer.moments="fp32"').best
