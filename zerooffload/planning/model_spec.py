@@ -204,6 +204,13 @@ def _flops(model: ModelSpec, blocks: list[UnitLayout], micro_batch: int) -> tupl
     return counter.get_total_flops(), block_flops, captured[blocks[0].name]
 
 
+_BLOCK_SECONDS = 0.4
+"""How long each phase of a block is timed (after a warm-up a third as long). The median of a small block's
+runs moved ~10% between repeats at 0.2, 0.4 and 1.2 s alike (the nano and small presets, 2-core EPYC): the
+machine's drift, not the sample count, sets it; a large block is timed 7 times whatever this says. At 1.2 s,
+the two phases took 3.2 s of every ``train``'s start."""
+
+
 def _time_block(meta_block: nn.Module, meta_inputs: tuple[tuple, dict], dtype: torch.dtype,
                 device: torch.device) -> tuple[float, float]:
     """Seconds of one forward, and of one forward + backward, of a real copy of ``meta_block``."""
@@ -226,7 +233,7 @@ def _time_block(meta_block: nn.Module, meta_inputs: tuple[tuple, dict], dtype: t
     def forward_backward() -> None:
         out = block(*args, **kwargs)
         _first_tensor(out).float().sum().backward()
-    return median_seconds(forward), median_seconds(forward_backward)
+    return median_seconds(forward, seconds=_BLOCK_SECONDS), median_seconds(forward_backward, seconds=_BLOCK_SECONDS)
 
 
 def _real(value: Any, dtype: torch.dtype, device: torch.device) -> Any:
