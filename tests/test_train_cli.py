@@ -241,6 +241,8 @@ def test_sigterm_saves_the_steps_done_and_resume_matches_an_uninterrupted_run(tm
     run.wait_until((checkpoints / "latest").exists)
     returncode, output, done, kept = run.stop_with(signal.SIGTERM)
     assert returncode == 143 and "Traceback" not in output and 1 <= done < 16, output[-4000:]
+    said = "\nzerooffload: SIGTERM: stopping at the end of this step (a second signal is ignored; SIGKILL abandons"
+    assert output.count(said) == 1 and output.index(said) < output.index("zerooffload: stopped by SIGTERM")
     manifest = read_manifest(checkpoints)
     assert kept == f"checkpoint saved to {manifest.directory}; resume with --resume"
     assert manifest.data["client_state"]["next_step"] == done

@@ -13,6 +13,10 @@ normal end; rank 0 prints one line saying what was kept; the exit status is 128 
 (143 for SIGTERM, 130 for SIGINT), the shell's convention, so a scheduler sees a run that did not
 finish. A second signal is noted and ignored: it arrives while the step or the save is finishing,
 which is exactly what must not be torn (torchrun itself sends SIGTERM after the terminal's SIGINT).
+Rank 0 says so as the first signal lands, not when the step ends: a large model's step takes minutes
+on a CPU (a 1b at the default batch, ~17), and a Ctrl-C that seems ignored gets pressed again, then
+killed; the line names SIGKILL as the way to abandon the step (the next run in that --out removes the
+swap folder it leaves).
 """
 from __future__ import annotations
 
@@ -53,11 +57,15 @@ class StopOnSignal:
             signal.signal(signum, signal.SIG_DFL if previous is None else previous)
 
     def _record(self, signum: int, frame: object) -> None:
+        name = signal.Signals(signum).name
         if self.received is None:
             self.received = signal.Signals(signum)
-        elif self._rank == 0:  # os.write, not print: the main thread may be inside a write to stderr
-            os.write(2, f"\nzerooffload: {signal.Signals(signum).name} ignored: already stopping at the end of "
-                        "this step\n".encode())
+            said = (f"{name}: stopping at the end of this step (a second signal is ignored; SIGKILL abandons the "
+                    "step)")
+        else:
+            said = f"{name} ignored: already stopping at the end of this step"
+        if self._rank == 0:  # os.write, not print: the main thread may be inside a write to stderr
+            os.write(2, f"\nzerooffload: {said}\n".encode())
 
     def agreed(self, comm: Comm, loss: float) -> tuple[signal.Signals | None, float]:
         """The signal that stops every rank after this step, or None, and the step's loss averaged over
