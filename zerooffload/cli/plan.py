@@ -52,8 +52,8 @@ def format_plan(result: PlanResult, top: int) -> str:
     """The table of the ``top`` best layouts, the refusals in short, and the best one's bottleneck."""
     best = result.best
     fastest = best.prediction.step_seconds
-    shown = result.fitting[:top]
-    width = max([70] + [len(c.describe()) + 2 for c in shown])  # a long layout widens the column, not the row
+    shown = [(candidate, candidate.describe()) for candidate in result.fitting[:top]]
+    width = max([70, *(len(layout) + 2 for _, layout in shown)])  # a long layout widens the column, not the row
     lines = [f"{result.model.name}: {result.model.num_params / 1e6:.1f}M parameters, batch {result.batch_size} x "
              f"{result.model.seq_len} tokens, world size {result.world_size}; {len(result.fitting)} layouts fit, "
              f"{len(result.refused)} do not",
@@ -63,10 +63,10 @@ def format_plan(result: PlanResult, top: int) -> str:
     if any(state_format_words(c.config) != chosen for c in result.refused):
         lines.insert(1, f"no layout of the formats before fits: these keep {chosen} (optimizer.master, "
                         "optimizer.moments, aio.blocks_in_flight)")
-    for i, candidate in enumerate(shown, 1):
+    for i, (candidate, layout) in enumerate(shown, 1):
         p = candidate.prediction
         why = p.bottleneck.split(":")[0] if i == 1 else _why_slower(candidate, best, fastest)
-        lines.append(f"{i:>2}  {candidate.describe():<{width}}{p.step_seconds:>8.2f}" + "".join(
+        lines.append(f"{i:>2}  {layout:<{width}}{p.step_seconds:>8.2f}" + "".join(
             f"{p.phases[k]:>7.2f}" for k in ("forward", "backward", "step")) + "".join(
             f"{p.peak_bytes[t] / _GB:>{w}.2f}" for t, w in (("device", 10), ("host", 9), ("nvme", 9))) + f"  {why}")
     for candidate in _refusals(result.refused):

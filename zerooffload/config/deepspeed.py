@@ -374,7 +374,7 @@ def _warn(m: _Mapping, config: Any) -> None:
     keys = [k for k in m.written if k not in mapped and not (k in m.auto and k in TARGETS)]
     off = _switched_off(m, keys)
     keys = [k for k in keys if k not in off]
-    not_needed = sorted([m.name(k) for k in keys if k in NOT_NEEDED] + list(set(off.values()))) + m.unused
+    not_needed = sorted({m.name(k) for k in keys if k in NOT_NEEDED} | set(off.values())) + m.unused
     unsupported = m.ignored + sorted(_unsupported(m.name(k), mapped | NOT_NEEDED) for k in keys if k not in NOT_NEEDED)
     autos = _resolved_autos(m, config)
     parts = [f"{title} ({len(items)}): {', '.join(items)}" for title, items in (
@@ -406,12 +406,13 @@ def _size(nbytes: int) -> str:
 def _switched_off(m: _Mapping, keys: list[str]) -> dict[str, str]:
     """Keys that ask for nothing, each with how the warning lists it: a switch DeepSpeed leaves off, set
     to false, under its own name; every key of a section whose ``enabled`` is false, as the section."""
-    sections = [k[:-len("enabled")] for k in m.ds if k.endswith(".enabled") and m.ds[k] is False]
+    sections = {k[:-len("enabled")]: f"{m.name(k)[:-len('.enabled')]} (enabled: false)"
+                for k in m.ds if k.endswith(".enabled") and m.ds[k] is False}
     off = {k: m.name(k) for k in keys if k in OFF_BY_DEFAULT and m.ds.get(k) is False}
     for key in keys:
-        section = next((s for s in sections if key.startswith(s)), None)
-        if section is not None:
-            off[key] = f"{m.name(section + 'enabled')[:-len('.enabled')]} (enabled: false)"
+        shown = next((name for prefix, name in sections.items() if key.startswith(prefix)), None)
+        if shown is not None:
+            off[key] = shown
     return off
 
 

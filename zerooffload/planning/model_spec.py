@@ -233,7 +233,7 @@ def _time_block(meta_block: nn.Module, meta_inputs: tuple[tuple, dict], dtype: t
     def forward_backward() -> None:
         out = block(*args, **kwargs)
         _first_tensor(out).float().sum().backward()
-    return median_seconds(forward, seconds=_BLOCK_SECONDS), median_seconds(forward_backward, seconds=_BLOCK_SECONDS)
+    return median_seconds(forward, _BLOCK_SECONDS), median_seconds(forward_backward, _BLOCK_SECONDS)
 
 
 def _real(value: Any, dtype: torch.dtype, device: torch.device) -> Any:

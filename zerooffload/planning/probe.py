@@ -243,7 +243,7 @@ def _probe(config: Config, data: dict, world_size: int, *, measure: bool, progre
                  collective_gbps=collective)
 
 
-def median_seconds(run: Callable[[], None], seconds: float = 1.2, repeats: int = 7,
+def median_seconds(run: Callable[[], None], seconds: float, repeats: int = 7,
                    agreed: Callable[[bool], bool] = lambda more: more) -> float:
     """The median time of ``run`` over at least ``repeats`` runs and ``seconds`` of them, after a
     warm-up of a third as long (a fresh process's first runs are slower): a shared machine's noise
