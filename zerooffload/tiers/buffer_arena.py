@@ -11,7 +11,8 @@ pages are already there: a pass allocates once per buffer alive at a time and re
 (ZeRO-R's memory defragmentation: long-lived buffers preallocated, constant in size whatever the
 model's depth). The tier counts what the arena keeps idle in its peak, so ``memory_report`` shows
 memory the process really holds, and lets it go (``clear``) when a request would pass the tier's budget
-and at the end of each backward and step, so one phase's sizes never pile up beside another's.
+and at the end of each backward and step (and of the step's updates that run beside the next forward),
+so one phase's sizes never pile up beside another's.
 Only buffers this arena lent are kept (a tensor freed here is the whole allocation it handed out); CUDA
 memory is left to torch's caching allocator, which already does this, stream by stream.
 """

@@ -134,6 +134,7 @@ class Updater:
         if last:
             for _ in states:  # resumed once more, the stream stores the last block
                 raise AssertionError("a prepared update's optimizer block was left in the stream")
+            release_idle(self.state.tiers)  # the phase beside the forward is over: buffer_arena's note
 
     def forward_hooks(self) -> list[RemovableHandle]:
         """A forward pre-hook on each trainable unit that is not partitioned: its use waits for its update
