@@ -30,10 +30,10 @@ def _thp_mode() -> str:
     return text.split("[", 1)[1].split("]", 1)[0]
 
 
-def _process_memory() -> tuple[int, int]:
-    """The process's (Rss, AnonHugePages) bytes (/proc/self/smaps_rollup)."""
-    fields = dict(line.split(":", 1) for line in Path("/proc/self/smaps_rollup").read_text().splitlines()[1:])
-    return tuple(int(fields[name].split()[0]) * 1024 for name in ("Rss", "AnonHugePages"))
+def _rss() -> int:
+    """The process's resident bytes (/proc/self/smaps_rollup)."""
+    line = next(line for line in Path("/proc/self/smaps_rollup").read_text().splitlines() if line.startswith("Rss:"))
+    return int(line.split()[1]) * 1024
 
 
 def _huge_bytes(first: int, nbytes: int) -> int:
@@ -64,18 +64,18 @@ def test_large_aligned_buffers_are_huge_pages_of_their_own():
     nbytes = (24 << 20) + 12 * 4096
     aligned_empty(nbytes, torch.uint8)  # once first: what the path loads (ctypes, libc) is not the buffer's
     _huge_bytes(0, 0)  # nor is the memory reading smaps takes
-    rss_before = _process_memory()[0]
+    rss_before = _rss()
     buffer = aligned_empty(nbytes, torch.float32)
     address = buffer.data_ptr()
     assert address % (2 << 20) == 0 and buffer.nbytes == nbytes
     buffer.fill_(1)
-    assert nbytes <= _process_memory()[0] - rss_before < nbytes + (1 << 20)
+    assert nbytes <= _rss() - rss_before < nbytes + (1 << 20)
     assert _huge_bytes(address, nbytes) == 24 << 20
     view = buffer[-1:]
     del buffer
     assert _huge_bytes(address, nbytes) == 24 << 20  # a view keeps the mapping ...
     del view
-    assert _huge_bytes(address, nbytes) == 0 and _process_memory()[0] - rss_before < 1 << 20  # ... which goes
+    assert _huge_bytes(address, nbytes) == 0 and _rss() - rss_before < 1 << 20  # ... which goes
 
 
 @pytest.mark.skipif(_thp_mode() != "madvise" or torch.cuda.is_available(),

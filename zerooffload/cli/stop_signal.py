@@ -57,9 +57,10 @@ class StopOnSignal:
             signal.signal(signum, signal.SIG_DFL if previous is None else previous)
 
     def _record(self, signum: int, frame: object) -> None:
-        name = signal.Signals(signum).name
+        received = signal.Signals(signum)
+        name = received.name
         if self.received is None:
-            self.received = signal.Signals(signum)
+            self.received = received
             said = (f"{name}: stopping at the end of this step (a second signal is ignored; SIGKILL abandons the "
                     "step)")
         else:

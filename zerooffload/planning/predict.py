@@ -60,7 +60,8 @@ from ..optim.optimizer import moment_names
 from ..optim.state import state_bytes
 from ..telemetry import Prediction
 from ..tiers import MemoryPlan
-from ..zero.placement import TIER_NAMES, Placement, UnitPlacement, activations_leave_device, streams_state
+from ..zero.placement import (TIER_NAMES, Placement, UnitPlacement, activations_leave_device, steps_beside_forward,
+                              streams_state)
 from ..zero.reduction import REDUCE_DTYPE
 from ..zero.unit_layout import UnitLayout
 from .model_spec import BlockTimes
@@ -181,8 +182,8 @@ def _updates_beside_forward(config: Config, placement: Placement) -> bool:
     """Whether the step's updates run beside the next forward (step_updates' note): the native CPU pass
     over state off the device, ``optimizer.updates_in_flight`` > 0, no shard read from its block's masters."""
     stepped = [p for p in placement.units if p.trainable and not p.updates_in_backward]
-    return (config.optimizer.updates_in_flight > 0 and config.optimizer.type in ("adam", "adamw") and bool(stepped)
-            and all(p.offloaded and not p.params_in_masters for p in stepped))
+    native = config.optimizer.type in ("adam", "adamw")
+    return config.optimizer.updates_in_flight > 0 and native and steps_beside_forward(stepped)
 
 
 def _phases(config: Config, layouts: list[UnitLayout], placement: Placement, probe: Probe, times: BlockTimes,

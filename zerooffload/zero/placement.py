@@ -41,7 +41,7 @@ from ..config import Config
 from .unit_layout import UnitLayout
 
 __all__ = ["Placement", "UnitPlacement", "activations_leave_device", "addressable", "leaves_device", "place",
-           "shard_count", "streams_state", "units_to_offload", "updates_in_backward"]
+           "shard_count", "steps_beside_forward", "streams_state", "units_to_offload", "updates_in_backward"]
 
 COMPUTE = "device"
 """The tier the compute runs in."""
@@ -209,6 +209,12 @@ def updates_in_backward(config: Config) -> bool:
         return config.train.precision != "fp16"
     return mode == "on"
 
+
+def steps_beside_forward(units: list[UnitPlacement]) -> bool:
+    """Whether the step's updates of ``units`` can run beside the next forward (step_updates' note), given
+    ``optimizer.updates_in_flight`` > 0 and the native CPU pass: every one's state off the device, and no
+    shard read from its optimizer block's masters (that block is stored only as the stream moves past it)."""
+    return bool(units) and all(u.offloaded and not u.params_in_masters for u in units)
 
 def units_to_offload(layouts: list, fraction: float) -> list[bool]:
     """Which units' optimizer states go to ``offload.optimizer.tier`` for ``offload.optimizer.fraction``:

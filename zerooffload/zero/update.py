@@ -27,6 +27,7 @@ from ..tiers.streams import SideStreams
 from ..trace import RECORDER, profiled
 from .offloaded_grads import OffloadedGrad
 from .partition import FlatUnit
+from .placement import steps_beside_forward
 from .publication import Publication
 from .scheduler import ParamScheduler
 from .sharded_state import ShardedState
@@ -100,9 +101,8 @@ class Updater:
 
     def _beside_forward(self, left: list[int]) -> bool:
         """Whether the step's updates of units ``left`` run beside the next forward (step_updates' note)."""
-        units = self.state.units
-        return (self.step_updates.enabled and self.state.optimizer.native and bool(left)
-                and all(units[i].placement.offloaded and not units[i].placement.params_in_masters for i in left))
+        return self.step_updates.enabled and self.state.optimizer.native and steps_beside_forward(
+            [self.state.units[i].placement for i in left])
 
     def _prepare_units(self, left: list[int], had_grad: list[torch.Tensor], grad_scale: float) -> None:
         """The step's updates of units ``left`` prepared in forward order (the root unit first), each
